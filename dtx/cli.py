@@ -1,0 +1,61 @@
+"""The ``dtx`` command line: parses arguments and calls the library, nothing more.
+
+    dtx train EXPERIMENT.py [--workdir DIR] [--config.KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="dtx", description="Distributed training on JAX meshes.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train_cmd = commands.add_parser(
+        "train",
+        help="train an experiment config",
+        description="Train EXPERIMENT.py (a file whose get_config() returns a ConfigDict). "
+        "Override any config key with --config.KEY=VALUE, e.g. --config.driver=jit.",
+    )
+    train_cmd.add_argument("experiment", help="experiment file, e.g. experiments/digits_mlp.py")
+    train_cmd.add_argument("--workdir", help="where metrics.jsonl and TensorBoard events go "
+                           "(default: runs/<experiment>-<time>)")
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest if a.startswith("--config.")]
+    unknown = [a for a in rest if not a.startswith("--config.")]
+    if unknown:
+        parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
+    return _train(args.experiment, args.workdir, overrides)
+
+
+def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
+    from dtx import config as config_lib
+
+    try:
+        config = config_lib.load(experiment, overrides)
+    except config_lib.ConfigError as e:
+        print(f"dtx: config error: {e}", file=sys.stderr)
+        return 2
+    if workdir is None:
+        stem = os.path.splitext(os.path.basename(experiment.split(":")[0]))[0]
+        workdir = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    from dtx.train import train
+
+    try:
+        train(config, workdir)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        # Bad input found before training started: say what and how to fix it, no traceback.
+        print(f"dtx: error: {e}", file=sys.stderr)
+        return 2
+    print(f"records: {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: tensorboard --logdir {workdir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Experiment configuration: one shared default, experiment files, command-line overrides.
+
+An experiment is a Python file whose ``get_config()`` starts from :func:`base_config`
+(locked, so a misspelt key in the experiment fails at once), changes what it needs
+and returns the locked ``ml_collections.ConfigDict``; its docstring holds the launch
+command and the expected result (big_vision's convention, DESIGN.md §4.5).
+
+``--config.KEY=VALUE`` overrides are parsed by ``ml_collections.config_flags`` —
+typed by the default's value, so ``--config.num_steps=1.5`` is refused at load time.
+The config never enters jitted code: ``train`` reads it and builds collaborators.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Sequence
+
+from ml_collections import ConfigDict
+
+DRIVERS = ("shard_map", "jit")
+
+
+class ConfigError(ValueError):
+    """A config file, key or value that cannot be used; the message says how to fix it."""
+
+
+def base_config() -> ConfigDict:
+    """The shared default every experiment overrides (locked: no new keys)."""
+    c = ConfigDict()
+    c.seed = 0  # parameter init, dropout and data shuffling all derive from it
+
+    # Devices and parallelism.
+    c.emulate_cpu_devices = 8  # CPU devices to emulate before JAX starts; 0 leaves the backend alone
+    c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
+    c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
+
+    # Data.
+    c.dataset = ConfigDict()
+    c.dataset.name = "digits"  # synthetic | digits | mnist | cifar10
+    c.dataset.data_dir = ""  # folder with the files of mnist / cifar10
+    c.dataset.synthetic = ConfigDict(
+        dict(num_train=4096, num_test=1024, num_features=32, num_classes=10, noise=0.8, clusters_per_class=4)
+    )
+
+    # Model: name plus that model's own settings (see models.model_fields(name)).
+    c.model = ConfigDict(dict(name="mlp", features=(256, 256)))
+
+    # Optimisation.
+    c.optimizer = ConfigDict()
+    c.optimizer.name = "adam"  # sgd | momentum | nesterov | adam | adamw | lars | lamb
+    c.optimizer.learning_rate = 1e-3
+    c.optimizer.momentum = 0.9  # sgd-family momentum; adam's b1
+    c.optimizer.weight_decay = 0.0
+    c.optimizer.schedule = "constant"  # constant | cosine
+    c.optimizer.warmup_steps = 0
+    c.global_batch_size = 128
+    c.num_epochs = 10.0
+    c.num_steps = 0  # > 0 overrides num_epochs
+
+    # Evaluation and logging.
+    c.eval_batch_size = 256
+    c.eval_every = 0  # steps between evaluations; 0 evaluates only at the end
+    c.log_every = 10  # steps between metric records
+    c.progress = True  # progress bar on the terminal / notebook
+
+    return c.lock()
+
+
+def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
+    """Load experiment file ``path`` (``file.py`` or ``file.py:arg``) and apply overrides.
+
+    Args:
+      path: the experiment file; ``:arg`` after it is passed to ``get_config(arg)``.
+      overrides: strings ``--config.KEY=VALUE`` (the ``--config.`` prefix is optional).
+
+    Returns:
+      The locked, validated config.
+
+    Raises:
+      ConfigError: missing file, unknown key, value of the wrong type, bad value.
+    """
+    from absl import flags
+    from ml_collections import config_flags
+
+    path = os.fspath(path)
+    file_part = path.split(":", 1)[0]
+    if not os.path.isfile(file_part):
+        raise ConfigError(f"experiment file {file_part!r} not found (expected a Python file with get_config())")
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", path, flag_values=flag_values, lock_config=True)
+    argv = ["dtx"] + [_as_flag(arg) for arg in overrides]
+    try:
+        flag_values(argv)
+        config = flag_values.config
+    except AttributeError as e:  # unknown key, from ConfigDict (carries a "did you mean")
+        key = next((a for a in argv[1:] if str(e).split("\n")[0].strip("'\"") in a), "")
+        raise ConfigError(f"unknown config key in {key or overrides}: {_one_line(e)}") from None
+    except flags.Error as e:  # wrong type, or a flag that is not --config.*
+        raise ConfigError(f"bad override: {_one_line(e)}") from None
+    except TypeError as e:  # the experiment file itself assigned a wrongly typed value
+        raise ConfigError(f"{file_part}: {_one_line(e)}") from None
+    if not isinstance(config, ConfigDict):
+        raise ConfigError(f"{file_part}: get_config() must return an ml_collections.ConfigDict")
+    validate(config)
+    return config
+
+
+def override(config: ConfigDict, **values) -> ConfigDict:
+    """Copy of ``config`` with dotted keys replaced, e.g. ``override(c, **{"model.features": (64,)})``.
+
+    The Python-API twin of ``--config.KEY=VALUE``, with the same strictness.
+    """
+    new = config.copy_and_resolve_references()
+    new.lock()
+    for key, value in values.items():
+        node, _, leaf = key.rpartition(".")
+        target = new
+        for part in filter(None, node.split(".")):
+            target = _child(target, part, key)
+        _child(target, leaf, key)  # raises on unknown
+        try:
+            setattr(target, leaf, value)
+        except TypeError as e:
+            raise ConfigError(f"config key {key!r}: {_one_line(e)}") from None
+    validate(new)
+    return new
+
+
+def validate(config: ConfigDict) -> None:
+    """Checks that need no devices or data; each error names the key and the fix."""
+    if config.driver not in DRIVERS:
+        raise ConfigError(f"driver={config.driver!r} is unknown; set --config.driver to one of {list(DRIVERS)}")
+    for key in ("global_batch_size", "eval_batch_size", "log_every"):
+        if config[key] < 1:
+            raise ConfigError(f"{key}={config[key]} must be >= 1")
+    if config.num_steps < 0 or (config.num_steps == 0 and config.num_epochs <= 0):
+        raise ConfigError(
+            f"num_steps={config.num_steps}, num_epochs={config.num_epochs}: set num_steps > 0 or num_epochs > 0"
+        )
+    if config.eval_every < 0:
+        raise ConfigError(f"eval_every={config.eval_every} must be >= 0 (0: evaluate only at the end)")
+    if config.emulate_cpu_devices < 0:
+        raise ConfigError(f"emulate_cpu_devices={config.emulate_cpu_devices} must be >= 0")
+    mesh = config.mesh
+    if not all(isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) for a in mesh):
+        raise ConfigError(f"mesh={mesh!r} must be (name, size) pairs, e.g. (('data', -1),) or (('data', 4), ('model', 2))")
+    if "model" not in config or "name" not in config.model:
+        raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
+
+
+def _as_flag(arg: str) -> str:
+    arg = arg if arg.startswith("--") else "--" + arg
+    return arg if arg.startswith("--config.") else arg.replace("--", "--config.", 1)
+
+
+def _child(node: ConfigDict, part: str, key: str):
+    if part not in node:
+        close = difflib.get_close_matches(part, list(node.keys()), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{hint}")
+    return node[part]
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

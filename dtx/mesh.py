@@ -1,0 +1,141 @@
+"""Device meshes built from data, CPU-device emulation, and batch-size checks.
+
+A mesh is described as data — a sequence of ``(axis_name, size)`` pairs such as
+``[("data", -1)]`` or ``[("data", 4), ("model", 2)]`` — so experiments can state
+their topology in a config file (DESIGN.md §4.6). One size may be ``-1``: it takes
+whatever devices the other axes leave.
+
+Every axis except ``model`` carries the batch: data parallelism (the Hitchhiker's
+Guide §3.1; Das et al. §2) splits the global batch over all of them. A 2D data mesh
+such as ``[("node", 2), ("local", 4)]`` is thus still pure data parallelism, laid
+out so hierarchical all-reduce can use the two levels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MODEL_AXIS = "model"
+
+MeshSpec = Sequence[tuple[str, int]]
+
+
+class MeshError(ValueError):
+    """A mesh description or batch size that does not fit the devices."""
+
+
+def emulate_cpu_devices(count: int) -> None:
+    """Make the CPU backend expose ``count`` devices (an emulated mesh).
+
+    Must run before JAX starts its backends — at the top of a script or the first
+    cell of a notebook. Calling it again with the same count is a no-op; a
+    different count after start-up raises, since XLA cannot resize a live backend.
+    Accelerator backends are unaffected: on a GPU/TPU host the mesh still uses the
+    accelerators.
+    """
+    if count < 1:
+        raise MeshError(f"emulate_cpu_devices: count must be >= 1, got {count}")
+    if _backends_started():
+        have = len(jax.devices("cpu"))
+        if have != count:
+            raise MeshError(
+                f"JAX already started with {have} CPU device(s); cannot switch to {count}. "
+                "Call dtx.emulate_cpu_devices(...) before any JAX computation (in a notebook: "
+                "restart the kernel and call it in the first cell), or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before starting Python."
+            )
+        return
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - private module moved; assume started
+        return True
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def resolve_axis_sizes(spec: MeshSpec, num_devices: int) -> tuple[tuple[str, int], ...]:
+    """Replace a ``-1`` size and check the product equals ``num_devices``."""
+    spec = tuple((str(name), int(size)) for name, size in spec)
+    if not spec:
+        raise MeshError("mesh spec is empty; use e.g. [('data', -1)]")
+    names = [name for name, _ in spec]
+    if len(set(names)) != len(names):
+        raise MeshError(f"mesh axis names must be unique, got {names}")
+    wildcard = [name for name, size in spec if size == -1]
+    if len(wildcard) > 1:
+        raise MeshError(f"at most one mesh axis may have size -1, got {wildcard} in {list(spec)}")
+    bad = [(name, size) for name, size in spec if size == 0 or size < -1]
+    if bad:
+        raise MeshError(f"mesh axis sizes must be positive or -1, got {bad}")
+    fixed = math.prod(size for _, size in spec if size != -1)
+    if wildcard:
+        if num_devices % fixed:
+            raise MeshError(
+                f"mesh {list(spec)}: the fixed axes need a multiple of {fixed} devices, "
+                f"but there are {num_devices}"
+            )
+        spec = tuple((name, num_devices // fixed if size == -1 else size) for name, size in spec)
+    elif fixed != num_devices:
+        raise MeshError(
+            f"mesh {list(spec)} needs {fixed} devices but {num_devices} are available; "
+            "make the sizes multiply to the device count or set one size to -1"
+        )
+    return spec
+
+
+def make_mesh(spec: MeshSpec = (("data", -1),), devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build a :class:`jax.sharding.Mesh` from ``(name, size)`` pairs.
+
+    Axes are ``AxisType.Auto`` so both the ``shard_map`` and the ``jit`` driver
+    accept plainly placed inputs. ``devices`` defaults to all devices of the job
+    (every process's, under ``jax.distributed``).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    spec = resolve_axis_sizes(spec, len(devices))
+    names = tuple(name for name, _ in spec)
+    shape = tuple(size for _, size in spec)
+    if len(devices) == len(jax.devices()):
+        # Let JAX pick a topology-aware device order (matters on TPU/GPU slices).
+        return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+    return Mesh(np.asarray(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch is split over: every axis but ``model``."""
+    return tuple(name for name in mesh.axis_names if name != MODEL_AXIS)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Number of batch shards (product of the batch axes' sizes)."""
+    return math.prod(mesh.shape[name] for name in batch_axes(mesh))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension split over all batch axes; other dims whole."""
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, what: str = "global_batch_size") -> None:
+    """Fail early, naming the nearest valid sizes, when the batch can't be split evenly."""
+    shards = data_parallel_size(mesh)
+    if batch_size < 1 or batch_size % shards:
+        lower = (max(batch_size, 0) // shards) * shards
+        nearest = [size for size in (lower, lower + shards) if size >= shards]
+        axes = " x ".join(f"{name}={mesh.shape[name]}" for name in batch_axes(mesh))
+        raise MeshError(
+            f"{what}={batch_size} is not divisible by the data-parallel size {shards} "
+            f"(mesh axes {axes}); nearest valid sizes: {' or '.join(map(str, nearest))}. "
+            f"Set --config.{what}=<multiple of {shards}>."
+        )

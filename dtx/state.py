@@ -1,0 +1,89 @@
+"""The train state: everything a step reads and writes, as one pytree.
+
+``step`` and ``rng`` are explicit fields (levanter, DESIGN.md §4.12) so a run is a
+pure function of its state and its data, and a checkpoint of the state is a
+complete description of where training stands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from dtx import mesh as mesh_lib
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Attributes:
+      step: int32 scalar, number of optimizer updates applied so far.
+      params: the model's trainable parameters (master weights).
+      model_state: the model's other variable collections, e.g. ``{"batch_stats": ...}``
+        for batch normalisation; ``{}`` for models without any.
+      opt_state: the optax optimizer state.
+      rng: raw uint32 PRNG key data; each step splits it, so dropout differs per step
+        yet a run is reproducible from ``seed``.
+    """
+
+    step: jax.Array
+    params: Any
+    model_state: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def init_train_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    example_inputs: jax.ShapeDtypeStruct,
+    seed: int,
+    mesh: Mesh,
+) -> TrainState:
+    """Create the state directly in its sharded layout.
+
+    ``eval_shape`` gives the state's structure without computing it; the shardings
+    are derived from that; then one jitted ``init`` writes every array straight
+    into place (no host copy, no replicate-then-reshard).
+
+    Args:
+      model: a flax module called as ``model(inputs, train=...)``.
+      tx: the optimizer.
+      example_inputs: shape/dtype of one batch of inputs (its batch size is irrelevant).
+      seed: the run's seed.
+      mesh: the device mesh.
+
+    Returns:
+      A ``TrainState`` placed with :func:`state_shardings`.
+    """
+
+    def init(seed):
+        init_rng, state_rng = jax.random.split(jax.random.key(seed))
+        dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
+        variables = dict(model.init({"params": init_rng}, dummy, train=False))
+        params = variables.pop("params")
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            model_state=variables,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(state_rng),
+        )
+
+    abstract = jax.eval_shape(init, seed)
+    return jax.jit(init, out_shardings=state_shardings(abstract, mesh))(seed)
+
+
+def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+    """Sharding of every state leaf: replicated (data parallelism, Hitchhiker's §3.1)."""
+    replicated: NamedSharding = mesh_lib.replicated(mesh)
+    return jax.tree.map(lambda _: replicated, abstract_state)
+
+
+def num_params(state: TrainState) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(state.params))

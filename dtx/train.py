@@ -1,0 +1,134 @@
+"""One training run, told top to bottom: devices, data, model, steps, loop, evaluation.
+
+The config is read here and only here; everything below it receives plain
+values and built collaborators (DESIGN.md §4.1, §4.8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+import models
+from dtx import config as config_lib
+from dtx import datasets
+from dtx import mesh as mesh_lib
+from dtx import metrics as metrics_lib
+from dtx import optim
+from dtx.data import TrainLoader, eval_batches
+from dtx.state import TrainState, init_train_state, num_params
+from dtx.step import EvalStep, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run leaves behind: its final state and its final evaluation."""
+
+    state: TrainState
+    metrics: dict
+    workdir: str
+
+
+def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
+    """Train ``config`` and evaluate on the test split; records go to ``workdir``.
+
+    Raises before any compilation on bad input (unknown names, batch sizes that do
+    not split over the mesh, missing dataset files, a workdir that already holds a run).
+    """
+    config_lib.validate(config)
+    workdir = os.fspath(workdir)
+    if os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)):
+        raise FileExistsError(
+            f"workdir {workdir!r} already holds a run ({metrics_lib.METRICS_FILE}); "
+            "choose another --workdir or move that run away (dtx never overwrites records)"
+        )
+
+    # ------------------------------------------------------------------ devices
+    if config.emulate_cpu_devices:
+        mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    mesh_lib.check_batch_size(config.global_batch_size, mesh)
+    mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
+
+    # --------------------------------------------------------------------- data
+    dataset = datasets.load_dataset(
+        config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
+        synthetic=config.dataset.synthetic.to_dict(),
+    )
+    loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
+    num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
+
+    # ------------------------------------------------- model, optimizer, state
+    model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
+    model = models.build_model(config.model.name, num_classes=dataset.num_classes, **model_kwargs)
+    opt = config.optimizer
+    learning_rate = optim.make_schedule(opt.schedule, opt.learning_rate, num_steps, opt.warmup_steps)
+    tx = optim.make_optimizer(opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
+    state = init_train_state(model, tx, example, config.seed, mesh)
+
+    # -------------------------------------------------------------------- steps
+    train_step = make_train_step(model, tx, mesh, driver=config.driver)
+    eval_step = make_eval_step(model, mesh, driver=config.driver)
+    test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
+
+    # --------------------------------------------------------------------- loop
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config.to_json(indent=2))
+    writer = metrics_lib.MetricWriter(workdir)
+    writer.write(0, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps})
+    bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress)
+    with writer, bar:
+        previous = None  # (step, metrics) of the step before: read it once the next is dispatched
+        window_start, window_steps = time.perf_counter(), 0
+        for step in range(num_steps):
+            batch = loader.batch(step)
+            # Everything below moves data explicitly; an implicit transfer is a bug.
+            with jax.transfer_guard("disallow"):
+                state, step_metrics = train_step(state, batch)
+            window_steps += 1
+            if previous is not None:
+                # Wait for step - 1 (lag-1): bounds the steps in flight, which XLA:CPU
+                # collectives need (DESIGN.md §2), without starving dispatch.
+                jax.block_until_ready(previous[1])
+                done = previous[0]
+                if done % config.log_every == 0:
+                    elapsed = time.perf_counter() - window_start
+                    rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
+                    record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
+                    record["learning_rate"] = float(learning_rate(done - 1))
+                    writer.write(done, {**record, "examples_per_sec": rate})
+                    bar.update(done, record["loss"], rate)
+                    window_start, window_steps = time.perf_counter(), 1
+            previous = (step + 1, step_metrics)
+            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < num_steps:
+                writer.write(step + 1, evaluate(eval_step, state, test_batches))
+        if previous is not None:
+            record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
+            writer.write(previous[0], record)
+            bar.update(previous[0], record["loss"], 0.0)
+
+        # --------------------------------------------------------------- evaluate
+        final = evaluate(eval_step, state, test_batches)
+        writer.write(num_steps, final)
+    bar.print(
+        f"step {num_steps}: test_accuracy {final['test_accuracy']:.4f}  test_loss {final['test_loss']:.4f}  "
+        f"({final['test_examples']} test examples, {mesh.size} devices, driver {config.driver})"
+    )
+    return TrainResult(state=state, metrics=final, workdir=workdir)
+
+
+def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:
+    """Exact test metrics: integer counts and float64 sums over every real example."""
+    sums = [jax.device_get(eval_step(state, batch)) for batch in batches]
+    count = sum(int(s["count"]) for s in sums)
+    correct = sum(int(s["correct"]) for s in sums)
+    loss_sum = float(np.sum([np.float64(s["loss_sum"]) for s in sums]))
+    return {"test_accuracy": correct / count, "test_loss": loss_sum / count, "test_examples": count}

@@ -1,0 +1,1 @@
+"""Experiment configs: one file each, ``get_config()`` returns a locked ConfigDict."""
