@@ -130,7 +130,11 @@ def _train_body(
         logits, model_state = out if mutable else (out, state.model_state)
         return cross_entropy(logits, batch["labels"]).mean(), (logits, model_state)
 
-    (loss, (logits, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    # Differentiate per-device copies of the parameters: then each device's gradient is
+    # its own batch's gradient, and *we* choose how to combine them (shard_map would
+    # otherwise sum them implicitly when transposing the replicated-to-varying cast).
+    params = lax.pcast(state.params, axes, to="varying") if axes else state.params
+    (loss, (logits, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["labels"])
     # The synchronisation point of data-parallel SGD: one averaged gradient for all.
     grads, loss, accuracy, model_state = reduce((grads, loss, accuracy, model_state))
@@ -142,7 +146,7 @@ def _train_body(
         opt_state=opt_state,
         rng=jax.random.key_data(rng),
     )
-    return new_state, {"loss": loss, "accuracy": accuracy, "grad_norm": optax.global_norm(grads)}
+    return new_state, {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
 
 
 def _eval_body(model: nn.Module, reduce_sum: Callable[[Any], Any], state: TrainState, batch: Batch) -> Metrics:
