@@ -88,8 +88,9 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     if not os.path.isfile(file_part):
         raise ConfigError(f"experiment file {file_part!r} not found (expected a Python file with get_config())")
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", path, flag_values=flag_values, lock_config=True)
-    argv = ["dtx"] + [_as_flag(arg) for arg in overrides]
+    argv = ["dtx", f"--config={path}"] + [_as_flag(arg) for arg in overrides]
+    # sys_argv: config_flags finds the override flags there (default: the process's sys.argv).
+    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
     try:
         flag_values(argv)
         config = flag_values.config

@@ -1,6 +1,7 @@
 """Tests for dtx.config: the locked base config, experiment files, overrides and validation."""
 import copy
 import os
+import re
 import sys
 import textwrap
 
@@ -147,10 +148,10 @@ def test_override_values_are_validated():
 
 def test_missing_experiment_file_is_named(tmp_path):
     missing = str(tmp_path / "nope" / "missing.py")
-    with pytest.raises(ConfigError, match=rf"{missing!r}.*not found"):
+    with pytest.raises(ConfigError, match=rf"{re.escape(repr(missing))}.*not found"):
         load(missing)
     # A ":arg" suffix is not part of the file name.
-    with pytest.raises(ConfigError, match=rf"{missing!r}.*not found"):
+    with pytest.raises(ConfigError, match=rf"{re.escape(repr(missing))}.*not found"):
         load(missing + ":small")
 
 

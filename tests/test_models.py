@@ -1,0 +1,192 @@
+"""Tests for models: lookup by name, shapes, precision, batch norm and synchronised batch norm."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dtx.mesh import make_mesh
+from models import MODELS, ModelConfigError, build_model, model_fields
+from models.lenet import LeNet
+from models.mlp import MLP
+
+TINY = {"mlp": dict(features=(16,)), "lenet": dict(conv_features=(2, 4), dense_features=(8,))}
+
+
+def _abstract(model, shape):
+    """Variables and logits as shapes only: no compilation, so default-sized models are cheap."""
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    logits = jax.eval_shape(model.apply, variables, x)
+    return variables, logits
+
+
+# --------------------------------------------------------------- lookup
+
+def test_registry():
+    assert MODELS == {"mlp": MLP, "lenet": LeNet}
+    assert isinstance(build_model("mlp"), MLP)
+    assert isinstance(build_model("lenet"), LeNet)
+
+
+def test_unknown_model_lists_the_choices():
+    with pytest.raises(ModelConfigError, match=r"unknown model 'resnet' \(config key model\.name\); "
+                                                r"choose one of \['lenet', 'mlp'\]"):
+        build_model("resnet")
+    with pytest.raises(ModelConfigError, match=r"unknown model 'resnet'"):
+        model_fields("resnet")
+
+
+def test_unknown_setting_names_the_config_key():
+    with pytest.raises(ModelConfigError, match=r"model 'mlp' has no setting 'featurs' \(config key model\.featurs\); "
+                                                r"valid settings: features$"):
+        build_model("mlp", featurs=(3,))
+    with pytest.raises(ModelConfigError, match=r"config key model\.features\b.*"
+                                                r"valid settings: conv_features, dense_features, use_batch_norm"):
+        build_model("lenet", features=(3,))
+
+
+def test_model_fields_lists_user_settings_only():
+    assert model_fields("mlp") == {"features": (256, 256)}
+    assert model_fields("lenet") == {"conv_features": (6, 16), "dense_features": (120, 84), "use_batch_norm": True}
+    for name in MODELS:
+        for reserved in ("dtype", "param_dtype", "num_classes", "norm_axis_name", "parent", "name"):
+            assert reserved not in model_fields(name)
+
+
+def test_build_model_passes_settings_and_policy_fields():
+    model = build_model("mlp", features=(7, 5), num_classes=3, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    assert (model.features, model.num_classes, model.dtype, model.param_dtype) == ((7, 5), 3, jnp.bfloat16, jnp.float32)
+    model = build_model("lenet", use_batch_norm=False, norm_axis_name="data")
+    assert model.use_batch_norm is False and model.norm_axis_name == "data"
+
+
+# --------------------------------------------------------------- shapes
+
+@pytest.mark.parametrize("shape", [(4, 8, 8, 1), (2, 28, 28, 1)], ids=["digits", "mnist"])
+def test_mlp_shapes(shape):
+    variables, logits = _abstract(build_model("mlp"), shape)
+    assert logits.shape == (shape[0], 10) and logits.dtype == jnp.float32
+    params = variables["params"]
+    assert set(variables) == {"params"}
+    pixels = shape[1] * shape[2] * shape[3]
+    assert params["Dense_0"]["kernel"].shape == (pixels, 256)
+    assert params["Dense_1"]["kernel"].shape == (256, 256)
+    assert params["Dense_2"]["kernel"].shape == (256, 10)
+
+
+@pytest.mark.parametrize("shape, spatial", [((4, 8, 8, 1), 2), ((2, 28, 28, 1), 7)], ids=["digits", "mnist"])
+def test_lenet_shapes(shape, spatial):
+    # 8x8 -> pool 4x4 -> pool 2x2; 28x28 -> 14x14 -> 7x7.
+    variables, logits = _abstract(build_model("lenet", num_classes=7), shape)
+    assert logits.shape == (shape[0], 7)
+    params = variables["params"]
+    assert params["Conv_0"]["kernel"].shape == (5, 5, 1, 6)
+    assert params["Conv_1"]["kernel"].shape == (5, 5, 6, 16)
+    assert params["Dense_0"]["kernel"].shape == (spatial * spatial * 16, 120)
+    assert params["Dense_2"]["kernel"].shape == (84, 7)
+    assert variables["batch_stats"]["BatchNorm_0"]["mean"].shape == (6,)
+    assert variables["batch_stats"]["BatchNorm_1"]["var"].shape == (16,)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_real_forward_pass_on_both_input_sizes(name):
+    key = jax.random.key(1)
+    model = build_model(name, **TINY[name])
+
+    @jax.jit
+    def run(x):
+        variables = model.init(key, x)
+        return model.apply(variables, x), model.apply(variables, x[::-1])
+
+    for shape in [(3, 8, 8, 1), (2, 28, 28, 1)]:
+        logits, reversed_logits = run(jax.random.normal(key, shape))
+        assert logits.shape == (shape[0], 10)
+        assert np.all(np.isfinite(np.asarray(logits)))
+        # Examples are independent in eval mode: reordering the batch reorders the logits.
+        np.testing.assert_allclose(reversed_logits, logits[::-1], rtol=1e-5, atol=1e-6)
+
+
+def test_lenet_without_batch_norm_has_no_batch_stats():
+    variables, _ = _abstract(build_model("lenet", use_batch_norm=False), (2, 8, 8, 1))
+    assert set(variables) == {"params"}
+
+
+# ------------------------------------------------------------ precision
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bfloat16_compute_keeps_float32_params(name):
+    model = build_model(name, dtype=jnp.bfloat16, param_dtype=jnp.float32, **TINY[name])
+    x = jax.random.uniform(jax.random.key(4), (2, 8, 8, 1), jnp.float32)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    for leaf in jax.tree.leaves(variables["params"]):
+        assert leaf.dtype == jnp.float32
+    logits = jax.jit(model.apply)(variables, x)
+    assert logits.dtype == jnp.bfloat16
+    full = jax.jit(build_model(name, **TINY[name]).apply)(variables, x)
+    assert full.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits, np.float32), full, rtol=0.05, atol=0.05)
+
+
+# ------------------------------------------------------------ batch norm
+
+def test_lenet_train_updates_batch_stats_with_the_batch_moments():
+    model = build_model("lenet", **TINY["lenet"])
+    x = jax.random.normal(jax.random.key(2), (6, 8, 8, 1)) * 3.0 + 1.0
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    stats = variables["batch_stats"]
+    np.testing.assert_array_equal(stats["BatchNorm_0"]["mean"], np.zeros(2))
+    np.testing.assert_array_equal(stats["BatchNorm_0"]["var"], np.ones(2))
+
+    @jax.jit
+    def run(variables, x):
+        # Eval mode reads the running averages and changes nothing.
+        eval_logits, unchanged = model.apply(variables, x, train=False, mutable=["batch_stats"])
+        train_logits, updates = model.apply(
+            variables, x, train=True, mutable=["batch_stats", "intermediates"], capture_intermediates=True
+        )
+        return eval_logits, unchanged, train_logits, updates
+
+    eval_logits, unchanged, train_logits, updates = run(variables, x)
+    jax.tree.map(np.testing.assert_array_equal, unchanged["batch_stats"], stats)
+
+    new = updates["batch_stats"]["BatchNorm_0"]
+    conv = np.asarray(updates["intermediates"]["Conv_0"]["__call__"][0], np.float64)
+    # Running averages with momentum 0.9, from mean 0 and var 1, towards the (biased) batch moments.
+    np.testing.assert_allclose(new["mean"], 0.1 * conv.mean(axis=(0, 1, 2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["var"], 0.9 + 0.1 * conv.var(axis=(0, 1, 2)), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(updates["batch_stats"]["BatchNorm_1"]["mean"], 0.0)
+
+    # Train mode normalises with the batch's statistics, so it differs from eval mode.
+    assert not np.allclose(eval_logits, train_logits, atol=1e-3)
+
+
+def test_synchronised_batch_norm_matches_the_whole_batch():
+    mesh = make_mesh([("data", -1)])
+    x = jax.random.normal(jax.random.key(3), (16, 8, 8, 1)) * 2.0 + 0.5  # 2 examples per device
+    whole = build_model("lenet", **TINY["lenet"])
+    synced = build_model("lenet", norm_axis_name="data", **TINY["lenet"])
+    variables = jax.jit(whole.init)(jax.random.key(0), x)
+
+    expected_logits, expected = jax.jit(lambda v, x: whole.apply(v, x, train=True, mutable=["batch_stats"]))(
+        variables, x
+    )
+
+    def step(variables, x):
+        return synced.apply(variables, x, train=True, mutable=["batch_stats"])
+
+    logits, updates = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P()))
+    )(variables, x)
+    np.testing.assert_allclose(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+        updates["batch_stats"], expected["batch_stats"],
+    )
+
+    # Without synchronisation each device normalises with its own 2 examples: different numbers.
+    def local(variables, x):
+        return whole.apply(variables, x, train=True, mutable=["batch_stats"])[0]
+
+    unsynced = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")))(variables, x)
+    assert not np.allclose(unsynced, expected_logits, rtol=1e-3, atol=1e-3)

@@ -1,0 +1,125 @@
+"""End to end: the training story, its records, the CLI, and bad input refused before any work."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from dtx import config as config_lib
+from dtx import datasets, metrics
+from dtx import mesh as mesh_lib
+from dtx.cli import main
+from dtx.train import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
+TINY = ("--config.num_steps=12", "--config.model.features=(32,)", "--config.log_every=4", "--config.progress=False")
+
+
+def tiny_config(*overrides):
+    return config_lib.load(DEFAULT, TINY + overrides)
+
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *_, **__: _compiles.append(name) if name.endswith("backend_compile_duration") else None
+)
+
+
+@contextlib.contextmanager
+def no_compilation():
+    before = len(_compiles)
+    yield
+    assert len(_compiles) == before, "bad input must be refused before anything is compiled"
+
+
+@pytest.mark.parametrize("driver", ["shard_map", "jit"])
+def test_default_experiment_reaches_97_percent(tmp_path, driver):
+    config = config_lib.load(DEFAULT, [f"--config.driver={driver}", "--config.progress=False"])
+    result = train(config, tmp_path)
+    assert result.metrics["test_accuracy"] >= 0.97
+    assert result.metrics["test_examples"] == 360
+    records = metrics.read_metrics(tmp_path)
+    assert records[-1]["test_accuracy"] == result.metrics["test_accuracy"]
+
+
+def test_records(tmp_path):
+    result = train(tiny_config(), tmp_path)
+    assert int(result.state.step) == 12
+    records = metrics.read_metrics(tmp_path)
+    assert all("step" in r for r in records)
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == [4, 8, 12]
+    for r in records:
+        if "loss" in r and "examples_per_sec" in r:
+            assert r["examples_per_sec"] > 0 and r["learning_rate"] == pytest.approx(2e-3)
+    final = records[-1]
+    assert final["step"] == 12 and 0 <= final["test_accuracy"] <= 1
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model"]["features"] == [32]
+
+
+def test_periodic_evaluation(tmp_path):
+    train(tiny_config("--config.eval_every=5"), tmp_path)
+    evals = [r["step"] for r in metrics.read_metrics(tmp_path) if "test_accuracy" in r]
+    assert evals == [5, 10, 12]
+
+
+def test_refuses_a_workdir_that_holds_a_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with no_compilation(), pytest.raises(FileExistsError, match="already holds a run"):
+        train(tiny_config(), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_batch_not_divisible_fails_before_compilation(tmp_path):
+    config = tiny_config("--config.global_batch_size=100")
+    with no_compilation(), pytest.raises(mesh_lib.MeshError) as error:
+        train(config, tmp_path)
+    message = str(error.value)
+    assert "global_batch_size=100" in message and "8" in message and "96 or 104" in message
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_missing_dataset_file_fails_before_compilation(tmp_path):
+    config = tiny_config("--config.dataset.name=mnist", f"--config.dataset.data_dir={tmp_path}")
+    with no_compilation(), pytest.raises(datasets.DatasetError, match="mnist.npz"):
+        train(config, tmp_path / "run")
+
+
+def test_unknown_model_setting_fails_before_compilation(tmp_path):
+    config = config_lib.override(tiny_config(), **{"model": config_lib.ConfigDict({"name": "mlp", "width": 3})})
+    with no_compilation(), pytest.raises(ValueError, match="model.width"):
+        train(config, tmp_path)
+
+
+def test_cli_errors_are_one_clear_line(tmp_path, capsys):
+    assert main(["train", DEFAULT, "--config.learning_rat=0.1", f"--workdir={tmp_path}"]) == 2
+    assert "learning_rat" in capsys.readouterr().err
+    assert main(["train", DEFAULT, "--config.num_steps=ten", f"--workdir={tmp_path}"]) == 2
+    assert "num_steps" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "nope.py")]) == 2
+    assert "nope.py" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", DEFAULT, "--bogus"])
+
+
+def test_dtx_train_command(tmp_path):
+    """The installed ``dtx`` command, as a user runs it, in a fresh process."""
+    script = os.path.join(os.path.dirname(sys.executable), "dtx")
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "dtx.cli"]
+    run = subprocess.run(
+        command + ["train", DEFAULT, "--workdir", str(tmp_path), *TINY[:-1], "--config.driver=jit"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert "test_accuracy" in run.stdout + run.stderr
+    records = metrics.read_metrics(tmp_path)
+    assert records[-1]["step"] == 12 and "test_accuracy" in records[-1]
+    assert records[0]["num_devices"] == 8  # the experiment's emulated mesh, in a fresh process
