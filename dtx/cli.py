@@ -48,12 +48,18 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
     from dtx.train import train
 
     try:
-        train(config, workdir)
+        result = train(config, workdir)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         # Bad input found before training started: say what and how to fix it, no traceback.
         print(f"dtx: error: {e}", file=sys.stderr)
         return 2
-    print(f"records: {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: tensorboard --logdir {workdir})")
+    final = result.metrics
+    print(
+        f"step {int(result.state.step)}: test_accuracy {final['test_accuracy']:.4f}  "
+        f"test_loss {final['test_loss']:.4f}  ({final['test_examples']} test examples, "
+        f"{config.driver} driver)"
+    )
+    print(f"records: {os.path.join(workdir, 'metrics.jsonl')}  (tensorboard --logdir {workdir})")
     return 0
 
 

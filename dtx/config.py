@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Sequence
 
 from ml_collections import ConfigDict
@@ -80,31 +81,57 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     Raises:
       ConfigError: missing file, unknown key, value of the wrong type, bad value.
     """
-    from absl import flags
-    from ml_collections import config_flags
-
     path = os.fspath(path)
     file_part = path.split(":", 1)[0]
     if not os.path.isfile(file_part):
         raise ConfigError(f"experiment file {file_part!r} not found (expected a Python file with get_config())")
+    # First the file alone, so its own mistakes are reported against it ...
+    config = _parse(path, [], blame=file_part)
+    if not isinstance(config, ConfigDict):
+        raise ConfigError(f"{file_part}: get_config() must return an ml_collections.ConfigDict")
+    # ... then the overrides, each key checked against the file's config first.
+    flags_ = [_as_flag(arg) for arg in overrides]
+    for flag in flags_:
+        key = flag[len("--config."):].split("=", 1)[0]
+        node = config
+        for part in key.split("."):
+            node = _child(node, part, key)
+    if flags_:
+        config = _parse(path, flags_, blame="override")
+    validate(config)
+    return config
+
+
+def _parse(path: str, flags_: list[str], blame: str) -> ConfigDict:
+    """Run ml_collections' config_flags on ``--config=path`` plus ``flags_``."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["dtx", f"--config={path}", *flags_]
     flag_values = flags.FlagValues()
-    argv = ["dtx", f"--config={path}"] + [_as_flag(arg) for arg in overrides]
     # sys_argv: config_flags finds the override flags there (default: the process's sys.argv).
     config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
     try:
         flag_values(argv)
-        config = flag_values.config
-    except AttributeError as e:  # unknown key, from ConfigDict (carries a "did you mean")
-        key = next((a for a in argv[1:] if str(e).split("\n")[0].strip("'\"") in a), "")
-        raise ConfigError(f"unknown config key in {key or overrides}: {_one_line(e)}") from None
-    except flags.Error as e:  # wrong type, or a flag that is not --config.*
-        raise ConfigError(f"bad override: {_one_line(e)}") from None
-    except TypeError as e:  # the experiment file itself assigned a wrongly typed value
-        raise ConfigError(f"{file_part}: {_one_line(e)}") from None
-    if not isinstance(config, ConfigDict):
-        raise ConfigError(f"{file_part}: get_config() must return an ml_collections.ConfigDict")
-    validate(config)
-    return config
+        return flag_values.config
+    except AttributeError as e:  # ConfigDict refusing a key the locked default does not have
+        text = str(e)
+        key = re.search(r'Key "([^"]+)"', text) or re.search(r"'([^']+)'", text)
+        close = re.search(r'Did you mean "([^"]+)"', text)
+        hint = f" (did you mean {close.group(1)!r}?)" if close else ""
+        raise ConfigError(
+            f"{blame}: unknown config key {key.group(1) if key else text!r}{hint}; "
+            "experiments may only change keys of dtx.config.base_config()"
+        ) from None
+    except TypeError as e:  # the file assigned a value of the wrong type
+        raise ConfigError(f"{blame}: {_one_line(e)}") from None
+    except flags.Error as e:  # an override's value of the wrong type, or a file that fails to load
+        text = str(e).strip()
+        flag = re.search(r"--config\.([\w.]+)=(.*?): (.*)", text)
+        if flag:
+            raise ConfigError(f"config key {flag.group(1)!r} got {flag.group(2)!r}: {flag.group(3)}") from None
+        # A traceback from inside get_config(): its last line says what went wrong.
+        raise ConfigError(f"{blame}: {text.splitlines()[-1]}") from None
 
 
 def override(config: ConfigDict, **values) -> ConfigDict:
@@ -144,7 +171,8 @@ def validate(config: ConfigDict) -> None:
     if config.emulate_cpu_devices < 0:
         raise ConfigError(f"emulate_cpu_devices={config.emulate_cpu_devices} must be >= 0")
     mesh = config.mesh
-    if not all(isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) for a in mesh):
+    if not all(isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
+               for a in mesh):
         raise ConfigError(f"mesh={mesh!r} must be (name, size) pairs, e.g. (('data', -1),) or (('data', 4), ('model', 2))")
     if "model" not in config or "name" not in config.model:
         raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
@@ -155,7 +183,9 @@ def _as_flag(arg: str) -> str:
     return arg if arg.startswith("--config.") else arg.replace("--", "--config.", 1)
 
 
-def _child(node: ConfigDict, part: str, key: str):
+def _child(node, part: str, key: str):
+    if not isinstance(node, ConfigDict):
+        raise ConfigError(f"config key {key!r}: {part!r} is below a value of type {type(node).__name__}, not a block")
     if part not in node:
         close = difflib.get_close_matches(part, list(node.keys()), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -91,10 +91,6 @@ class ProgressBar:
             self._next_line = step + max(1, math.ceil(self.total / 10))
             self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {examples_per_sec:,.0f} ex/s")
 
-    def print(self, message: str) -> None:
-        if not self.quiet:
-            self.console.print(message, soft_wrap=True)
-
     def __enter__(self) -> ProgressBar:
         if self._bar is not None:
             self._bar.start()

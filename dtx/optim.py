@@ -47,6 +47,8 @@ def make_optimizer(
       weight_decay: decoupled weight decay (adamw, lars, lamb) or L2 added to the
         gradient (sgd family, adam).
     """
+    if isinstance(learning_rate, (int, float)) and learning_rate <= 0:
+        raise OptimizerError(f"optimizer.learning_rate={learning_rate} must be > 0")
     if not 0 <= momentum < 1:
         raise OptimizerError(f"optimizer.momentum={momentum} must be in [0, 1)")
     if weight_decay < 0:

@@ -118,10 +118,6 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
         # --------------------------------------------------------------- evaluate
         final = evaluate(eval_step, state, test_batches)
         writer.write(num_steps, final)
-    bar.print(
-        f"step {num_steps}: test_accuracy {final['test_accuracy']:.4f}  test_loss {final['test_loss']:.4f}  "
-        f"({final['test_examples']} test examples, {mesh.size} devices, driver {config.driver})"
-    )
     return TrainResult(state=state, metrics=final, workdir=workdir)
 
 

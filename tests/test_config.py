@@ -56,13 +56,14 @@ def test_base_config_is_typed_and_fresh_per_call():
 
 # ----------------------------------------------------------------------- load
 
-def test_load_digits_mlp_returns_the_documented_values():
-    config = load(DIGITS)
+def test_load_digits_mlp_returns_the_documented_values(monkeypatch):
+    monkeypatch.chdir(REPO)
+    config = load("experiments/digits_mlp.py")  # the path the experiment's docstring uses
     assert isinstance(config, ConfigDict) and config.is_locked
     assert config.dataset.name == "digits"
     assert config.model.name == "mlp" and config.model.features == (256, 256)
     assert config.optimizer.name == "adam"
-    assert config.optimizer.learning_rate == pytest.approx(2e-3, rel=0, abs=0)
+    assert config.optimizer.learning_rate == 2e-3
     assert config.global_batch_size == 128
     assert config.num_epochs == 20.0 and config.num_steps == 0
     assert config.driver == "shard_map"
@@ -166,14 +167,16 @@ def test_experiment_file_is_loaded_with_its_changes(tmp_path):
 
 def test_experiment_file_with_a_wrongly_typed_value_fails_at_load(tmp_path):
     path = _experiment(tmp_path, 'config.num_steps = "ten"\n')
-    with pytest.raises(ConfigError, match=r"num_steps"):
+    with pytest.raises(ConfigError, match=r"num_steps") as e:
         load(path)
+    assert path in str(e.value)  # says which file
 
 
 def test_experiment_file_with_a_misspelt_key_fails_at_load(tmp_path):
     path = _experiment(tmp_path, "config.num_step = 3\n")
-    with pytest.raises(ConfigError, match=r"num_step\b"):
+    with pytest.raises(ConfigError, match=r"num_step\b") as e:
         load(path)
+    assert "did you mean" in str(e.value).lower() and "num_steps" in str(e.value)
 
 
 def test_experiment_file_must_return_a_config_dict(tmp_path):

@@ -1,0 +1,213 @@
+"""Tests for dtx.metrics: JSON-lines records, TensorBoard event files, the progress display."""
+import glob
+import io
+import json
+import math
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rich.console import Console
+from tensorboardX.proto.event_pb2 import Event
+
+from dtx.metrics import METRICS_FILE, MetricWriter, ProgressBar, read_metrics
+
+
+# ------------------------------------------------------- TFRecord reading
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: slow but independent of the writer's implementation."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def test_crc32c_reference_value():
+    assert _crc32c(b"123456789") == 0xE3069283  # the standard check value
+
+
+def _read_events(path):
+    """Every Event of a TFRecord file: uint64 length, masked crc, data, masked crc (little-endian)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    events, offset = [], 0
+    while offset < len(raw):
+        header = raw[offset:offset + 8]
+        (length,) = struct.unpack("<Q", header)
+        (length_crc,) = struct.unpack("<I", raw[offset + 8:offset + 12])
+        assert length_crc == _masked_crc(header), f"bad length crc at byte {offset}"
+        data = raw[offset + 12:offset + 12 + length]
+        assert len(data) == length, "truncated record"
+        (data_crc,) = struct.unpack("<I", raw[offset + 12 + length:offset + 16 + length])
+        assert data_crc == _masked_crc(data), f"bad data crc at byte {offset}"
+        events.append(Event.FromString(data))
+        offset += 16 + length
+    return events
+
+
+def _scalars(workdir):
+    """{tag: {step: value}} from the event files in ``workdir``."""
+    files = glob.glob(os.path.join(str(workdir), "events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file in {os.listdir(workdir)}"
+    scalars = {}
+    for path in files:
+        for event in _read_events(path):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+# ------------------------------------------------------------- JSON lines
+
+def test_records_are_json_lines_with_step_first(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(0, {"num_params": 1234})
+        writer.write(10, {"loss": 2.5, "accuracy": 0.25})
+        writer.write(20, {"loss": 1.25, "accuracy": 0.5})
+    lines = (tmp_path / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 3
+    for line, step in zip(lines, (0, 10, 20)):
+        record = json.loads(line)
+        assert isinstance(record, dict)
+        assert next(iter(record)) == "step" and record["step"] == step
+        assert line.startswith('{"step": ')
+    assert read_metrics(tmp_path) == [
+        {"step": 0, "num_params": 1234},
+        {"step": 10, "loss": 2.5, "accuracy": 0.25},
+        {"step": 20, "loss": 1.25, "accuracy": 0.5},
+    ]
+    assert list(read_metrics(tmp_path)[1]) == ["step", "loss", "accuracy"]  # order kept
+
+
+def test_writer_appends_to_an_existing_run(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(1, {"loss": 1.0})
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(2, {"loss": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_numpy_and_jax_scalars_become_plain_numbers(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(np.int64(5), {
+            "f32": np.float32(0.5), "f64": np.float64(0.25), "i64": np.int64(7), "i32": np.int32(-3),
+            "jax_f": jnp.asarray(1.5, jnp.float32), "jax_i": jnp.asarray(4, jnp.int32),
+            "flag": np.bool_(True), "name": "adam",
+        })
+    (record,) = read_metrics(tmp_path)
+    assert record == {"step": 5, "f32": 0.5, "f64": 0.25, "i64": 7, "i32": -3, "jax_f": 1.5, "jax_i": 4,
+                      "flag": True, "name": "adam"}
+    for key in ("step", "i64", "i32", "jax_i"):
+        assert type(record[key]) is int, key
+    for key in ("f32", "f64", "jax_f"):
+        assert type(record[key]) is float, key
+
+
+def _strict_loads(line):
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_values_stay_valid_json(tmp_path):
+    with MetricWriter(tmp_path) as writer:
+        writer.write(1, {"loss": float("nan"), "grad_norm": np.float32("inf"), "low": -math.inf,
+                         "jax_nan": jnp.asarray(jnp.nan), "ok": 1.0})
+    (line,) = (tmp_path / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    assert "NaN" not in line and "Infinity" not in line
+    record = _strict_loads(line)  # standard JSON: no bare NaN / Infinity tokens
+    assert record == {"step": 1, "loss": "nan", "grad_norm": "inf", "low": "-inf", "jax_nan": "nan", "ok": 1.0}
+    assert read_metrics(tmp_path) == [record]
+
+
+# ------------------------------------------------------------- TensorBoard
+
+def test_tensorboard_event_file_holds_the_scalars(tmp_path):
+    losses = {1: 2.25, 2: 1.5, 3: 0.75}
+    with MetricWriter(tmp_path) as writer:
+        for step, loss in losses.items():
+            writer.write(step, {"loss": np.float32(loss), "accuracy": step / 4, "optimizer": "adam"})
+        writer.write(4, {"num_params": 1000, "flag": True, "loss": float("nan")})
+    assert os.path.exists(tmp_path / METRICS_FILE)
+    scalars = _scalars(tmp_path)
+    assert scalars["loss"] == losses  # the NaN of step 4 is a string in JSON, not a TB scalar
+    assert scalars["accuracy"] == {1: 0.25, 2: 0.5, 3: 0.75}
+    assert scalars["num_params"] == {4: 1000.0}
+    assert set(scalars) == {"loss", "accuracy", "num_params"}  # strings and booleans are not scalars
+
+
+def test_tensorboard_can_be_turned_off(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(1, {"loss": 1.0})
+    assert os.listdir(tmp_path) == [METRICS_FILE]
+
+
+def test_writer_creates_the_workdir(tmp_path):
+    workdir = tmp_path / "runs" / "a"
+    with MetricWriter(workdir) as writer:
+        writer.write(1, {"loss": 0.5})
+    assert read_metrics(workdir) == [{"step": 1, "loss": 0.5}]
+    assert _scalars(workdir) == {"loss": {1: 0.5}}
+
+
+# ------------------------------------------------------------- progress bar
+
+def _console():
+    return Console(file=io.StringIO(), force_terminal=False, force_jupyter=False, color_system=None, width=200)
+
+
+def test_disabled_progress_prints_nothing():
+    console = _console()
+    with ProgressBar(100, enabled=False, console=console) as bar:
+        for step in range(1, 101):
+            bar.update(step, 1.0 / step, 1000.0)
+    assert console.file.getvalue() == ""
+
+
+def test_progress_off_a_terminal_prints_a_few_plain_lines():
+    console = _console()
+    assert not console.is_terminal
+    with ProgressBar(100, console=console) as bar:
+        for step in range(1, 101):
+            bar.update(step, 1.0 / step, 1234.0)
+    progress = console.file.getvalue().splitlines()
+    assert 5 <= len(progress) <= 11
+    assert progress[0] == "step 1/100  loss 1.0000  1,234 ex/s"
+    for line in progress:
+        assert "\x1b" not in line and "\r" not in line  # plain text for CI logs
+        assert line.startswith("step ") and "/100" in line
+        step = int(line.split()[1].split("/")[0])
+        assert f"loss {1.0 / step:.4f}" in line
+    steps = [int(line.split()[1].split("/")[0]) for line in progress]
+    assert steps == sorted(steps) and steps[-1] >= 90  # spread over the whole run
+
+
+def test_progress_with_few_steps_prints_each():
+    console = _console()
+    with ProgressBar(3, console=console) as bar:
+        for step in (1, 2, 3):
+            bar.update(step, 0.5, 10.0)
+    assert console.file.getvalue().splitlines() == [f"step {s}/3  loss 0.5000  10 ex/s" for s in (1, 2, 3)]
+
+
+def test_progress_on_a_terminal_draws_one_live_bar():
+    console = Console(file=io.StringIO(), force_terminal=True, color_system=None, width=120)
+    with ProgressBar(100, console=console) as bar:
+        for step in range(1, 101):
+            bar.update(step, 1.0 / step, 1234.0)
+    output = console.file.getvalue()
+    final = output.replace("\r", "\n").splitlines()
+    final = [line for line in final if "100/100" in line]
+    assert final, output[-300:]
+    assert "loss 0.0100" in final[-1] and "1,234 ex/s" in final[-1]
+    assert "step 1/100" not in output  # the bar, not the plain lines
