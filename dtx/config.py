@@ -129,7 +129,8 @@ def _parse(path: str, flags_: list[str], blame: str) -> ConfigDict:
         text = str(e).strip()
         flag = re.search(r"--config\.([\w.]+)=(.*?): (.*)", text)
         if flag:
-            raise ConfigError(f"config key {flag.group(1)!r} got {flag.group(2)!r}: {flag.group(3)}") from None
+            key, value, reason = flag.groups()
+            raise ConfigError(f"config key {key!r}: --config.{key}={value} has the wrong type ({reason})") from None
         # A traceback from inside get_config(): its last line says what went wrong.
         raise ConfigError(f"{blame}: {text.splitlines()[-1]}") from None
 
