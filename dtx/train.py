@@ -87,7 +87,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress)
     with writer, bar:
         previous = None  # (step, metrics) of the step before: read it once the next is dispatched
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, rate = time.perf_counter(), 0, 0.0
         for step in range(num_steps):
             batch = loader.batch(step)
             # Everything below moves data explicitly; an implicit transfer is a bug.
@@ -113,7 +113,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
         if previous is not None:
             record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
             writer.write(previous[0], record)
-            bar.update(previous[0], record["loss"], 0.0)
+            bar.update(previous[0], record["loss"], rate)
 
         # --------------------------------------------------------------- evaluate
         final = evaluate(eval_step, state, test_batches)
