@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from ml_collections import ConfigDict
 
 DRIVERS = ("shard_map", "jit")
+LOSS_SCALES = ("auto", "dynamic", "none")
 
 
 class ConfigError(ValueError):
@@ -50,14 +51,31 @@ def base_config() -> ConfigDict:
     # Optimisation.
     c.optimizer = ConfigDict()
     c.optimizer.name = "adam"  # sgd | momentum | nesterov | adam | adamw | lars | lamb
-    c.optimizer.learning_rate = 1e-3
-    c.optimizer.momentum = 0.9  # sgd-family momentum; adam's b1
+    c.optimizer.learning_rate = 1e-3  # base rate; the scaling rule turns it into the peak rate
+    c.optimizer.scaling = "none"  # none | linear (lr x batch/base_batch) | sqrt
+    c.optimizer.base_batch_size = 256  # the batch the base rate was tuned for
+    c.optimizer.momentum = 0.9  # sgd-family and LARS momentum; adam's b1
     c.optimizer.weight_decay = 0.0
-    c.optimizer.schedule = "constant"  # constant | cosine
+    c.optimizer.exclude = r"(^|/)(bias|scale)$"  # params without weight decay / LARS-LAMB trust ratio
+    c.optimizer.trust_coefficient = 0.001  # LARS's eta
+    c.optimizer.schedule = "constant"  # constant | cosine | polynomial | step, after linear warmup
     c.optimizer.warmup_steps = 0
+    c.optimizer.decay_power = 2.0  # polynomial schedule
+    c.optimizer.step_boundaries = (0.5, 0.75)  # step schedule: fractions of the post-warmup steps
+    c.optimizer.step_factor = 0.1  # step schedule: multiplier at each boundary
     c.global_batch_size = 128
+    c.grad_accum_steps = 1  # micro-batches per step (one gradient accumulator, one all-reduce)
     c.num_epochs = 10.0
     c.num_steps = 0  # > 0 overrides num_epochs
+
+    # Precision: params / compute / output / reduce (gradient communication) dtypes.
+    c.precision = "params=float32,compute=float32,output=float32,reduce=float32"
+    c.loss_scale = ConfigDict()
+    c.loss_scale.name = "auto"  # auto (dynamic iff float16 is in the policy) | dynamic | none
+    c.loss_scale.initial = 2.0**15
+    c.loss_scale.growth_interval = 2000
+    c.loss_scale.backoff = 0.5
+    c.loss_scale.min_scale = 1.0
 
     # Evaluation and logging.
     c.eval_batch_size = 256
@@ -175,6 +193,10 @@ def validate(config: ConfigDict) -> None:
     if not all(isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
                for a in mesh):
         raise ConfigError(f"mesh={mesh!r} must be (name, size) pairs, e.g. (('data', -1),) or (('data', 4), ('model', 2))")
+    if config.grad_accum_steps < 1:
+        raise ConfigError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
+    if config.loss_scale.name not in LOSS_SCALES:
+        raise ConfigError(f"loss_scale.name={config.loss_scale.name!r} is unknown; choose one of {list(LOSS_SCALES)}")
     if "model" not in config or "name" not in config.model:
         raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
 

@@ -1,32 +1,93 @@
-"""Optimizers and learning-rate schedules, by name, built on optax.
+"""Optimizers, learning-rate schedules and large-batch scaling rules, by name, on optax.
 
 Every optimizer is an optax ``GradientTransformation`` — the pure ``(init,
 update)`` pair with explicit state (DESIGN.md §4.3) — so its state lives in the
-train state and in checkpoints.
+train state and in checkpoints. Nothing here re-implements an optimizer: LARS
+(You et al. 2017) and LAMB (You et al. 2019) are optax's building blocks,
+composed with masks.
+
+Large-batch training (the Hitchhiker's Guide §4.1): the linear scaling rule
+``lr = base_lr × global_batch / base_batch`` with gradual warmup (Goyal et al.
+2017), or the square-root rule (Krizhevsky 2014); layer-wise trust ratios (LARS,
+LAMB) that exclude biases and normalisation parameters, like weight decay does.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Sequence
+
+import jax
 import optax
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars", "lamb")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "polynomial", "step")
+SCALING_RULES = ("none", "linear", "sqrt")
+# Biases and normalisation scales/offsets: no weight decay, no trust ratio (LARS paper §3, Goyal et al. §5).
+DEFAULT_EXCLUDE = r"(^|/)(bias|scale)$"
 
 
 class OptimizerError(ValueError):
-    """Unknown optimizer or schedule, or a value out of range."""
+    """Unknown optimizer, schedule or rule, or a value out of range."""
 
 
-def make_schedule(name: str, learning_rate: float, total_steps: int, warmup_steps: int = 0) -> optax.Schedule:
-    """Linear warmup from 0 over ``warmup_steps`` (Goyal et al. 2017), then ``name``."""
+def scaled_learning_rate(base_lr: float, global_batch: int, base_batch: int, rule: str = "none") -> float:
+    """Peak learning rate for ``global_batch`` under a batch-size scaling rule.
+
+    ``linear``: ``base_lr × global_batch / base_batch`` (Goyal et al. 2017);
+    ``sqrt``: ``base_lr × sqrt(global_batch / base_batch)`` (Krizhevsky 2014);
+    ``none``: ``base_lr``.
+    """
+    if base_lr <= 0:
+        raise OptimizerError(f"optimizer.learning_rate={base_lr} must be > 0")
+    if rule not in SCALING_RULES:
+        raise OptimizerError(f"unknown optimizer.scaling {rule!r}; choose one of {list(SCALING_RULES)}")
+    if rule != "none" and base_batch < 1:
+        raise OptimizerError(f"optimizer.base_batch_size={base_batch} must be >= 1")
+    ratio = global_batch / base_batch if rule != "none" else 1.0
+    return base_lr * (ratio if rule == "linear" else math.sqrt(ratio))
+
+
+def make_schedule(
+    name: str,
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    *,
+    power: float = 2.0,
+    boundaries: Sequence[float] = (0.5, 0.75),
+    factor: float = 0.1,
+) -> optax.Schedule:
+    """Linear warmup from 0 over ``warmup_steps`` (Goyal et al. 2017), then ``name``.
+
+    Args:
+      name: ``constant``; ``cosine`` (to 0); ``polynomial`` (to 0 with ``power``,
+        2 as in the LARS paper); ``step`` (multiply by ``factor`` at each fraction
+        of the post-warmup steps in ``boundaries``).
+      learning_rate: the peak rate, reached at the end of warmup.
+      total_steps: length of training, warmup included.
+      warmup_steps: steps of linear warmup.
+    """
     if learning_rate <= 0:
         raise OptimizerError(f"optimizer.learning_rate={learning_rate} must be > 0")
     if not 0 <= warmup_steps <= total_steps:
         raise OptimizerError(f"optimizer.warmup_steps={warmup_steps} must be in [0, total steps={total_steps}]")
+    decay_steps = max(total_steps - warmup_steps, 1)
     if name == "constant":
         decay = optax.constant_schedule(learning_rate)
     elif name == "cosine":
-        decay = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup_steps, 1))
+        decay = optax.cosine_decay_schedule(learning_rate, decay_steps)
+    elif name == "polynomial":
+        if power <= 0:
+            raise OptimizerError(f"optimizer.decay_power={power} must be > 0")
+        decay = optax.polynomial_schedule(learning_rate, 0.0, power, decay_steps)
+    elif name == "step":
+        if not all(0 < b < 1 for b in boundaries) or list(boundaries) != sorted(boundaries):
+            raise OptimizerError(f"optimizer.step_boundaries={tuple(boundaries)} must be increasing fractions in (0, 1)")
+        if not 0 < factor < 1:
+            raise OptimizerError(f"optimizer.step_factor={factor} must be in (0, 1)")
+        decay = optax.piecewise_constant_schedule(learning_rate, {round(b * decay_steps): factor for b in boundaries})
     else:
         raise OptimizerError(f"unknown optimizer.schedule {name!r}; choose one of {list(SCHEDULES)}")
     if not warmup_steps:
@@ -35,17 +96,42 @@ def make_schedule(name: str, learning_rate: float, total_steps: int, warmup_step
     return optax.join_schedules([warmup, decay], [warmup_steps])
 
 
+def path_mask(exclude: str):
+    """A mask function: True for parameters whose path (``"Dense_0/kernel"``) does not match ``exclude``."""
+    try:
+        pattern = re.compile(exclude)
+    except re.error as e:
+        raise OptimizerError(f"optimizer.exclude={exclude!r} is not a valid regular expression: {e}") from None
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: not pattern.search(_path_str(path)), params)
+
+    return mask
+
+
 def make_optimizer(
-    name: str, learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.9, weight_decay: float = 0.0
+    name: str,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    exclude: str = DEFAULT_EXCLUDE,
+    trust_coefficient: float = 0.001,
 ) -> optax.GradientTransformation:
     """The optax optimizer ``name``.
 
     Args:
       name: one of :data:`OPTIMIZERS`.
       learning_rate: a float or an optax schedule.
-      momentum: momentum coefficient of the SGD family; ``b1`` of Adam-like optimizers.
+      momentum: momentum coefficient of the SGD family and LARS; ``b1`` of Adam-like optimizers.
       weight_decay: decoupled weight decay (adamw, lars, lamb) or L2 added to the
         gradient (sgd family, adam).
+      exclude: regex on parameter paths that get neither weight decay nor a
+        LARS/LAMB trust ratio (default: biases and normalisation parameters).
+      trust_coefficient: LARS's η.
+
+    Example:
+      >>> tx = make_optimizer("lars", make_schedule("polynomial", 2.0, 1000, 50), weight_decay=1e-4)
     """
     if isinstance(learning_rate, (int, float)) and learning_rate <= 0:
         raise OptimizerError(f"optimizer.learning_rate={learning_rate} must be > 0")
@@ -53,7 +139,8 @@ def make_optimizer(
         raise OptimizerError(f"optimizer.momentum={momentum} must be in [0, 1)")
     if weight_decay < 0:
         raise OptimizerError(f"optimizer.weight_decay={weight_decay} must be >= 0")
-    l2 = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+    mask = path_mask(exclude)
+    l2 = [optax.add_decayed_weights(weight_decay, mask=mask)] if weight_decay else []
     if name == "sgd":
         return optax.chain(*l2, optax.sgd(learning_rate))
     if name in ("momentum", "nesterov"):
@@ -61,9 +148,20 @@ def make_optimizer(
     if name == "adam":
         return optax.chain(*l2, optax.adam(learning_rate, b1=momentum))
     if name == "adamw":
-        return optax.adamw(learning_rate, b1=momentum, weight_decay=weight_decay)
+        return optax.adamw(learning_rate, b1=momentum, weight_decay=weight_decay, mask=mask)
     if name == "lars":
-        return optax.lars(learning_rate, weight_decay=weight_decay, momentum=momentum)
+        return optax.lars(learning_rate, weight_decay=weight_decay, weight_decay_mask=mask,
+                          trust_coefficient=trust_coefficient, trust_ratio_mask=mask, momentum=momentum)
     if name == "lamb":
-        return optax.lamb(learning_rate, b1=momentum, weight_decay=weight_decay)
+        # optax.lamb with a trust-ratio mask (optax's own applies the ratio to every leaf).
+        return optax.chain(
+            optax.scale_by_adam(b1=momentum, b2=0.999, eps=1e-6),
+            optax.add_decayed_weights(weight_decay, mask=mask),
+            optax.masked(optax.scale_by_trust_ratio(), mask),
+            optax.scale_by_learning_rate(learning_rate),
+        )
     raise OptimizerError(f"unknown optimizer.name {name!r}; choose one of {list(OPTIMIZERS)}")
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from dtx import mesh as mesh_lib
+from dtx.precision import LossScaler, LossScaleState
 
 
 @flax.struct.dataclass
@@ -29,6 +30,7 @@ class TrainState:
       opt_state: the optax optimizer state.
       rng: raw uint32 PRNG key data; each step splits it, so dropout differs per step
         yet a run is reproducible from ``seed``.
+      loss_scale: dynamic loss-scale state (scale 1 and inert unless float16 needs it).
     """
 
     step: jax.Array
@@ -36,6 +38,7 @@ class TrainState:
     model_state: Any
     opt_state: Any
     rng: jax.Array
+    loss_scale: LossScaleState
 
 
 def init_train_state(
@@ -44,6 +47,7 @@ def init_train_state(
     example_inputs: jax.ShapeDtypeStruct,
     seed: int,
     mesh: Mesh,
+    loss_scaler: LossScaler = LossScaler(),
 ) -> TrainState:
     """Create the state directly in its sharded layout.
 
@@ -57,6 +61,7 @@ def init_train_state(
       example_inputs: shape/dtype of one batch of inputs (its batch size is irrelevant).
       seed: the run's seed.
       mesh: the device mesh.
+      loss_scaler: gives the initial loss-scale state.
 
     Returns:
       A ``TrainState`` placed with :func:`state_shardings`.
@@ -73,6 +78,7 @@ def init_train_state(
             model_state=variables,
             opt_state=tx.init(params),
             rng=jax.random.key_data(state_rng),
+            loss_scale=loss_scaler.init(),
         )
 
     abstract = jax.eval_shape(init, seed)

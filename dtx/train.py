@@ -20,10 +20,10 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import optim
+from dtx import optim, precision
 from dtx.data import TrainLoader, eval_batches
 from dtx.state import TrainState, init_train_state, num_params
-from dtx.step import EvalStep, make_eval_step, make_train_step
+from dtx.step import EvalStep, check_accumulation, make_eval_step, make_train_step
 
 
 @dataclasses.dataclass
@@ -64,18 +64,27 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
 
-    # ------------------------------------------------- model, optimizer, state
+    # ------------------------------------------------- precision, model, optimizer
+    policy = precision.parse_policy(config.precision)
+    loss_scaler = _loss_scaler(config.loss_scale, policy)
     model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
-    model = models.build_model(config.model.name, num_classes=dataset.num_classes, **model_kwargs)
+    model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
+                               param_dtype=policy.params, **model_kwargs)
     opt = config.optimizer
-    learning_rate = optim.make_schedule(opt.schedule, opt.learning_rate, num_steps, opt.warmup_steps)
-    tx = optim.make_optimizer(opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay)
-    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
-    state = init_train_state(model, tx, example, config.seed, mesh)
+    peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
+                                         opt.scaling)
+    learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, opt.warmup_steps, power=opt.decay_power,
+                                        boundaries=opt.step_boundaries, factor=opt.step_factor)
+    tx = optim.make_optimizer(opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay,
+                              exclude=opt.exclude, trust_coefficient=opt.trust_coefficient)
+    check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
 
-    # -------------------------------------------------------------------- steps
-    train_step = make_train_step(model, tx, mesh, driver=config.driver)
-    eval_step = make_eval_step(model, mesh, driver=config.driver)
+    # -------------------------------------------------------------- state, steps
+    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
+    state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler)
+    train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
+                                 accum_steps=config.grad_accum_steps)
+    eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy)
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
 
     # --------------------------------------------------------------------- loop
@@ -83,7 +92,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json(indent=2))
     writer = metrics_lib.MetricWriter(workdir)
-    writer.write(0, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps})
+    writer.write(0, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
+                     "peak_learning_rate": peak_lr, "precision": str(policy)})
     bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress)
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
@@ -99,6 +109,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                 # collectives need (DESIGN.md §2), without starving dispatch.
                 jax.block_until_ready(previous[1])
                 done = previous[0]
+                if loss_scaler.enabled:
+                    _check_loss_scale(done, jax.device_get(previous[1]), loss_scaler)
                 if done % config.log_every == 0:
                     elapsed = time.perf_counter() - window_start
                     rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
@@ -112,6 +124,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                 writer.write(step + 1, evaluate(eval_step, state, test_batches))
         if previous is not None:
             record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
+            if loss_scaler.enabled:
+                _check_loss_scale(previous[0], record, loss_scaler)
             writer.write(previous[0], record)
             bar.update(previous[0], record["loss"], rate)
 
@@ -128,3 +142,21 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:
     correct = sum(int(s["correct"]) for s in sums)
     loss_sum = float(np.sum([np.float64(s["loss_sum"]) for s in sums]))
     return {"test_accuracy": correct / count, "test_loss": loss_sum / count, "test_examples": count}
+
+
+def _loss_scaler(settings: ConfigDict, policy: precision.Policy) -> precision.LossScaler:
+    enabled = settings.name == "dynamic" or (settings.name == "auto" and policy.needs_loss_scaling)
+    return precision.LossScaler(enabled=enabled, initial_scale=settings.initial,
+                                growth_interval=settings.growth_interval, backoff=settings.backoff,
+                                min_scale=settings.min_scale)
+
+
+def _check_loss_scale(step: int, metrics: dict, scaler: precision.LossScaler) -> None:
+    """Non-finite gradients at the minimum scale are divergence, not float16 overflow: stop."""
+    if metrics["skipped"] and float(metrics["loss_scale"]) <= scaler.min_scale:
+        raise FloatingPointError(
+            f"step {step}: gradients are non-finite even at the minimum loss scale "
+            f"(loss_scale.min_scale={scaler.min_scale}); the run diverged (NaN/inf in the loss or the data) "
+            "rather than overflowing float16. Lower optimizer.learning_rate, check the inputs, or use "
+            "compute=bfloat16. The parameters were left at their last finite values."
+        )
