@@ -14,19 +14,16 @@ Quick start (a notebook's first cell, before any JAX computation)::
 
 from dtx.config import ConfigError, base_config, load, override
 from dtx.mesh import MeshError, emulate_cpu_devices, make_mesh
+from dtx.precision import LossScaler, Policy, parse_policy
 from dtx.state import TrainState, init_train_state
 from dtx.step import make_eval_step, make_train_step
 
-
-def train(config, workdir):
-    """Run an experiment config; see :func:`dtx.train.train`."""
-    from dtx.train import train as _train  # imported lazily: pulls in datasets, metrics writers
-
-    return _train(config, workdir)
-
+# Bound after the submodule import on purpose: ``dtx.train`` is the function, not the module.
+from dtx.train import TrainResult, train  # noqa: E402  isort: skip
 
 __all__ = [
-    "ConfigError", "MeshError", "TrainState", "base_config", "emulate_cpu_devices", "init_train_state",
-    "load", "make_eval_step", "make_mesh", "make_train_step", "override", "train",
+    "ConfigError", "LossScaler", "MeshError", "Policy", "TrainResult", "TrainState", "base_config",
+    "emulate_cpu_devices", "init_train_state", "load", "make_eval_step", "make_mesh", "make_train_step",
+    "override", "parse_policy", "train",
 ]
 __version__ = "0.1.0"

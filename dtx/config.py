@@ -60,6 +60,7 @@ def base_config() -> ConfigDict:
     c.optimizer.trust_coefficient = 0.001  # LARS's eta
     c.optimizer.schedule = "constant"  # constant | cosine | polynomial | step, after linear warmup
     c.optimizer.warmup_steps = 0
+    c.optimizer.warmup_epochs = 0.0  # alternative to warmup_steps (Goyal et al. count warmup in epochs)
     c.optimizer.decay_power = 2.0  # polynomial schedule
     c.optimizer.step_boundaries = (0.5, 0.75)  # step schedule: fractions of the post-warmup steps
     c.optimizer.step_factor = 0.1  # step schedule: multiplier at each boundary
@@ -193,6 +194,8 @@ def validate(config: ConfigDict) -> None:
     if not all(isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
                for a in mesh):
         raise ConfigError(f"mesh={mesh!r} must be (name, size) pairs, e.g. (('data', -1),) or (('data', 4), ('model', 2))")
+    if config.optimizer.warmup_steps and config.optimizer.warmup_epochs:
+        raise ConfigError("set optimizer.warmup_steps or optimizer.warmup_epochs, not both")
     if config.grad_accum_steps < 1:
         raise ConfigError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
     if config.loss_scale.name not in LOSS_SCALES:

@@ -73,11 +73,14 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     opt = config.optimizer
     peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
                                          opt.scaling)
-    learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, opt.warmup_steps, power=opt.decay_power,
+    warmup_steps = opt.warmup_steps or round(opt.warmup_epochs * loader.steps_per_epoch)
+    learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, warmup_steps, power=opt.decay_power,
                                         boundaries=opt.step_boundaries, factor=opt.step_factor)
     tx = optim.make_optimizer(opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay,
                               exclude=opt.exclude, trust_coefficient=opt.trust_coefficient)
     check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
+    # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
+    lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps)))
 
     # -------------------------------------------------------------- state, steps
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
@@ -115,7 +118,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                     elapsed = time.perf_counter() - window_start
                     rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
                     record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
-                    record["learning_rate"] = float(learning_rate(done - 1))
+                    record["learning_rate"] = float(lr_by_step[done - 1])
                     writer.write(done, {**record, "examples_per_sec": rate})
                     bar.update(done, record["loss"], rate)
                     window_start, window_steps = time.perf_counter(), 1

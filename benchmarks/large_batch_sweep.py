@@ -1,0 +1,72 @@
+"""Large-batch study: final test accuracy vs global batch for SGD-momentum, LARS and LAMB.
+
+Every run trains experiments/large_batch.py for the same 20 epochs with the linear
+scaling rule and 2 warmup epochs; only the global batch (128 ... 8192, i.e. up to
+64x the base batch) and the optimizer change. Writes a Markdown table (stdout), a
+CSV and a PNG.
+
+    python benchmarks/large_batch_sweep.py [--out docs] [--batches 128,256,...] [--optimizers momentum,lars,lamb]
+"""
+
+import argparse
+import csv
+import os
+import sys
+import tempfile
+import time
+
+import jax
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(REPO, "docs"))
+    parser.add_argument("--batches", default="128,256,512,1024,2048,4096,8192")
+    parser.add_argument("--optimizers", default="momentum,lars,lamb")
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)
+    import dtx
+    from dtx import plots
+
+    batches = [int(b) for b in args.batches.split(",")]
+    optimizers = args.optimizers.split(",")
+    experiment = os.path.join(REPO, "experiments", "large_batch.py")
+    rows = []
+    for optimizer in optimizers:
+        for batch in batches:
+            config = dtx.load(f"{experiment}:{optimizer}", [f"--config.global_batch_size={batch}",
+                                                             "--config.progress=False"])
+            start = time.perf_counter()
+            with tempfile.TemporaryDirectory() as workdir:
+                result = dtx.train(config, os.path.join(workdir, "run"))
+            rows.append(dict(optimizer=optimizer, global_batch=batch, steps=int(result.state.step),
+                             peak_lr=dtx.optim.scaled_learning_rate(config.optimizer.learning_rate, batch,
+                                                                    config.optimizer.base_batch_size, "linear"),
+                             test_accuracy=result.metrics["test_accuracy"],
+                             seconds=time.perf_counter() - start))
+            print(rows[-1], file=sys.stderr, flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "large_batch.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    series = {o: ([r["global_batch"] for r in rows if r["optimizer"] == o],
+                  [100 * r["test_accuracy"] for r in rows if r["optimizer"] == o]) for o in optimizers}
+    png = plots.line_plot(series, os.path.join(args.out, "large_batch.png"), logx=True,
+                          title="Large-batch training: 20 epochs, linear LR scaling + warmup",
+                          xlabel="global batch", ylabel="test accuracy (%)")
+    print("| global batch | steps | " + " | ".join(f"{o} (peak lr, acc %)" for o in optimizers) + " |")
+    print("|---|---|" + "---|" * len(optimizers))
+    for batch in batches:
+        cells = [r for r in rows if r["global_batch"] == batch]
+        print(f"| {batch} | {cells[0]['steps']} | "
+              + " | ".join(f"{r['peak_lr']:.3g}, {100 * r['test_accuracy']:.2f}" for r in cells) + " |")
+    print(f"\nplot: {png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

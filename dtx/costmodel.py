@@ -1,0 +1,182 @@
+"""The α-β(-γ) cost model of allreduce algorithms.
+
+A message of ``n`` bytes costs ``α + n·β`` (latency plus bytes over bandwidth) and
+reducing ``n`` bytes costs ``n·γ`` — the model of Thakur, Rabenseifner & Gropp,
+*Optimization of Collective Communication Operations in MPICH* (IJHPCA 2005), which
+the Hitchhiker's Guide (Chahal et al., arXiv 1810.11787, §4) uses to compare
+All-Reduce strategies. For ``p`` devices and ``n`` bytes per device (``q = 2^⌊lg p⌋``,
+``k = lg q``, ``r = p − q`` ranks left over, ``L = ⌈lg p⌉``; ``[r>0]`` is 1 or 0):
+
+=====================  ===================  ==============================  ==========================
+algorithm              α (rounds)           β (bytes on the critical path)  γ (bytes reduced)
+=====================  ===================  ==============================  ==========================
+ring (Patarasuk-Yuan)  2(p−1)               2(p−1)/p·n                      (p−1)/p·n
+halving_doubling       2k + 2[r>0]          2(q−1)/q·n + 2[r>0]·n           (q−1)/q·n + [r>0]·n
+recursive_doubling     k + 2[r>0]           (k + 2[r>0])·n                  (k + [r>0])·n
+tree (binomial)        2L                   2L·n                            L·n
+hierarchical m×s       2(s−1) + 2(m−1)      2(s−1)/s·n + 2(m−1)/m·n/s       (s−1)/s·n + (m−1)/m·n/s
+=====================  ===================  ==============================  ==========================
+
+``psum`` is XLA's own collective; its schedule is not ours to see, so it is modelled
+as the ring (bandwidth-optimal, what NCCL picks for large messages). No allreduce can
+beat the bandwidth term ``2(p−1)/p·n·β`` (:func:`bandwidth_lower_bound`): every
+device must send and receive at least ``(p−1)/p`` of its data twice (Patarasuk & Yuan,
+*Bandwidth optimal all-reduce algorithms for clusters of workstations*, JPDC 2009).
+Non-powers of two fold the ``r`` extra ranks into partners first and unfold after
+(Thakur et al. §4), which is where the ``[r>0]`` terms come from. Hierarchical is a
+2D allreduce over an ``m × s`` mesh (outer × inner): reduce-scatter inside the inner
+axis, a ring allreduce of the ``n/s`` shard across the outer axis, all-gather inside.
+
+:func:`expected_traffic` gives what each algorithm *sends* per device, exactly, with
+the padding the implementations add so that chunks are equal; ``dtx.collectives``
+counts the same quantities from its own ppermute schedule and the tests hold the two
+equal. Pure Python: nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+ALGORITHMS: tuple[str, ...] = ("psum", "ring", "halving_doubling", "recursive_doubling", "tree", "hierarchical")
+
+
+class CollectiveError(ValueError):
+    """A bad allreduce algorithm, axis set, bucket size or cost-model argument."""
+
+
+class Traffic(NamedTuple):
+    """What one device sends during an allreduce: message count and bytes.
+
+    Where devices differ (tree root vs leaves, the partners of folded ranks) each
+    field is the maximum over devices, taken separately.
+    """
+
+    messages: int
+    bytes_sent: int
+
+
+class CostTerms(NamedTuple):
+    """Coefficients of α, β and γ: time = rounds·α + path_bytes·β + reduced_bytes·γ."""
+
+    rounds: float
+    path_bytes: float
+    reduced_bytes: float
+
+
+def check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise CollectiveError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def _check_sizes(algorithm: str, nbytes: float, p: int, inner: int | None) -> tuple[int, int]:
+    """Validate and return ``(outer, inner)`` for hierarchical, ``(p, 1)`` otherwise."""
+    check_algorithm(algorithm)
+    if p < 1 or int(p) != p:
+        raise CollectiveError(f"device count p must be a positive integer, got {p!r}")
+    if nbytes < 0:
+        raise CollectiveError(f"message size must be >= 0 bytes, got {nbytes!r}")
+    if algorithm != "hierarchical":
+        return p, 1
+    if inner is None or inner < 1 or p % inner:
+        raise CollectiveError(
+            f"hierarchical needs inner = the inner-axis size, a divisor of p={p}; got inner={inner!r} "
+            "(e.g. p=8, inner=4 for a mesh [('node', 2), ('local', 4)])"
+        )
+    return p // inner, inner
+
+
+def _pow2_split(p: int) -> tuple[int, int, int]:
+    """``(q, k, r)``: the largest power of two ``q = 2^k <= p`` and the ``r = p − q`` extras."""
+    k = p.bit_length() - 1
+    return 1 << k, k, p - (1 << k)
+
+
+def cost_terms(algorithm: str, nbytes: float, p: int, inner: int | None = None) -> CostTerms:
+    """The α, β and γ coefficients of one allreduce of ``nbytes`` per device (table above)."""
+    outer, inner = _check_sizes(algorithm, nbytes, p, inner)
+    n = float(nbytes)
+    q, k, r = _pow2_split(p)
+    fold = 1 if r else 0
+    lg = math.ceil(math.log2(p)) if p > 1 else 0
+    if algorithm in ("psum", "ring"):
+        return CostTerms(2 * (p - 1), 2 * (p - 1) / p * n, (p - 1) / p * n)
+    if algorithm == "halving_doubling":
+        return CostTerms(2 * k + 2 * fold, 2 * (q - 1) / q * n + 2 * fold * n, (q - 1) / q * n + fold * n)
+    if algorithm == "recursive_doubling":
+        return CostTerms(k + 2 * fold, (k + 2 * fold) * n, (k + fold) * n)
+    if algorithm == "tree":
+        return CostTerms(2 * lg, 2 * lg * n, lg * n)
+    # hierarchical: inner reduce-scatter + outer ring on the n/inner shard + inner all-gather.
+    shard = n / inner
+    return CostTerms(
+        2 * (inner - 1) + 2 * (outer - 1),
+        2 * (inner - 1) / inner * n + 2 * (outer - 1) / outer * shard,
+        (inner - 1) / inner * n + (outer - 1) / outer * shard,
+    )
+
+
+def predict_time(
+    algorithm: str,
+    nbytes: float,
+    p: int,
+    alpha: float,
+    beta: float,
+    gamma: float = 0.0,
+    inner: int | None = None,
+) -> float:
+    """Modelled seconds for one allreduce of ``nbytes`` per device over ``p`` devices.
+
+    Args:
+      algorithm: one of :data:`ALGORITHMS`.
+      nbytes: bytes each device contributes (and receives back).
+      p: number of devices.
+      alpha: latency per message round, seconds.
+      beta: seconds per byte on a link (1 / bandwidth).
+      gamma: seconds per byte reduced (the local additions).
+      inner: inner-axis size for ``hierarchical`` (``p // inner`` is the outer size).
+
+    Returns:
+      ``rounds·α + path_bytes·β + reduced_bytes·γ`` from :func:`cost_terms`.
+    """
+    terms = cost_terms(algorithm, nbytes, p, inner)
+    return terms.rounds * alpha + terms.path_bytes * beta + terms.reduced_bytes * gamma
+
+
+def bandwidth_lower_bound(nbytes: float, p: int, beta: float) -> float:
+    """``2(p−1)/p·n·β``: no allreduce moves less data per device (Patarasuk & Yuan 2009)."""
+    return 2 * (p - 1) / p * nbytes * beta
+
+
+def expected_traffic(algorithm: str, nbytes: int, p: int, inner: int | None = None, itemsize: int = 1) -> Traffic:
+    """Messages and bytes one device sends (maximum over devices), in closed form.
+
+    ``nbytes`` must be a whole number of ``itemsize``-byte elements. Chunked
+    algorithms pad the ``e = nbytes / itemsize`` elements up to a multiple of the
+    number of chunks, so for ``p ∤ e`` the bytes exceed the smooth formula above by
+    the padding: e.g. the ring sends ``2(p−1)·⌈e/p⌉`` elements.
+    """
+    outer, inner = _check_sizes(algorithm, nbytes, p, inner)
+    if itemsize < 1 or nbytes % itemsize:
+        raise CollectiveError(f"nbytes={nbytes} is not a whole number of {itemsize}-byte elements")
+    e = nbytes // itemsize
+    if e == 0 or p == 1:
+        return Traffic(0, 0)
+    q, k, r = _pow2_split(p)
+    fold = 1 if r else 0
+    if algorithm in ("psum", "ring"):
+        return Traffic(2 * (p - 1), 2 * (p - 1) * -(-e // p) * itemsize)
+    if algorithm == "halving_doubling":
+        # The partner of a folded rank receives its vector, runs the core, sends the result back.
+        return Traffic(2 * k + fold, (2 * (q - 1) * -(-e // q) + fold * e) * itemsize)
+    if algorithm == "recursive_doubling":
+        return Traffic(k + fold, (k + fold) * e * itemsize)
+    if algorithm == "tree":
+        # Rank 0 sends the whole vector to each of its ⌈lg p⌉ children in the broadcast.
+        lg = math.ceil(math.log2(p))
+        return Traffic(lg, lg * e * itemsize)
+    shard = -(-e // inner)
+    return Traffic(
+        2 * (inner - 1) + 2 * (outer - 1),
+        (2 * (inner - 1) * shard + 2 * (outer - 1) * -(-shard // outer)) * itemsize,
+    )
