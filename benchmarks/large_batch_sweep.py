@@ -6,6 +6,7 @@ scaling rule and 2 warmup epochs; only the global batch (128 ... 8192, i.e. up t
 CSV and a PNG.
 
     python benchmarks/large_batch_sweep.py [--out docs] [--batches 128,256,...] [--optimizers momentum,lars,lamb]
+        [--set KEY=VALUE ...]
 """
 
 import argparse
@@ -26,6 +27,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(REPO, "docs"))
     parser.add_argument("--batches", default="128,256,512,1024,2048,4096,8192")
     parser.add_argument("--optimizers", default="momentum,lars,lamb")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every run, e.g. --set optimizer.learning_rate=0.25")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
@@ -37,8 +40,8 @@ def main():
     rows = []
     for optimizer in optimizers:
         for batch in batches:
-            config = dtx.load(f"{experiment}:{optimizer}", [f"--config.global_batch_size={batch}",
-                                                             "--config.progress=False"])
+            overrides = [f"--config.global_batch_size={batch}", "--config.progress=False"]
+            config = dtx.load(f"{experiment}:{optimizer}", overrides + [f"--config.{kv}" for kv in args.set])
             start = time.perf_counter()
             with tempfile.TemporaryDirectory() as workdir:
                 result = dtx.train(config, os.path.join(workdir, "run"))
