@@ -36,6 +36,9 @@ def base_config() -> ConfigDict:
     c.emulate_cpu_devices = 8  # CPU devices to emulate before JAX starts; 0 leaves the backend alone
     c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
+    c.parallel = ConfigDict()
+    c.parallel.name = "data"  # data | model | hybrid | fsdp | rules (model/hybrid/fsdp/rules need driver=jit)
+    c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
 
     # Data.
     c.dataset = ConfigDict()

@@ -48,12 +48,14 @@ def init_train_state(
     seed: int,
     mesh: Mesh,
     loss_scaler: LossScaler = LossScaler(),
+    shardings: TrainState | None = None,
 ) -> TrainState:
     """Create the state directly in its sharded layout.
 
-    ``eval_shape`` gives the state's structure without computing it; the shardings
-    are derived from that; then one jitted ``init`` writes every array straight
-    into place (no host copy, no replicate-then-reshard).
+    ``eval_shape`` gives the state's structure without computing it (see
+    :func:`abstract_train_state`), the shardings are derived from that, then one
+    jitted ``init`` writes every array straight into place — no host copy, no
+    replicate-then-reshard, so a model too large for one device can be created.
 
     Args:
       model: a flax module called as ``model(inputs, train=...)``.
@@ -62,11 +64,37 @@ def init_train_state(
       seed: the run's seed.
       mesh: the device mesh.
       loss_scaler: gives the initial loss-scale state.
+      shardings: a ``NamedSharding`` per leaf (see :func:`dtx.parallel.state_shardings`);
+        default: everything replicated (data parallelism).
 
     Returns:
-      A ``TrainState`` placed with :func:`state_shardings`.
+      The ``TrainState``, placed with ``shardings``.
     """
+    init = _init_fn(model, tx, example_inputs, loss_scaler)
+    if shardings is None:
+        shardings = replicated_shardings(jax.eval_shape(init, seed), mesh)
+    return jax.jit(init, out_shardings=shardings)(seed)
 
+
+def abstract_train_state(
+    model: nn.Module, tx: optax.GradientTransformation, example_inputs: jax.ShapeDtypeStruct,
+    loss_scaler: LossScaler = LossScaler(),
+) -> TrainState:
+    """The state's structure, shapes and dtypes, computed without allocating it."""
+    return jax.eval_shape(_init_fn(model, tx, example_inputs, loss_scaler), 0)
+
+
+def replicated_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+    """Every leaf replicated (data parallelism, Hitchhiker's §3.1)."""
+    replicated: NamedSharding = mesh_lib.replicated(mesh)
+    return jax.tree.map(lambda _: replicated, abstract_state)
+
+
+def num_params(state: TrainState) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(state.params))
+
+
+def _init_fn(model, tx, example_inputs, loss_scaler):
     def init(seed):
         init_rng, state_rng = jax.random.split(jax.random.key(seed))
         dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
@@ -81,15 +109,4 @@ def init_train_state(
             loss_scale=loss_scaler.init(),
         )
 
-    abstract = jax.eval_shape(init, seed)
-    return jax.jit(init, out_shardings=state_shardings(abstract, mesh))(seed)
-
-
-def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
-    """Sharding of every state leaf: replicated (data parallelism, Hitchhiker's §3.1)."""
-    replicated: NamedSharding = mesh_lib.replicated(mesh)
-    return jax.tree.map(lambda _: replicated, abstract_state)
-
-
-def num_params(state: TrainState) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(state.params))
+    return init

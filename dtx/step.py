@@ -62,6 +62,7 @@ def make_train_step(
     loss_scaler: LossScaler = LossScaler(),
     accum_steps: int = 1,
     grad_reduce: Callable[[tuple[str, ...]], GradReduce] | None = None,
+    state_shardings: Any = None,
     donate: bool = True,
 ) -> TrainStep:
     """Build the jitted ``(state, batch) -> (state, metrics)`` training step.
@@ -78,6 +79,9 @@ def make_train_step(
       grad_reduce: ``shard_map`` driver only: given the batch axes, returns the
         function that averages a gradient pytree over them (an allreduce
         algorithm); default ``lax.pmean``.
+      state_shardings: ``jit`` driver: the state's ``NamedSharding`` tree (model,
+        hybrid, FSDP partitionings; see :mod:`dtx.parallel`); default replicated.
+        The ``shard_map`` driver runs replicated (data-parallel) states only.
       donate: donate the input state's buffers to the output state.
 
     Returns:
@@ -92,6 +96,10 @@ def make_train_step(
     donate_argnums = (0,) if donate else ()
     common = dict(tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps)
     if driver == "shard_map":
+        if state_shardings is not None and not all(
+                s.is_fully_replicated for s in jax.tree.leaves(state_shardings)):
+            raise StepError("the shard_map driver runs data parallelism (replicated parameters); for model, "
+                            "hybrid or fsdp partitioning use --config.driver=jit")
         reduce = (grad_reduce or _pmean)(axes)
         body = functools.partial(
             _train_body, model=_synchronise_norm(model, axes), reduce=reduce, axes=axes, shards=1,
@@ -111,12 +119,14 @@ def make_train_step(
             constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), **common,
         )
         replicated, sharded = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
-        return jax.jit(body, in_shardings=(replicated, sharded), out_shardings=(replicated, replicated),
+        state_sharding = replicated if state_shardings is None else state_shardings
+        return jax.jit(body, in_shardings=(state_sharding, sharded), out_shardings=(state_sharding, replicated),
                        donate_argnums=donate_argnums)
     raise StepError(f"unknown driver {driver!r}; choose one of {list(DRIVERS)}")
 
 
-def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", policy: Policy = Policy()) -> EvalStep:
+def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", policy: Policy = Policy(),
+                   state_shardings: Any = None) -> EvalStep:
     """Build the jitted ``(state, batch) -> sums`` evaluation step.
 
     It returns *sums* over the examples whose ``batch["mask"]`` is true —
@@ -132,7 +142,8 @@ def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", p
         return jax.jit(per_device)
     if driver == "jit":
         body = functools.partial(_eval_body, model, policy, lambda tree: tree)
-        return jax.jit(body, in_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)),
+        state_sharding = mesh_lib.replicated(mesh) if state_shardings is None else state_shardings
+        return jax.jit(body, in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
     raise StepError(f"unknown driver {driver!r}; choose one of {list(DRIVERS)}")
 

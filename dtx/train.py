@@ -20,9 +20,9 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import optim, precision
+from dtx import optim, parallel, precision
 from dtx.data import TrainLoader, eval_batches
-from dtx.state import TrainState, init_train_state, num_params
+from dtx.state import TrainState, abstract_train_state, init_train_state, num_params
 from dtx.step import EvalStep, check_accumulation, make_eval_step, make_train_step
 
 
@@ -84,10 +84,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
 
     # -------------------------------------------------------------- state, steps
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
-    state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler)
+    abstract_state = abstract_train_state(model, tx, example, loss_scaler)
+    rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
+    shardings = parallel.state_shardings(abstract_state, rules, mesh)
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
-                                 accum_steps=config.grad_accum_steps)
-    eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy)
+                                 accum_steps=config.grad_accum_steps, state_shardings=shardings)
+    eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings)
+    state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
 
     # --------------------------------------------------------------------- loop

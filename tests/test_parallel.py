@@ -1,0 +1,154 @@
+"""Every partitioning computes what the unsharded model computes (Hitchhiker's §3, Das et al. §3).
+
+Tolerance: a sharded matmul sums its contraction in per-device partial sums plus
+an all-reduce, so float32 results differ from one device's in the last bits; the
+measured gap is < 1e-6 relative; we hold losses and gradients to rtol=1e-5,
+atol=1e-6.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import models
+from dtx import datasets
+from dtx import mesh as mesh_lib
+from dtx.data import TrainLoader
+from dtx.parallel import PartitionError, make_rules, param_specs, state_shardings
+from dtx.state import abstract_train_state, init_train_state
+from dtx.step import StepError, cross_entropy, make_train_step
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+MESHES = {"8": [("data", 8)], "4x2": [("data", 4), ("model", 2)], "2x4": [("data", 2), ("model", 4)]}
+CASES = [("data", "8"), ("fsdp", "8"), ("data", "4x2"), ("model", "4x2"), ("hybrid", "4x2"), ("fsdp", "4x2"),
+         ("model", "2x4"), ("hybrid", "2x4"), ("fsdp", "2x4")]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    # Widths divisible by 2 and 4 so every kernel can be split on both model meshes.
+    return models.build_model("lenet", conv_features=(4, 8), dense_features=(32,), num_classes=12)
+
+
+def _loss_and_grads(model, params, model_state, batch):
+    def loss_fn(p):
+        logits, _ = model.apply({"params": p, **model_state}, batch["inputs"], train=True, mutable=["batch_stats"])
+        return cross_entropy(logits, batch["labels"]).mean()
+
+    return jax.value_and_grad(loss_fn)(params)
+
+
+@pytest.fixture(scope="module")
+def reference(digits, lenet):
+    mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    state = jax.device_get(init_train_state(lenet, optax.sgd(0.1), example, 0, mesh))
+    batch = jax.device_get(TrainLoader(digits.train, 64, mesh, seed=0).batch(0))
+    return state, batch, jax.device_get(jax.jit(lambda p: _loss_and_grads(lenet, p, state.model_state, batch))(
+        state.params))
+
+
+@pytest.mark.parametrize("name,mesh_name", CASES)
+def test_partitioned_loss_and_gradients_equal_unsharded(reference, lenet, name, mesh_name):
+    state, batch, (ref_loss, ref_grads) = reference
+    mesh = mesh_lib.make_mesh(MESHES[mesh_name])
+    rules = make_rules(name, mesh, state.params)
+    specs = param_specs(rules, state.params, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    params = jax.device_put(state.params, shardings)
+    placed_batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
+    loss, grads = jax.jit(lambda p, b: _loss_and_grads(lenet, p, state.model_state, b),
+                          out_shardings=(mesh_lib.replicated(mesh), shardings))(params, placed_batch)
+    np.testing.assert_allclose(loss, ref_loss, **TOL)
+    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads),
+                          jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, **TOL, err_msg=jax.tree_util.keystr(path[0]))
+    # The layout is what the partitioning says it is.
+    kernels = {jax.tree_util.keystr(p, simple=True, separator="/"): leaf.sharding.spec
+               for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    if name == "hybrid":
+        assert kernels["Conv_0/kernel"] == PartitionSpec()  # convolutions data-parallel
+        assert kernels["Dense_0/kernel"] == PartitionSpec(None, "model")  # FC model-parallel in the group
+    if name == "model":
+        assert kernels["Conv_0/kernel"] == PartitionSpec(None, None, None, "model")
+
+
+@pytest.mark.parametrize("name,mesh_name", [("fsdp", "8"), ("hybrid", "4x2"), ("model", "2x4")])
+def test_partitioned_training_step_equals_one_device(digits, lenet, name, mesh_name):
+    """A whole jit-driver step (optimizer state sharded alike) == the 1-device step."""
+    # SGD-momentum: its param-shaped trace exercises the optimizer-state sharding. (Adam would turn
+    # last-bit noise on the conv biases, whose exact gradient under batch norm is 0, into full steps.)
+    tx = optax.sgd(0.1, momentum=0.9)
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    results = {}
+    for key, mesh in (("one", mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])),
+                      ("sharded", mesh_lib.make_mesh(MESHES[mesh_name]))):
+        abstract = abstract_train_state(lenet, tx, example)
+        shardings = state_shardings(abstract, make_rules(name if key == "sharded" else "data", mesh,
+                                                         abstract.params), mesh)
+        state = init_train_state(lenet, tx, example, 0, mesh, shardings=shardings)
+        step = make_train_step(lenet, tx, mesh, driver="jit", state_shardings=shardings)
+        loader = TrainLoader(digits.train, 64, mesh, seed=0)
+        for s in range(3):
+            state, metrics = step(state, loader.batch(s))
+            jax.block_until_ready(metrics)
+        results[key] = state
+    for a, b in zip(jax.tree.leaves(results["sharded"].params), jax.tree.leaves(results["one"].params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Optimizer moments live where their parameter lives.
+    trace = results["sharded"].opt_state[0].trace
+    for p, t in zip(jax.tree.leaves(results["sharded"].params), jax.tree.leaves(trace)):
+        assert t.sharding.is_equivalent_to(p.sharding, p.ndim)
+
+
+def test_fsdp_holds_one_eighth_of_the_parameters_per_device(digits):
+    # Every leaf of this LeNet has a dimension divisible by 8, so each is split 8 ways.
+    model = models.build_model("lenet", conv_features=(8, 16), dense_features=(64,), num_classes=16)
+    mesh = mesh_lib.make_mesh(MESHES["8"])
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    tx = optax.adam(1e-3)
+    abstract = abstract_train_state(model, tx, example)
+    shardings = state_shardings(abstract, make_rules("fsdp", mesh, abstract.params), mesh)
+    state = init_train_state(model, tx, example, 0, mesh, shardings=shardings)
+    total = sum(p.size for p in jax.tree.leaves(state.params))
+    for device in range(8):
+        held = sum(p.addressable_shards[device].data.size for p in jax.tree.leaves(state.params))
+        assert held * 8 == total
+    for leaf in jax.tree.leaves(state.opt_state[0].mu):  # Adam's moments are split alike (ZeRO)
+        assert {s.data.size for s in leaf.addressable_shards} == {leaf.size // 8}
+
+
+def test_clear_errors(digits, lenet):
+    mesh8 = mesh_lib.make_mesh(MESHES["8"])
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    params = abstract_train_state(lenet, optax.sgd(0.1), example).params
+    for name in ("model", "hybrid"):
+        with pytest.raises(PartitionError, match="needs a 'model' mesh axis"):
+            make_rules(name, mesh8, params)
+    with pytest.raises(PartitionError, match="unknown parallel.name 'tensor'"):
+        make_rules("tensor", mesh8, params)
+    with pytest.raises(PartitionError, match=r"Dense_1/kernel .* does not divide"):
+        param_specs(make_rules("rules", mesh8, params, [("Dense_1/kernel", (None, "data"))]), params, mesh8)
+    with pytest.raises(PartitionError, match="names axis 'model'"):
+        param_specs(make_rules("rules", mesh8, params, [("kernel", (None, "model"))]), params, mesh8)
+    abstract = abstract_train_state(lenet, optax.sgd(0.1), example)
+    shardings = state_shardings(abstract, make_rules("fsdp", mesh8, params), mesh8)
+    with pytest.raises(StepError, match="driver=jit"):
+        make_train_step(lenet, optax.sgd(0.1), mesh8, driver="shard_map", state_shardings=shardings)
+
+
+def test_explicit_rules_from_config_tuples(digits, lenet):
+    mesh = mesh_lib.make_mesh(MESHES["4x2"])
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    params = abstract_train_state(lenet, optax.sgd(0.1), example).params
+    rules = make_rules("rules", mesh, params, (("Dense_0/kernel", (None, "model")),))
+    specs = param_specs(rules, params, mesh)
+    assert specs["Dense_0"]["kernel"] == PartitionSpec(None, "model")
+    assert specs["Conv_0"]["kernel"] == PartitionSpec()
