@@ -164,4 +164,4 @@ def make_optimizer(
 
 
 def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return jax.tree_util.keystr(path, simple=True, separator="/")
