@@ -118,8 +118,8 @@ def _synthetic(seed: int, overrides) -> Dataset:
     if p["num_classes"] < 2:
         raise DatasetError(f"synthetic parameter num_classes must be >= 2, got {p['num_classes']}.")
     if isinstance(p["noise"], bool) or not isinstance(p["noise"], (int, float, np.number)) \
-            or not p["noise"] >= 0:
-        raise DatasetError(f"synthetic parameter noise must be a number >= 0, got {p['noise']!r}.")
+            or not (np.isfinite(p["noise"]) and p["noise"] >= 0):
+        raise DatasetError(f"synthetic parameter noise must be a finite number >= 0, got {p['noise']!r}.")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DatasetError(f"seed must be a non-negative int, got {seed!r}.")
 

@@ -83,11 +83,15 @@ def make_schedule(
             raise OptimizerError(f"optimizer.decay_power={power} must be > 0")
         decay = optax.polynomial_schedule(learning_rate, 0.0, power, decay_steps)
     elif name == "step":
-        if not all(0 < b < 1 for b in boundaries) or list(boundaries) != sorted(boundaries):
-            raise OptimizerError(f"optimizer.step_boundaries={tuple(boundaries)} must be increasing fractions in (0, 1)")
+        steps = [round(b * decay_steps) for b in boundaries]
+        if not all(0 < b < 1 for b in boundaries) or any(a >= b for a, b in zip(steps, steps[1:])):
+            raise OptimizerError(
+                f"optimizer.step_boundaries={tuple(boundaries)} must be increasing fractions in (0, 1) that fall "
+                f"on distinct steps of the {decay_steps} post-warmup steps (they fall on {steps})"
+            )
         if not 0 < factor < 1:
             raise OptimizerError(f"optimizer.step_factor={factor} must be in (0, 1)")
-        decay = optax.piecewise_constant_schedule(learning_rate, {round(b * decay_steps): factor for b in boundaries})
+        decay = optax.piecewise_constant_schedule(learning_rate, {step: factor for step in steps})
     else:
         raise OptimizerError(f"unknown optimizer.schedule {name!r}; choose one of {list(SCHEDULES)}")
     if not warmup_steps:

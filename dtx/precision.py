@@ -59,8 +59,10 @@ class Policy:
 
     @property
     def needs_loss_scaling(self) -> bool:
-        """float16 gradients underflow without loss scaling; bfloat16 has float32's range."""
-        return self.compute == np.dtype("float16") or self.reduce == np.dtype("float16")
+        """float16 anywhere on the gradient's path underflows without loss scaling (bfloat16 has
+        float32's range): gradients take the params' dtype, flow back through output and compute,
+        and travel in reduce."""
+        return np.dtype("float16") in (self.params, self.compute, self.output, self.reduce)
 
     def __str__(self) -> str:
         return ",".join(f"{f.name}={getattr(self, f.name).name}" for f in dataclasses.fields(self))

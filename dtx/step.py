@@ -227,6 +227,9 @@ def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, 
     """
 
     def split(x):
+        if x.shape[0] % (shards * k):
+            raise StepError(f"accum_steps={k} must divide the per-device batch {x.shape[0] // shards}; "
+                            "see dtx.step.check_accumulation")
         x = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:])
         return constrain(jnp.swapaxes(x, 0, 1).reshape((k, -1) + x.shape[3:]))
 

@@ -221,6 +221,7 @@ def test_one_gradient_all_reduce_per_step_whatever_k(runs, meshes, digits):
     assert any(eqn.primitive.name in _LOOPS for eqn, _ in eqns), "k=4 should loop over micro-batches"
     in_loop = [eqn.primitive.name for eqn, enclosing in eqns if _is_collective(eqn) and set(enclosing) & set(_LOOPS)]
     assert not in_loop, in_loop
-    gradient_reductions = [eqn for eqn, _ in eqns if _is_collective(eqn)
-                           and tuple(eqn.invars[0].aval.shape) in {leaf.shape for leaf in jax.tree.leaves(state.params)}]
+    param_shapes = {leaf.shape for leaf in jax.tree.leaves(state.params)}
+    gradient_reductions = [eqn for eqn, _ in eqns
+                           if _is_collective(eqn) and tuple(eqn.invars[0].aval.shape) in param_shapes]
     assert len(gradient_reductions) == len(jax.tree.leaves(state.params))  # one reduction per gradient leaf

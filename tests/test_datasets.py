@@ -115,7 +115,8 @@ def test_synthetic_learnable_by_nearest_centroid_above_chance():
     (dict(nosie=0.1), r"\['nosie'\].*valid keys.*noise.*num_train"),
     (dict(num_train=0), "num_train must be a positive int"),
     (dict(num_classes=1), "num_classes must be >= 2"),
-    (dict(noise=-1.0), "noise must be a number >= 0"),
+    (dict(noise=-1.0), "noise must be a finite number >= 0"),
+    (dict(noise=float("inf")), "noise must be a finite number >= 0"),
 ])
 def test_synthetic_bad_parameters(bad, match):
     with pytest.raises(DatasetError, match=match):

@@ -305,8 +305,9 @@ def test_trust_ratio_uses_the_global_tensor_under_sharding():
     expected = jax.jit(two_steps)(*jax.device_put((params, grads), cpu0))
     rows = NamedSharding(mesh, PartitionSpec("data"))
     whole = NamedSharding(mesh, PartitionSpec())
-    place = lambda t: {"kernel": jax.device_put(t["kernel"], rows), "bias": jax.device_put(t["bias"], whole)}  # noqa: E731
-    sharded_params, sharded_grads = place(params), place(grads)
+    sharded_params, sharded_grads = (
+        {"kernel": jax.device_put(t["kernel"], rows), "bias": jax.device_put(t["bias"], whole)} for t in (params, grads)
+    )
     assert sharded_params["kernel"].addressable_shards[0].data.shape == (8, 16)  # really split
     got = jax.jit(two_steps)(sharded_params, sharded_grads)
     for a, b in zip(_leaves(got), _leaves(expected)):
