@@ -53,6 +53,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         # Bad input found before training started: say what and how to fix it, no traceback.
         print(f"dtx: error: {e}", file=sys.stderr)
         return 2
+    if result.preempted:
+        print(f"preempted: checkpoint saved at step {int(result.state.step)}; run the same command to resume")
+        return 0
     final = result.metrics
     print(
         f"step {int(result.state.step)}: test_accuracy {final['test_accuracy']:.4f}  "

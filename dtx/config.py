@@ -21,6 +21,7 @@ from ml_collections import ConfigDict
 
 DRIVERS = ("shard_map", "jit")
 LOSS_SCALES = ("auto", "dynamic", "none")
+RESUME_MODES = ("auto", "must", "never")
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,14 @@ def base_config() -> ConfigDict:
     c.loss_scale.growth_interval = 2000
     c.loss_scale.backoff = 0.5
     c.loss_scale.min_scale = 1.0
+
+    # Checkpoints (orbax): every N steps and at the end; SIGTERM saves at the next step and exits 0.
+    c.checkpoint = ConfigDict()
+    c.checkpoint.every_steps = 0  # 0: no checkpoints
+    c.checkpoint.keep = 3  # newest checkpoints kept
+    c.checkpoint.resume = "auto"  # auto (resume if a checkpoint exists) | must | never
+    c.checkpoint.async_save = True
+    c.checkpoint.dir = ""  # default WORKDIR/checkpoints
 
     # Evaluation and logging.
     c.eval_batch_size = 256
@@ -199,6 +208,10 @@ def validate(config: ConfigDict) -> None:
         raise ConfigError(f"mesh={mesh!r} must be (name, size) pairs, e.g. (('data', -1),) or (('data', 4), ('model', 2))")
     if config.optimizer.warmup_steps and config.optimizer.warmup_epochs:
         raise ConfigError("set optimizer.warmup_steps or optimizer.warmup_epochs, not both")
+    if config.checkpoint.resume not in RESUME_MODES:
+        raise ConfigError(f"checkpoint.resume={config.checkpoint.resume!r}; choose one of {list(RESUME_MODES)}")
+    if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1")
     if config.grad_accum_steps < 1:
         raise ConfigError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
     if config.loss_scale.name not in LOSS_SCALES:

@@ -16,6 +16,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 import models
+from dtx import checkpoint as checkpoint_lib
 from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
@@ -33,6 +34,7 @@ class TrainResult:
     state: TrainState
     metrics: dict
     workdir: str
+    preempted: bool = False  # stopped by SIGTERM after saving a checkpoint; run again to resume
 
 
 def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
@@ -43,11 +45,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     """
     config_lib.validate(config)
     workdir = os.fspath(workdir)
-    if os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)):
-        raise FileExistsError(
-            f"workdir {workdir!r} already holds a run ({metrics_lib.METRICS_FILE}); "
-            "choose another --workdir or move that run away (dtx never overwrites records)"
-        )
+    checkpoint_dir = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
+    resuming = _decide_resume(config.checkpoint.resume, checkpoint_dir, workdir)
 
     # ------------------------------------------------------------------ devices
     if config.emulate_cpu_devices:
@@ -90,7 +89,16 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
                                  accum_steps=config.grad_accum_steps, state_shardings=shardings)
     eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings)
-    state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
+    checkpointer = None
+    if config.checkpoint.every_steps or resuming:
+        checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
+                                                   async_save=config.checkpoint.async_save)
+    if resuming:
+        state, _ = checkpointer.restore(checkpointer.latest_step(),
+                                        checkpoint_lib.abstract_target(abstract_state, shardings))
+    else:
+        state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
+    start_step = int(jax.device_get(state.step))
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
 
     # --------------------------------------------------------------------- loop
@@ -98,15 +106,19 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json(indent=2))
     writer = metrics_lib.MetricWriter(workdir)
-    writer.write(0, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
-                     "peak_learning_rate": peak_lr, "precision": str(policy)})
+    writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
+                              "peak_learning_rate": peak_lr, "precision": str(policy),
+                              **({"resumed_from": start_step} if resuming else {})})
+    every = config.checkpoint.every_steps
     bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress)
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
-    with writer, bar, jax.transfer_guard("disallow"):
+    preemption = checkpoint_lib.PreemptionWatcher(enabled=checkpointer is not None)
+    with writer, bar, preemption, jax.transfer_guard("disallow"):
         previous = None  # (step, metrics) of the step before: read it once the next is dispatched
         window_start, window_steps, rate = time.perf_counter(), 0, 0.0
-        for step in range(num_steps):
+        preempted = False
+        for step in range(start_step, num_steps):
             batch = loader.batch(step)
             state, step_metrics = train_step(state, batch)
             window_steps += 1
@@ -128,12 +140,24 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
             previous = (step + 1, step_metrics)
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < num_steps:
                 writer.write(step + 1, evaluate(eval_step, state, test_batches))
+            preempted = preemption.requested(step + 1)
+            if checkpointer and (preempted or (step + 1) % every == 0 or step + 1 == num_steps):
+                with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
+                    checkpointer.save(step + 1, state, {"config": config.to_dict()})
+            if preempted:
+                break
         if previous is not None:
             record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
             if loss_scaler.enabled:
                 _check_loss_scale(previous[0], record, loss_scaler)
             writer.write(previous[0], record)
             bar.update(previous[0], record["loss"], rate)
+
+        if checkpointer:
+            checkpointer.close()  # waits for the last save; a failed save raises here
+        if preempted:
+            writer.write(int(jax.device_get(state.step)), {"preempted": 1})
+            return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True)
 
         # --------------------------------------------------------------- evaluate
         final = evaluate(eval_step, state, test_batches)
@@ -166,3 +190,20 @@ def _check_loss_scale(step: int, metrics: dict, scaler: precision.LossScaler) ->
             "rather than overflowing float16. Lower optimizer.learning_rate, check the inputs, or use "
             "compute=bfloat16. The parameters were left at their last finite values."
         )
+
+
+def _decide_resume(mode: str, checkpoint_dir: str, workdir: str) -> bool:
+    """Whether to resume; refuses anything that would overwrite or mix runs, before any work."""
+    has_checkpoint = os.path.isdir(checkpoint_dir) and any(n.isdigit() for n in os.listdir(checkpoint_dir))
+    if mode == "must" and not has_checkpoint:
+        raise FileNotFoundError(f"checkpoint.resume=must but {checkpoint_dir} holds no checkpoint")
+    if mode == "never" and has_checkpoint:
+        raise FileExistsError(f"checkpoint.resume=never but {checkpoint_dir} already holds checkpoints; "
+                              "choose another --workdir (dtx never overwrites a run)")
+    resuming = has_checkpoint and mode != "never"
+    if not resuming and os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)):
+        raise FileExistsError(
+            f"workdir {workdir!r} already holds a run ({metrics_lib.METRICS_FILE}) and no checkpoint to resume; "
+            "choose another --workdir or move that run away (dtx never overwrites records)"
+        )
+    return resuming

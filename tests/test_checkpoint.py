@@ -1,0 +1,258 @@
+"""Checkpoints: exact resume, restore onto other meshes, strictness, and faults that must not lose work.
+
+Every fault test first checks that its fault really happened (the file changed,
+the process was killed, the save failed), then that nothing committed was lost.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import models
+from dtx import config as config_lib
+from dtx import mesh as mesh_lib
+from dtx import metrics
+from dtx.checkpoint import Checkpointer, CheckpointError, abstract_target, state_digest
+from dtx.state import abstract_train_state, init_train_state, replicated_shardings
+from dtx.train import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
+RUN = ["--config.model.features=(32,)", "--config.log_every=1", "--config.progress=False"]
+EXAMPLE = jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32)
+
+
+def _dtx(*args):
+    script = os.path.join(os.path.dirname(sys.executable), "dtx")
+    return ([script] if os.path.exists(script) else [sys.executable, "-m", "dtx.cli"]) + list(args)
+
+
+def _losses(workdir):
+    """Per-step loss bits; a resumed run may log a step twice — the later record wins."""
+    by_step = {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
+    return {step: np.float32(loss).tobytes() for step, loss in by_step.items()}
+
+
+def _state(mesh, model=None, seed=0):
+    model = model or models.build_model("mlp", features=(32,))
+    tx = optax.adam(1e-3)
+    return init_train_state(model, tx, EXAMPLE, seed, mesh), (model, tx)
+
+
+def _target(model, tx, mesh):
+    abstract = abstract_train_state(model, tx, EXAMPLE)
+    return abstract_target(abstract, replicated_shardings(abstract, mesh))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One committed checkpoint (step 7) of an 8-device state."""
+    directory = tmp_path_factory.mktemp("saved") / "checkpoints"
+    state, (model, tx) = _state(mesh_lib.make_mesh([("data", 8)]))
+    state = state.replace(step=state.step + 7)
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(7, state, {"note": "fixture"})
+    checkpointer.close()
+    return directory, jax.device_get(state), model, tx
+
+
+def _copy(saved_dir, tmp_path):
+    target = tmp_path / "checkpoints"
+    shutil.copytree(saved_dir, target)
+    return target
+
+
+def test_sigterm_saves_and_resume_is_bitwise_identical(tmp_path):
+    """A real SIGTERM to `dtx train`: exit 0 with a checkpoint; rerunning the command resumes and
+    matches an uninterrupted run bit for bit (per-step loss bits and the final state's digest)."""
+    steps = ["--config.num_steps=400", "--config.checkpoint.every_steps=1000"]
+    reference = train(config_lib.load(DEFAULT, RUN + steps), tmp_path / "reference")
+
+    workdir = tmp_path / "preempted"
+    command = _dtx("train", DEFAULT, "--workdir", str(workdir), *RUN, *steps)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+            (workdir / "metrics.jsonl").exists() and len(_losses(workdir)) >= 20):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "preempted" in output
+    stopped_at = Checkpointer(workdir / "checkpoints").latest_step()
+    assert 20 <= stopped_at < 400, "the signal must have stopped the run early"
+
+    resumed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    records = metrics.read_metrics(workdir)
+    assert any(r.get("resumed_from") == stopped_at for r in records)
+    assert _losses(workdir) == _losses(tmp_path / "reference")
+    final = Checkpointer(workdir / "checkpoints").restore(400, _target_like(reference.state))[0]
+    assert state_digest(final) == state_digest(reference.state)
+    assert records[-1]["test_accuracy"] == reference.metrics["test_accuracy"]
+
+
+def _target_like(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+@pytest.mark.parametrize("devices", [8, 4, 1])
+def test_restore_onto_other_meshes_is_exact(saved, devices):
+    directory, state, model, tx = saved
+    mesh = mesh_lib.make_mesh([("data", devices)], devices=jax.devices()[:devices])
+    restored, metadata = Checkpointer(directory).restore(7, _target(model, tx, mesh))
+    assert metadata == {"note": "fixture"}
+    assert state_digest(restored) == state_digest(state)
+    for leaf in jax.tree.leaves(restored):
+        assert leaf.sharding.mesh.size == devices
+
+
+def test_shape_mismatch_names_the_parameter(saved):
+    directory, _, _, tx = saved
+    wider = models.build_model("mlp", features=(64,))
+    with pytest.raises(CheckpointError, match=r"params/Dense_0/bias.*saved as float32\[32\] but this run expects float32\[64\]"):
+        Checkpointer(directory).restore(7, _target(wider, tx, mesh_lib.make_mesh([("data", 8)])))
+
+
+def test_dtype_mismatch_is_refused(saved):
+    directory, _, _, tx = saved
+    half = models.build_model("mlp", features=(32,), param_dtype=np.dtype("bfloat16"))
+    with pytest.raises(CheckpointError, match="bfloat16.*never casts"):
+        Checkpointer(directory).restore(7, _target(half, tx, mesh_lib.make_mesh([("data", 8)])))
+
+
+def test_structure_mismatch_is_refused(saved):
+    directory, _, model, _ = saved
+    with pytest.raises(CheckpointError, match="different structure"):
+        Checkpointer(directory).restore(7, _target(model, optax.sgd(0.1, momentum=0.9),
+                                                   mesh_lib.make_mesh([("data", 8)])))
+
+
+def _data_files(directory):
+    """The array data files restore reads (ocdbt's merged store), largest first."""
+    data = directory / "7" / "state" / "d"
+    return sorted((str(data / name) for name in os.listdir(data)), key=os.path.getsize, reverse=True)
+
+
+def test_bit_flip_is_refused(saved, tmp_path):
+    directory = _copy(saved[0], tmp_path)
+    victim = _data_files(directory)[0]
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(victim, "wb").write(bytes(data))
+    assert open(victim, "rb").read() != open(_data_files(saved[0])[0], "rb").read()  # the fault fired
+    with pytest.raises(CheckpointError, match="SHA-256|unreadable"):
+        Checkpointer(directory).restore(7, _target(saved[2], saved[3], mesh_lib.make_mesh([("data", 8)])))
+
+
+def test_arrays_from_another_checkpoint_are_refused(saved, tmp_path):
+    """Valid array files that belong to another state (mixed-up copies): readable, so only the
+    manifest's digests can tell."""
+    directory = _copy(saved[0], tmp_path)
+    other, _ = _state(mesh_lib.make_mesh([("data", 8)]), seed=1)
+    other_checkpointer = Checkpointer(tmp_path / "other")
+    other_checkpointer.save(7, other.replace(step=other.step + 7))
+    other_checkpointer.close()
+    shutil.rmtree(directory / "7" / "state")
+    shutil.copytree(tmp_path / "other" / "7" / "state", directory / "7" / "state")
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        Checkpointer(directory).restore(7, _target(saved[2], saved[3], mesh_lib.make_mesh([("data", 8)])))
+
+
+def test_truncation_is_refused(saved, tmp_path):
+    directory = _copy(saved[0], tmp_path)
+    victim = _data_files(directory)[0]
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    assert os.path.getsize(victim) == size // 2
+    with pytest.raises(CheckpointError):
+        Checkpointer(directory).restore(7, _target(saved[2], saved[3], mesh_lib.make_mesh([("data", 8)])))
+
+
+def test_symlink_is_refused(saved, tmp_path):
+    directory = _copy(saved[0], tmp_path)
+    victim = _data_files(directory)[0]
+    outside = tmp_path / "outside"
+    shutil.copy(victim, outside)
+    os.remove(victim)
+    os.symlink(outside, victim)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        Checkpointer(directory).restore(7, _target(saved[2], saved[3], mesh_lib.make_mesh([("data", 8)])))
+
+
+def test_stale_temporary_is_cleaned_and_ignored(saved, tmp_path):
+    """A crash between write and commit leaves a temporary step directory: it is never restored."""
+    directory = _copy(saved[0], tmp_path)
+    stale = directory / "9.orbax-checkpoint-tmp-1234567"
+    shutil.copytree(directory / "7", stale)
+    checkpointer = Checkpointer(directory)
+    assert not stale.exists()
+    assert checkpointer.steps() == [7]
+
+
+def test_non_finite_state_is_never_committed(tmp_path):
+    state, _ = _state(mesh_lib.make_mesh([("data", 8)]))
+    bad = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+    checkpointer = Checkpointer(tmp_path / "checkpoints")
+    checkpointer.save(1, state)
+    checkpointer.wait()
+    with pytest.raises(CheckpointError, match="non-finite"):
+        checkpointer.save(2, bad)
+    checkpointer.close()
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [1]
+
+
+_FAILING_SAVE = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceed the limit -> EFBIG error instead of a signal
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import optax, models
+from dtx import mesh as mesh_lib
+from dtx.checkpoint import Checkpointer
+from dtx.state import init_train_state
+mesh = mesh_lib.make_mesh([("data", 8)])
+state = init_train_state(models.build_model("mlp", features=(32,)), optax.adam(1e-3),
+                         jax.ShapeDtypeStruct((1, 8, 8, 1), "float32"), 1, mesh)
+checkpointer = Checkpointer(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+checkpointer.save(8, state)
+checkpointer.close()
+"""
+
+
+def test_failing_storage_keeps_the_last_good_checkpoint(saved, tmp_path):
+    directory = _copy(saved[0], tmp_path)
+    run = subprocess.run([sys.executable, "-c", _FAILING_SAVE, str(directory)], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert run.returncode != 0, "the save must fail under a 64-byte file-size limit"
+    assert "CheckpointError" in run.stderr or "File too large" in run.stderr
+    checkpointer = Checkpointer(directory)
+    assert checkpointer.steps() == [7]
+    restored, _ = checkpointer.restore(7, _target(saved[2], saved[3], mesh_lib.make_mesh([("data", 8)])))
+    assert state_digest(restored) == state_digest(saved[1])
+
+
+def test_resume_modes(tmp_path):
+    config = config_lib.load(DEFAULT, RUN + ["--config.num_steps=6", "--config.checkpoint.every_steps=3"])
+    train(config, tmp_path)
+    never = config_lib.override(config, **{"checkpoint.resume": "never"})
+    with pytest.raises(FileExistsError, match="resume=never"):
+        train(never, tmp_path)
+    must = config_lib.override(config, **{"checkpoint.resume": "must"})
+    with pytest.raises(FileNotFoundError, match="resume=must"):
+        train(must, tmp_path / "fresh")
+    saved_steps = sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())
+    assert saved_steps == [3, 6]
+    json.loads((tmp_path / "config.json").read_text())
