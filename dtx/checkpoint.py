@@ -194,7 +194,7 @@ def _check_matches(manifest: dict, target: Any, step_dir: str) -> None:
 
 
 def _describe(leaf) -> dict:
-    array = np.asarray(jax.device_get(leaf))
+    array = _host_array(leaf)
     finite = bool(np.all(np.isfinite(array))) if np.issubdtype(array.dtype, np.inexact) else True
     return {"shape": list(array.shape), "dtype": array.dtype.name, "finite": finite,
             "sha256": hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()}
@@ -236,3 +236,14 @@ class PreemptionWatcher:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+def _host_array(leaf) -> np.ndarray:
+    """The full value of ``leaf`` on this host, also for arrays spread over several processes."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if leaf.sharding.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))

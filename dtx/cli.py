@@ -25,6 +25,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_cmd.add_argument("experiment", help="experiment file, e.g. experiments/digits_mlp.py")
     train_cmd.add_argument("--workdir", help="where metrics.jsonl and TensorBoard events go "
                            "(default: runs/<experiment>-<time>)")
+    commands.add_parser("launch", help="run an experiment as several local processes (jax.distributed)",
+                        add_help=False)
+    if argv[:1] == ["launch"]:
+        from dtx.launch import launch_main
+
+        return launch_main(argv[1:])
     args, rest = parser.parse_known_args(argv)
     overrides = [a for a in rest if a.startswith("--config.")]
     unknown = [a for a in rest if not a.startswith("--config.")]

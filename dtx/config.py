@@ -36,6 +36,8 @@ def base_config() -> ConfigDict:
     # Devices and parallelism.
     c.emulate_cpu_devices = 8  # CPU devices to emulate before JAX starts; 0 leaves the backend alone
     c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
+    c.distributed = "auto"  # join a multi-process job when launched as one (dtx launch, SLURM, ...); "off"
+    c.watchdog_seconds = 300.0  # abort when no step completes for this long (0: off)
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | rules (model/hybrid/fsdp/rules need driver=jit)

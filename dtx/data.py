@@ -70,10 +70,7 @@ class TrainLoader:
         """The global batch of ``step``, placed on the devices (only local rows are read)."""
         local = self.indices(step)[self._rows]
         arrays = {"inputs": self.split.inputs[local], "labels": self.split.labels[local]}
-        shape = lambda a: (self.global_batch_size,) + a.shape[1:]  # noqa: E731
-        return {
-            k: jax.make_array_from_process_local_data(self.sharding, a, shape(a)) for k, a in arrays.items()
-        }
+        return _place(arrays, self.sharding, self.global_batch_size)
 
     @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
@@ -96,13 +93,19 @@ def eval_batches(split: Split, batch_size: int, mesh: Mesh) -> list[Batch]:
         mask = index < size
         index = np.where(mask, index, 0)[rows]
         arrays = {"inputs": split.inputs[index], "labels": split.labels[index], "mask": mask[rows]}
-        batches.append(
-            {
-                k: jax.make_array_from_process_local_data(sharding, a, (batch_size,) + a.shape[1:])
-                for k, a in arrays.items()
-            }
-        )
+        batches.append(_place(arrays, sharding, batch_size))
     return batches
+
+
+def _place(arrays: dict, sharding: jax.sharding.Sharding, batch_size: int) -> Batch:
+    """This process's rows -> one global array per key: the pipeline's one, explicit, transfer.
+
+    (With several processes JAX routes this through a path its transfer guard counts
+    as implicit, so the guard is lifted for exactly this call.)
+    """
+    with jax.transfer_guard_host_to_device("allow"):
+        return {k: jax.make_array_from_process_local_data(sharding, a, (batch_size,) + a.shape[1:])
+                for k, a in arrays.items()}
 
 
 def _process_rows(sharding: jax.sharding.Sharding, batch_size: int) -> slice:

@@ -14,6 +14,7 @@ out so hierarchical all-reduce can use the two levels.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -139,3 +140,37 @@ def check_batch_size(batch_size: int, mesh: Mesh, what: str = "global_batch_size
             f"(mesh axes {axes}); nearest valid sizes: {' or '.join(map(str, nearest))}. "
             f"Set --config.{what}=<multiple of {shards}>."
         )
+
+
+# Environment set by `dtx launch` for each process it starts.
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "DTX_COORDINATOR", "DTX_NUM_PROCESSES", "DTX_PROCESS_ID"
+# Variables by which jax.distributed.initialize() recognises a cluster launch on its own.
+_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS")
+
+
+def initialize_distributed(mode: str = "auto", heartbeat_timeout_seconds: int = 30) -> bool:
+    """Join a multi-process JAX job (``jax.distributed``), before any JAX computation.
+
+    ``dtx launch`` passes the coordinator, process count and rank in ``DTX_*``
+    variables; on clusters (SLURM, Open MPI, Kubernetes/TPU pods) JAX's own
+    auto-detection fills them in (``jax.distributed.initialize()`` with no
+    arguments). ``mode="off"`` never initializes. Returns whether this process is
+    part of a multi-process job.
+    """
+    if mode not in ("auto", "off"):
+        raise MeshError(f"distributed={mode!r}; choose 'auto' or 'off'")
+    if mode == "off" or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    if os.environ.get(ENV_COORDINATOR):
+        jax.distributed.initialize(
+            coordinator_address=os.environ[ENV_COORDINATOR],
+            num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+            process_id=int(os.environ[ENV_PROCESS_ID]),
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        )
+        return True
+    slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    if any(k in os.environ for k in _CLUSTER_ENV) and (slurm_tasks > 1 or "SLURM_JOB_ID" not in os.environ):
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+        return jax.process_count() > 1
+    return False

@@ -23,17 +23,22 @@ METRICS_FILE = "metrics.jsonl"
 class MetricWriter:
     """Appends ``{"step": s, **metrics}`` lines to ``WORKDIR/metrics.jsonl`` and scalars to TensorBoard."""
 
-    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True):
+    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True):
         self.workdir = os.fspath(workdir)
+        self.enabled = enabled  # in a multi-process job only process 0 writes
+        self._jsonl = self._tb = None
+        if not enabled:
+            return
         os.makedirs(self.workdir, exist_ok=True)
         self._jsonl = open(os.path.join(self.workdir, METRICS_FILE), "a", encoding="utf-8")
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(logdir=self.workdir, flush_secs=10)
 
     def write(self, step: int, metrics: Mapping[str, float | int | str]) -> None:
+        if not self.enabled:
+            return
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -43,7 +48,8 @@ class MetricWriter:
                     self._tb.add_scalar(key, value, global_step=int(step))
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -108,3 +114,22 @@ def _plain(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them visible instead of crashing
     return value
+
+
+def to_host(tree):
+    """Replicated device values as host numpy, also when other processes hold replicas too.
+
+    ``jax.device_get`` refuses arrays that are not fully addressable (multi-process);
+    a replicated array's local replica is the value.
+    """
+    import jax
+    import numpy as np
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.sharding.is_fully_replicated:
+                raise ValueError("to_host needs replicated arrays in a multi-process job")
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)

@@ -7,6 +7,7 @@ values and built collaborators (DESIGN.md §4.1, §4.8).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import time
@@ -23,8 +24,10 @@ from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
 from dtx import optim, parallel, precision
 from dtx.data import TrainLoader, eval_batches
+from dtx.metrics import to_host
 from dtx.state import TrainState, abstract_train_state, init_train_state, num_params
 from dtx.step import EvalStep, check_accumulation, make_eval_step, make_train_step
+from dtx.watchdog import StepWatchdog
 
 
 @dataclasses.dataclass
@@ -46,14 +49,20 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     config_lib.validate(config)
     workdir = os.fspath(workdir)
     checkpoint_dir = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
-    resuming = _decide_resume(config.checkpoint.resume, checkpoint_dir, workdir)
 
     # ------------------------------------------------------------------ devices
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    multi_process = mesh_lib.initialize_distributed(config.distributed)
     mesh = mesh_lib.make_mesh(config.mesh)
     mesh_lib.check_batch_size(config.global_batch_size, mesh)
     mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
+    if multi_process:
+        _check_same_config(config)
+    resuming = _decide_resume(config.checkpoint.resume, checkpoint_dir, workdir)
+    _barrier("dtx: every process has checked the workdir")  # before anyone writes to it
+    if multi_process and (config.checkpoint.every_steps or resuming):
+        _check_shared_directory(checkpoint_dir)
 
     # --------------------------------------------------------------------- data
     dataset = datasets.load_dataset(
@@ -98,23 +107,26 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                                         checkpoint_lib.abstract_target(abstract_state, shardings))
     else:
         state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
-    start_step = int(jax.device_get(state.step))
+    start_step = int(to_host(state.step))
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
 
     # --------------------------------------------------------------------- loop
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config.to_json(indent=2))
-    writer = metrics_lib.MetricWriter(workdir)
+    main_process = jax.process_index() == 0
+    if main_process:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            f.write(config.to_json(indent=2))
+    writer = metrics_lib.MetricWriter(workdir, enabled=main_process)
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
                               "peak_learning_rate": peak_lr, "precision": str(policy),
                               **({"resumed_from": start_step} if resuming else {})})
     every = config.checkpoint.every_steps
-    bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress)
+    bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process)
+    watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index())
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
     preemption = checkpoint_lib.PreemptionWatcher(enabled=checkpointer is not None)
-    with writer, bar, preemption, jax.transfer_guard("disallow"):
+    with writer, bar, preemption, watchdog, jax.transfer_guard("disallow"):
         previous = None  # (step, metrics) of the step before: read it once the next is dispatched
         window_start, window_steps, rate = time.perf_counter(), 0, 0.0
         preempted = False
@@ -127,12 +139,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                 # collectives need (DESIGN.md §2), without starving dispatch.
                 jax.block_until_ready(previous[1])
                 done = previous[0]
+                watchdog.tick(done)
                 if loss_scaler.enabled:
-                    _check_loss_scale(done, jax.device_get(previous[1]), loss_scaler)
+                    _check_loss_scale(done, to_host(previous[1]), loss_scaler)
                 if done % config.log_every == 0:
                     elapsed = time.perf_counter() - window_start
                     rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
-                    record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
+                    record = {k: float(v) for k, v in to_host(previous[1]).items()}
                     record["learning_rate"] = float(lr_by_step[done - 1])
                     writer.write(done, {**record, "examples_per_sec": rate})
                     bar.update(done, record["loss"], rate)
@@ -147,7 +160,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
             if preempted:
                 break
         if previous is not None:
-            record = {k: float(v) for k, v in jax.device_get(previous[1]).items()}
+            record = {k: float(v) for k, v in to_host(previous[1]).items()}
             if loss_scaler.enabled:
                 _check_loss_scale(previous[0], record, loss_scaler)
             writer.write(previous[0], record)
@@ -156,7 +169,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
         if checkpointer:
             checkpointer.close()  # waits for the last save; a failed save raises here
         if preempted:
-            writer.write(int(jax.device_get(state.step)), {"preempted": 1})
+            writer.write(int(to_host(state.step)), {"preempted": 1})
             return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True)
 
         # --------------------------------------------------------------- evaluate
@@ -167,7 +180,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
 
 def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:
     """Exact test metrics: integer counts and float64 sums over every real example."""
-    sums = [jax.device_get(eval_step(state, batch)) for batch in batches]
+    sums = [to_host(eval_step(state, batch)) for batch in batches]
     count = sum(int(s["count"]) for s in sums)
     correct = sum(int(s["correct"]) for s in sums)
     loss_sum = float(np.sum([np.float64(s["loss_sum"]) for s in sums]))
@@ -207,3 +220,35 @@ def _decide_resume(mode: str, checkpoint_dir: str, workdir: str) -> bool:
             "choose another --workdir or move that run away (dtx never overwrites records)"
         )
     return resuming
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _check_same_config(config: ConfigDict) -> None:
+    """Every process must run the same experiment; a mismatch would silently train nonsense."""
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(config.to_json().encode()).digest()[:4], np.int32)  # x64 is off
+    multihost_utils.assert_equal(
+        digest, f"process {jax.process_index()}: config differs between processes (compare their config.json); "
+        "every process must be started with the same experiment and overrides")
+
+
+def _check_shared_directory(directory: str) -> None:
+    """Checkpoints need one directory that every process sees (a shared file system)."""
+    token = os.path.join(directory, ".dtx-shared-check")
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(token, "w") as f:
+            f.write(str(os.getpid()))
+    _barrier("dtx: shared-directory token written")
+    if not os.path.exists(token):
+        raise FileNotFoundError(
+            f"process {jax.process_index()} cannot see {directory} written by process 0: the checkpoint "
+            "directory must be on storage shared by every process (set --config.checkpoint.dir)")
+    _barrier("dtx: shared-directory token checked")

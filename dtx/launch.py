@@ -1,0 +1,104 @@
+"""``dtx launch``: several local processes forming one JAX job (multi-controller, ``jax.distributed``).
+
+    dtx launch --processes 2 --devices-per-process 4 EXPERIMENT.py [--workdir DIR] [--config.KEY=VALUE ...]
+
+Each process runs ``dtx train`` with the same arguments; they meet at a
+coordinator on 127.0.0.1 and their CPU collectives go over gloo — the same code
+path as a multi-host cluster, on one machine. Output of process ``i`` goes to
+``WORKDIR/logs/process_<i>.log``. If one process fails, the others are stopped
+and the launcher exits non-zero naming the first failed rank; SIGTERM is
+forwarded to every process (each then saves at the same step and exits 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from dtx import mesh as mesh_lib
+
+GRACE_SECONDS = 10  # after a failure, how long the survivors get before being killed
+
+
+def launch_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dtx launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, required=True, help="number of local processes")
+    parser.add_argument("--devices-per-process", type=int, default=1, help="emulated CPU devices in each")
+    parser.add_argument("experiment")
+    parser.add_argument("--workdir", help="shared workdir (default runs/<experiment>-<time>)")
+    args, rest = parser.parse_known_args(argv)
+    if args.processes < 1 or args.devices_per_process < 1:
+        parser.error("--processes and --devices-per-process must be >= 1")
+    unknown = [a for a in rest if not a.startswith("--config.")]
+    if unknown:
+        parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
+    workdir = args.workdir or os.path.join(
+        "runs", f"{os.path.splitext(os.path.basename(args.experiment))[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    logs = os.path.join(workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    port = _free_port()
+    command = [sys.executable, "-m", "dtx.cli", "train", args.experiment, "--workdir", workdir, *rest,
+               f"--config.emulate_cpu_devices={args.devices_per_process}"]
+    processes = []
+    for rank in range(args.processes):
+        env = {**os.environ, mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{port}",
+               mesh_lib.ENV_NUM_PROCESSES: str(args.processes), mesh_lib.ENV_PROCESS_ID: str(rank)}
+        log = open(os.path.join(logs, f"process_{rank}.log"), "w")
+        processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    print(f"launched {args.processes} processes x {args.devices_per_process} devices; logs in {logs}", flush=True)
+
+    def forward(signum, _frame):
+        for process, _ in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        return _supervise(processes, logs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for process, log in processes:
+            if process.poll() is None:
+                process.kill()
+            log.close()
+
+
+def _supervise(processes, logs: str) -> int:
+    first_failure = None
+    deadline = None
+    while True:
+        codes = [p.poll() for p, _ in processes]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and first_failure is None:
+                first_failure = (rank, code)
+                deadline = time.time() + GRACE_SECONDS
+                print(f"dtx launch: process {rank} failed (exit code {code}); stopping the others. "
+                      f"See {os.path.join(logs, f'process_{rank}.log')}", file=sys.stderr, flush=True)
+                for process, _ in processes:
+                    if process.poll() is None:
+                        process.terminate()
+        if all(code is not None for code in codes):
+            break
+        if deadline is not None and time.time() > deadline:
+            for process, _ in processes:
+                if process.poll() is None:
+                    process.kill()
+        time.sleep(0.1)
+    if first_failure is not None:
+        rank, code = first_failure
+        print(f"dtx launch: failed; first failed rank: {rank} (exit code {code})", file=sys.stderr)
+        return 1
+    with open(os.path.join(logs, "process_0.log")) as f:
+        print("\n".join(f.read().strip().splitlines()[-2:]))  # rank 0's summary line
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

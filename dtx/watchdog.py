@@ -1,0 +1,46 @@
+"""A host-side step watchdog: a process alive but stuck (a hung collective, a dead peer that
+JAX has not noticed yet) aborts the job with a message naming the step and the rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+EXIT_CODE = 86
+
+
+class StepWatchdog:
+    """Aborts the process when no step completes for ``timeout`` seconds.
+
+    Armed at the first :meth:`tick` (compilation happens before it), so a long
+    first compile is never mistaken for a hang. ``timeout <= 0`` disables it.
+    """
+
+    def __init__(self, timeout: float, rank: int = 0):
+        self.timeout, self.rank = float(timeout), rank
+        self._last = None
+        self._step = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def tick(self, step: int) -> None:
+        self._step, self._last = step, time.monotonic()
+
+    def __enter__(self) -> StepWatchdog:
+        if self.timeout > 0:
+            self._thread = threading.Thread(target=self._watch, name="dtx-step-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            if self._last is not None and time.monotonic() - self._last > self.timeout:
+                print(f"dtx watchdog: rank {self.rank} made no progress for {self.timeout:.0f} s after step "
+                      f"{self._step}; aborting the job (a stuck collective or a dead peer)",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_CODE)  # a stuck thread cannot be interrupted; leave at once
