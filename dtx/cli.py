@@ -27,6 +27,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "(default: runs/<experiment>-<time>)")
     commands.add_parser("launch", help="run an experiment as several local processes (jax.distributed)",
                         add_help=False)
+    commands.add_parser("simulate", help="predict iteration time and scaling (Das et al. performance model)",
+                        add_help=False)
+    if argv[:1] == ["simulate"]:
+        from dtx.simulate import simulate_main
+
+        return simulate_main(argv[1:])
+    commands.add_parser("bench", help="benchmarks: 'dtx bench collectives --help'", add_help=False)
+    if argv[:2] == ["bench", "collectives"]:
+        from dtx.bench import collectives_main
+
+        return collectives_main(argv[2:])
     if argv[:1] == ["launch"]:
         from dtx.launch import launch_main
 

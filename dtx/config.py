@@ -39,6 +39,8 @@ def base_config() -> ConfigDict:
     c.distributed = "auto"  # join a multi-process job when launched as one (dtx launch, SLURM, ...); "off"
     c.watchdog_seconds = 300.0  # abort when no step completes for this long (0: off)
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
+    c.allreduce = "psum"  # shard_map driver: psum | ring | halving_doubling | recursive_doubling | tree | hierarchical
+    c.bucket_bytes = 0  # gradient fusion buckets (bytes) per allreduce; 0: one per leaf
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | rules (model/hybrid/fsdp/rules need driver=jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins

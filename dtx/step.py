@@ -35,6 +35,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dtx import collectives
 from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
 from dtx.state import TrainState
@@ -43,7 +44,6 @@ Batch = dict[str, jax.Array]  # "inputs", "labels"; eval batches add "mask"
 Metrics = dict[str, jax.Array]
 TrainStep = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 EvalStep = Callable[[TrainState, Batch], Metrics]
-GradReduce = Callable[[Any], Any]  # pytree of per-device gradients -> their mean over the batch axes
 
 DRIVERS = ("shard_map", "jit")
 
@@ -61,7 +61,8 @@ def make_train_step(
     policy: Policy = Policy(),
     loss_scaler: LossScaler = LossScaler(),
     accum_steps: int = 1,
-    grad_reduce: Callable[[tuple[str, ...]], GradReduce] | None = None,
+    allreduce: str = "psum",
+    bucket_bytes: int = 0,
     state_shardings: Any = None,
     donate: bool = True,
 ) -> TrainStep:
@@ -76,9 +77,10 @@ def make_train_step(
       loss_scaler: dynamic loss scaling (float16); disabled by default.
       accum_steps: micro-batches per step; gradients are summed into one
         accumulator and reduced once. The per-device batch must divide by it.
-      grad_reduce: ``shard_map`` driver only: given the batch axes, returns the
-        function that averages a gradient pytree over them (an allreduce
-        algorithm); default ``lax.pmean``.
+      allreduce: ``shard_map`` driver: the algorithm that averages gradients over
+        the batch axes (:data:`dtx.collectives.ALGORITHMS`); ``psum`` is XLA's own.
+      bucket_bytes: fuse gradients into buckets of this many bytes per allreduce
+        (Horovod's fusion threshold); 0 reduces leaf by leaf.
       state_shardings: ``jit`` driver: the state's ``NamedSharding`` tree (model,
         hybrid, FSDP partitionings; see :mod:`dtx.parallel`); default replicated.
         The ``shard_map`` driver runs replicated (data-parallel) states only.
@@ -100,18 +102,22 @@ def make_train_step(
                 s.is_fully_replicated for s in jax.tree.leaves(state_shardings)):
             raise StepError("the shard_map driver runs data parallelism (replicated parameters); for model, "
                             "hybrid or fsdp partitioning use --config.driver=jit")
-        reduce = (grad_reduce or _pmean)(axes)
+        reduce = collectives.make_allreduce(allreduce, axes, mean=True, bucket_bytes=bucket_bytes)
         body = functools.partial(
             _train_body, model=_synchronise_norm(model, axes), reduce=reduce, axes=axes, shards=1,
             constrain=lambda x: x, **common,
         )
+        # An allreduce built from ppermutes leaves identical values on every device, but
+        # JAX types them "varying" and has no free cast back to replicated; such steps
+        # run without the replication checker (the tests assert identical replicas).
         per_device = jax.shard_map(
-            body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes)), out_specs=PartitionSpec()
+            body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes)), out_specs=PartitionSpec(),
+            check_vma=allreduce == "psum",
         )
         return jax.jit(per_device, donate_argnums=donate_argnums)
     if driver == "jit":
-        if grad_reduce is not None:
-            raise StepError("a custom gradient reduction (allreduce algorithm) needs driver='shard_map'; "
+        if allreduce != "psum" or bucket_bytes:
+            raise StepError(f"allreduce={allreduce!r} / bucket_bytes={bucket_bytes} need driver='shard_map'; "
                             "under 'jit' XLA chooses the collectives")
         micro_sharding = NamedSharding(mesh, PartitionSpec(None, axes))
         body = functools.partial(
@@ -162,10 +168,6 @@ def check_accumulation(global_batch_size: int, accum_steps: int, mesh: Mesh) -> 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-example softmax cross-entropy, computed in float32 whatever the compute dtype."""
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-
-
-def _pmean(axes: tuple[str, ...]) -> GradReduce:
-    return functools.partial(lax.pmean, axis_name=axes)
 
 
 def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, reduce, axes,

@@ -96,7 +96,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
     shardings = parallel.state_shardings(abstract_state, rules, mesh)
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
-                                 accum_steps=config.grad_accum_steps, state_shardings=shardings)
+                                 accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
+                                 bucket_bytes=config.bucket_bytes, state_shardings=shardings)
     eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings)
     checkpointer = None
     if config.checkpoint.every_steps or resuming:

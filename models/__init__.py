@@ -14,8 +14,20 @@ import flax.linen as nn
 
 from models.lenet import LeNet
 from models.mlp import MLP
+from models.overfeat import OverFeatFast
+from models.resnet import ResNet18, ResNet50
+from models.speech_dnn import SpeechDNN
+from models.vgg import VGGA
 
-MODELS: dict[str, type[nn.Module]] = {"mlp": MLP, "lenet": LeNet}
+MODELS: dict[str, type[nn.Module]] = {
+    "mlp": MLP,
+    "lenet": LeNet,
+    "vgg_a": VGGA,
+    "overfeat_fast": OverFeatFast,
+    "speech_dnn": SpeechDNN,
+    "resnet18": ResNet18,
+    "resnet50": ResNet50,
+}
 
 # Set by dtx from the dataset and the precision policy, never by the user's model block.
 _RESERVED = ("num_classes", "dtype", "param_dtype", "norm_axis_name", "parent", "name")

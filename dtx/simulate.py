@@ -1,0 +1,220 @@
+"""``dtx simulate``: predicted scaling of a model on a cluster, from the analytic model alone.
+
+    dtx simulate --model vgg_a --global-batch 512 --nodes 1,2,4,8,16,32,64,128 \\
+        --node-flops 2.3e12 --memory-bandwidth 1.36e11 --bandwidth 6.8e9 --latency 2e-6
+    dtx simulate --model overfeat_fast --cluster haswell_fdr --per-node-batch 4 --plan hybrid --json
+
+Analyses the model abstractly (:func:`dtx.perfmodel.analyze`; nothing full-size
+runs), plans each node count (:func:`dtx.perfmodel.make_plan`), prints a table of
+iteration time under both overlap bounds, speedup, efficiency and the per-layer plan,
+then the per-layer analysis (Das et al., arXiv 1602.06709 §3) at the largest node
+count, and writes a PNG speedup plot into ``--out``. ``--json`` prints the same as
+JSON instead of tables. Bad input exits with status 2 and a message naming the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from dtx import costmodel, perfmodel
+from dtx.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
+
+_PHYSICAL = ("node_flops", "memory_bandwidth", "bandwidth", "latency")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+        return value
+    return parse
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"node counts must be positive integers like 1,2,4,8, got {text!r}")
+    return values
+
+
+def _efficiency(text: str) -> dict[str, float]:
+    """``0.7`` (every layer kind) or ``conv=0.8,dense=0.6``."""
+    try:
+        if "=" not in text:
+            return {kind: float(text) for kind in LAYER_KINDS}
+        pairs = dict(item.split("=", 1) for item in text.split(","))
+        unknown = sorted(set(pairs) - set(LAYER_KINDS))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown layer kind {unknown[0]!r}; use {', '.join(LAYER_KINDS)}")
+        return {kind: float(value) for kind, value in pairs.items()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0.7 or conv=0.8,dense=0.6, got {text!r}") from None
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dtx simulate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model name from models/ (vgg_a, overfeat_fast, speech_dnn, "
+                   "resnet18, resnet50, ...)")
+    p.add_argument("--input-shape", type=_int_list, help="one example's shape, e.g. 224,224,3 (default: the model's)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=_positive(int), help="strong scaling at this global batch (default 512)")
+    batch.add_argument("--per-node-batch", type=_positive(int), help="weak scaling at this per-node batch")
+    p.add_argument("--nodes", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128], help="node counts, e.g. 1,2,4,8")
+    p.add_argument("--cluster", help=f"preset: {', '.join(sorted(PRESETS))} (flags below override its numbers)")
+    p.add_argument("--node-flops", type=_positive(float), help="peak FLOP/s per node")
+    p.add_argument("--memory-bandwidth", type=_positive(float), help="memory bandwidth per node, bytes/s")
+    p.add_argument("--bandwidth", type=_positive(float), help="network bandwidth per node, bytes/s")
+    p.add_argument("--latency", type=float, help="network latency alpha, seconds")
+    p.add_argument("--efficiency", type=_efficiency, help="fraction of peak: 0.7 or conv=0.8,dense=0.6")
+    p.add_argument("--bytes-per-element", type=int, choices=(1, 2, 4, 8), help="4 = fp32, 2 = bf16")
+    p.add_argument("--algorithm", default="ring", choices=[a for a in costmodel.ALGORITHMS if a != "hierarchical"],
+                   help="allreduce algorithm (alpha-beta formulas of dtx.costmodel)")
+    p.add_argument("--overlap", default="none", choices=perfmodel.OVERLAPS,
+                   help="bound that speedup and plan use; both are printed")
+    p.add_argument("--plan", default="auto", choices=perfmodel.PLANS, help="per-layer parallelism")
+    p.add_argument("--group-size", type=_positive(int), help="fix the model-parallel group size G")
+    p.add_argument("--out", default=".", help="folder for the PNG plot (default: current folder)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    return p
+
+
+def build_cluster(args: argparse.Namespace) -> Cluster:
+    """The preset (or nothing) with the command line's numbers applied."""
+    given = {field: getattr(args, field) for field in _PHYSICAL if getattr(args, field) is not None}
+    if args.cluster is None:
+        missing = [f"--{field.replace('_', '-')}" for field in _PHYSICAL if field not in given]
+        if missing:
+            raise ClusterError(f"without --cluster, give {', '.join(missing)} too "
+                               f"(or pick a preset: --cluster {'|'.join(sorted(PRESETS))})")
+        cluster = Cluster(name="custom", description="command-line cluster", **given)
+    else:
+        cluster = get_cluster(args.cluster).replace(**given)
+    if args.efficiency is not None:
+        cluster = cluster.replace(efficiency={**cluster.efficiency, **args.efficiency})
+    if args.bytes_per_element is not None:
+        cluster = cluster.replace(bytes_per_element=args.bytes_per_element)
+    return cluster
+
+
+def _analyze(name: str, input_shape: Sequence[int] | None) -> tuple[perfmodel.Layer, ...]:
+    from models import build_model  # the model zoo imports flax modules: only when simulating
+
+    model = build_model(name)
+    shape = input_shape or getattr(type(model), "default_input_shape", None)
+    if shape is None:
+        raise perfmodel.PerfModelError(f"model {name!r} has no default input shape; pass --input-shape, "
+                                       "e.g. --input-shape 28,28,1")
+    return perfmodel.analyze(model, shape)
+
+
+def _plan_text(plan: perfmodel.Plan) -> str:
+    if not plan.sharded:
+        return "data"
+    kind = "model" if plan.group_size == plan.nodes else "hybrid"
+    names = plan.sharded if len(plan.sharded) <= 4 else (*plan.sharded[:2], "...", plan.sharded[-1])
+    more = f" ({len(plan.sharded)} layers)" if len(plan.sharded) > 4 else ""
+    return f"G={plan.group_size} {kind}: {', '.join(names)}{more}"
+
+
+def _finite(record: dict) -> dict:
+    """Strict JSON has no Infinity: an absent local link (bandwidth inf) becomes null."""
+    return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in record.items()}
+
+
+def _point_json(point: perfmodel.ScalingPoint) -> dict:
+    plan = point.plan
+    return dict(
+        nodes=point.nodes, per_node_batch=point.per_node_batch, global_batch=point.global_batch,
+        iteration_time=point.time, iteration_time_no_overlap=plan.times["none"],
+        iteration_time_ideal_overlap=plan.times["ideal"], speedup=point.speedup, efficiency=point.efficiency,
+        group_size=plan.group_size, mesh=plan.mesh_spec, model_parallel_layers=list(plan.sharded),
+        rules=[[regex, list(spec)] for regex, spec in plan.rules()],
+    )
+
+
+def _print_tables(args, cluster, points, report, plot) -> None:
+    setting = (f"strong scaling, global batch {args.global_batch}" if args.per_node_batch is None
+               else f"weak scaling, {args.per_node_batch} per node")
+    print(f"{args.model} on {cluster.name} ({cluster.description}): {setting}, {args.algorithm} allreduce, "
+          f"{cluster.bytes_per_element} B/element, plan {args.plan}, speedup with overlap={args.overlap}")
+    print(f"{'nodes':>6} {'batch/node':>10} {'t_iter none':>12} {'t_iter ideal':>12} {'speedup':>8} "
+          f"{'efficiency':>10}  plan")
+    for p in points:
+        print(f"{p.nodes:>6} {p.per_node_batch:>10g} {p.plan.times['none']:>11.4f}s {p.plan.times['ideal']:>11.4f}s "
+              f"{p.speedup:>8.2f} {p.efficiency:>10.3f}  {_plan_text(p.plan)}")
+    last = points[-1]
+    print(f"\nper layer at {last.nodes} nodes ({last.per_node_batch:g} per node; bytes sent per node per iteration; "
+          f"balanced = data-parallel compute >= its allreduce, Das et al. §3):")
+    print(f"{'layer':>20} {'GFLOP/ex':>9} {'weights':>11} {'compute':>9} {'comm':>9} {'B data':>9} {'B model':>9} "
+          f"{'B hybrid':>9} {'balanced':>8} {'min b':>6}  choice")
+    for r in report:
+        hybrid = "-" if r["bytes_hybrid"] is None else f"{r['bytes_hybrid']:.2e}"
+        print(f"{r['layer']:>20} {r['gflop_per_example']:>9.3f} {r['weights']:>11,} {r['compute_s']:>8.4f}s "
+              f"{r['comm_s']:>8.4f}s {r['bytes_data']:>9.2e} {r['bytes_model']:>9.2e} {hybrid:>9} "
+              f"{'yes' if r['balanced'] else 'no':>8} {r['min_batch']:>6}  {r['choice']}")
+    print(f"\nplot: {plot}")
+
+
+def simulate_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dtx simulate`` with ``argv`` (without the program name); returns the exit status."""
+    parser = make_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # argparse has printed usage and the error (or --help)
+        return int(e.code or 0)
+    if args.global_batch is None and args.per_node_batch is None:
+        args.global_batch = 512
+    try:
+        cluster = build_cluster(args)
+        layers = _analyze(args.model, args.input_shape)
+        points = perfmodel.scaling(
+            layers, cluster, args.nodes, global_batch=args.global_batch, per_node_batch=args.per_node_batch,
+            mode=args.plan, overlap=args.overlap, algorithm=args.algorithm, group_size=args.group_size)
+    except ValueError as e:  # ModelConfigError, ClusterError, PerfModelError, CollectiveError
+        print(f"dtx simulate: error: {e}", file=sys.stderr)
+        return 2
+    report = perfmodel.layer_report(points[-1].plan, cluster, args.algorithm)
+
+    from dtx.plots import line_plot
+
+    nodes = [p.nodes for p in points]
+    ys = {bound: [p.plan.times[bound] for p in points] for bound in perfmodel.OVERLAPS}
+    base = {bound: perfmodel.make_plan(layers, cluster, 1, args.global_batch or args.per_node_batch, mode=args.plan,
+                                       overlap=bound, algorithm=args.algorithm).times[bound]
+            for bound in perfmodel.OVERLAPS}
+    strong = args.per_node_batch is None
+    series = {f"predicted, overlap={bound}": (nodes, [(1 if strong else n) * base[bound] / t
+                                                      for n, t in zip(nodes, ys[bound])])
+              for bound in perfmodel.OVERLAPS}
+    series["linear"] = (nodes, nodes)
+    plot = line_plot(series, os.path.join(args.out, f"simulate_{args.model}_{cluster.name}.png"),
+                     title=f"{args.model} on {cluster.name}", xlabel="nodes", ylabel="speedup", logx=True)
+
+    if args.json:
+        print(json.dumps(dict(
+            model=args.model, cluster=_finite(dataclasses.asdict(cluster)),
+            scaling="strong" if strong else "weak", global_batch=args.global_batch,
+            per_node_batch=args.per_node_batch, algorithm=args.algorithm, overlap=args.overlap, plan=args.plan,
+            speedup={str(p.nodes): p.speedup for p in points}, points=[_point_json(p) for p in points],
+            layers=report, plot=plot), indent=1, default=float))
+    else:
+        _print_tables(args, cluster, points, report, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(simulate_main())
