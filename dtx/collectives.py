@@ -317,6 +317,17 @@ def make_allreduce(
     if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise CollectiveError(f"bucket_bytes must be an integer >= 0 (0 = no bucketing), got {bucket_bytes!r}")
 
+    if algorithm == "psum" and not bucket_bytes:
+        # XLA's own collective on the tree as it is (XLA fuses small all-reduces itself).
+        def native(tree: PyTree) -> PyTree:
+            summed = lax.psum(tree, axes)
+            if not mean:
+                return summed
+            p = math.prod(lax.axis_size(a) for a in axes)
+            return jax.tree.map(lambda x: _mean(x, p), summed)
+
+        return native
+
     def allreduce(tree: PyTree) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree)
         leaves = [jnp.asarray(leaf) for leaf in leaves]
