@@ -1,0 +1,97 @@
+"""Multi-process jobs (`dtx launch`, jax.distributed over 127.0.0.1 with gloo): same result as one
+process, and a dead rank never hangs the job. Kept few and serial: each costs two JAX processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dtx import metrics
+from dtx.checkpoint import Checkpointer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
+TINY = ["--config.model.features=(32,)", "--config.log_every=1", "--config.progress=False"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _dtx(*args):
+    return [sys.executable, "-m", "dtx.cli", *args]
+
+
+def _losses(workdir):
+    by_step = {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
+    return np.array([by_step[s] for s in sorted(by_step)])
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """2 processes x 4 devices == 1 process x 8 devices: the same global batches, the same mean
+    gradient; only the all-reduce's summation order differs (gloo across processes), so per-step
+    losses agree to rtol 1e-5 and the final test accuracy exactly."""
+    steps = ["--config.num_steps=30"]
+    one = subprocess.run(_dtx("train", DEFAULT, "--workdir", str(tmp_path / "one"), *TINY, *steps),
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run(_dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT,
+                              "--workdir", str(tmp_path / "two"), *TINY, *steps),
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert two.returncode == 0, two.stderr + open(tmp_path / "two" / "logs" / "process_0.log").read()
+    records = metrics.read_metrics(tmp_path / "two")
+    assert records[0]["num_devices"] == 8
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+    final_one = metrics.read_metrics(tmp_path / "one")[-1]
+    assert records[-1]["test_accuracy"] == final_one["test_accuracy"]
+    assert (tmp_path / "two" / "logs" / "process_1.log").exists()
+
+
+def test_dead_process_fails_the_job_fast_naming_the_rank(tmp_path):
+    """SIGKILL one rank mid-run: the launcher stops the other and exits non-zero within 60 s."""
+    command = _dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT, "--workdir",
+                   str(tmp_path), *TINY, "--config.num_steps=100000", "--config.checkpoint.every_steps=0")
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) > 5):
+        time.sleep(0.1)
+    assert len(_losses(tmp_path)) > 5, "the job must be training before the fault"
+    victim = subprocess.run(["pgrep", "-f", f"DTX_PROCESS_ID=1|workdir {tmp_path}"], capture_output=True, text=True)
+    pids = [int(p) for p in victim.stdout.split() if int(p) != launcher.pid]
+    rank1 = [p for p in pids if "DTX_PROCESS_ID=1" in open(f"/proc/{p}/environ", "rb").read().decode(errors="ignore")
+             .replace("\0", " ")]
+    assert rank1, "rank 1's process must exist"
+    killed_at = time.time()
+    os.kill(rank1[0], signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=90)
+    assert launcher.returncode != 0
+    assert time.time() - killed_at < 60
+    assert "first failed rank: 1" in stderr
+
+
+def test_sigterm_two_processes_save_at_the_same_step_and_resume_bitwise(tmp_path):
+    """SIGTERM to the launcher: both ranks stop at the same step (JAX's preemption sync point),
+    save, exit 0; relaunching resumes and matches an uninterrupted 2-process run bit for bit."""
+    steps = ["--config.num_steps=300", "--config.checkpoint.every_steps=1000"]
+    reference = subprocess.run(_dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT,
+                                    "--workdir", str(tmp_path / "ref"), *TINY, *steps),
+                               capture_output=True, text=True, env=ENV, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    workdir = tmp_path / "preempted"
+    command = _dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT, "--workdir", str(workdir),
+                   *TINY, *steps)
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((workdir / "metrics.jsonl").exists() and len(_losses(workdir)) > 10):
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, stderr
+    stopped = Checkpointer(workdir / "checkpoints").latest_step()
+    assert 10 < stopped < 300
+    resumed = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(workdir).tobytes() == _losses(tmp_path / "ref").tobytes()
+    assert json.dumps(metrics.read_metrics(workdir)[-1]) == json.dumps(metrics.read_metrics(tmp_path / "ref")[-1])
