@@ -183,7 +183,8 @@ def collectives_main(argv: list[str]) -> int:
     parser.add_argument("--gamma", type=float, default=0.0, help="model reduction cost, s per byte")
     parser.add_argument("--out", help="directory for collectives.csv and collectives.png")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per point (median reported)")
-    parser.add_argument("--devices", type=int, help="emulate this many CPU devices (must come before JAX starts)")
+    parser.add_argument("--devices", type=int, default=8,
+                        help="CPU devices to emulate (default 8; accelerators are used as they are)")
     args = parser.parse_args(argv)
     algorithms = [a for item in args.algorithms for a in item.split(",") if a]
     try:

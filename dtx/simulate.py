@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -166,7 +167,22 @@ def _print_tables(args, cluster, points, report, plot) -> None:
         print(f"{r['layer']:>20} {r['gflop_per_example']:>9.3f} {r['weights']:>11,} {r['compute_s']:>8.4f}s "
               f"{r['comm_s']:>8.4f}s {r['bytes_data']:>9.2e} {r['bytes_model']:>9.2e} {hybrid:>9} "
               f"{'yes' if r['balanced'] else 'no':>8} {r['min_batch']:>6}  {r['choice']}")
+    print(f"\nrun the {last.nodes}-node plan: dtx train EXPERIMENT.py {' '.join(plan_overrides(last.plan))}")
     print(f"\nplot: {plot}")
+
+
+def plan_overrides(plan: perfmodel.Plan) -> list[str]:
+    """``dtx train`` overrides that run ``plan``: its mesh, the jit driver and its partitioning rules."""
+    mesh = tuple((name, size) for name, size in plan.mesh_spec)
+    rules = tuple((regex, tuple(spec)) for regex, spec in plan.rules()[:-1])  # the trainer adds the catch-all
+    def literal(value) -> str:  # a Python literal, double-quoted inside so the shell quoting stays readable
+        text = repr(value)
+        return shlex.quote(text.replace("'", '"')) if "'" in text and '"' not in text else shlex.quote(text)
+
+    mesh_flag = "--config.mesh=" + literal(mesh)
+    if not rules:
+        return [mesh_flag]
+    return [mesh_flag, "--config.driver=jit", "--config.parallel.name=rules", "--config.parallel.rules=" + literal(rules)]
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:

@@ -390,3 +390,30 @@ def test_calibration_measured_layers_predict_the_measured_step():
     measured = float(np.median(step_times))
     print(f"calibration: predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms")
     assert predicted == pytest.approx(measured, rel=0.25), (predicted, measured, per_example)
+
+
+def test_the_trainer_runs_the_planners_rules(tmp_path):
+    """The planner's choice, emitted as `dtx train` overrides, trains as-is: same result as data parallel."""
+    import shlex
+
+    import models
+    from dtx import config as config_lib
+    from dtx import perfmodel as pm
+    from dtx.clusters import get_cluster
+    from dtx.simulate import plan_overrides
+    from dtx.train import train
+
+    experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                              "digits_mlp.py")
+    model = models.build_model("mlp", features=(32,))
+    plan = pm.make_plan(pm.analyze(model, (8, 8, 1)), get_cluster("haswell_fdr"), 8, 64, mode="hybrid", group_size=2)
+    assert plan.sharded, "the hybrid plan must split some layer"
+    overrides = [arg for item in plan_overrides(plan) for arg in shlex.split(item)]
+    base = ["--config.model.features=(32,)", "--config.num_steps=5", "--config.progress=False",
+            "--config.global_batch_size=64", "--config.optimizer.name=momentum", "--config.optimizer.learning_rate=0.1"]
+    planned = train(config_lib.load(experiment, base + overrides), tmp_path / "planned")
+    data = train(config_lib.load(experiment, base), tmp_path / "data")
+    kernel = planned.state.params["Dense_0"]["kernel"]
+    assert not kernel.sharding.is_fully_replicated  # the plan's layout is what ran
+    for a, b in zip(jax.tree.leaves(planned.state.params), jax.tree.leaves(data.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
