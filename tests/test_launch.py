@@ -91,7 +91,25 @@ def test_sigterm_two_processes_save_at_the_same_step_and_resume_bitwise(tmp_path
     assert launcher.returncode == 0, stderr
     stopped = Checkpointer(workdir / "checkpoints").latest_step()
     assert 10 < stopped < 300
+    _restore_in_one_process_on_one_device(workdir / "checkpoints", stopped)
     resumed = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert _losses(workdir).tobytes() == _losses(tmp_path / "ref").tobytes()
     assert json.dumps(metrics.read_metrics(workdir)[-1]) == json.dumps(metrics.read_metrics(tmp_path / "ref")[-1])
+
+
+def _restore_in_one_process_on_one_device(directory, step):
+    """2 processes -> 1: the two-process checkpoint restores here, exactly (digests verified)."""
+    import jax
+
+    import models
+    from dtx import mesh as mesh_lib
+    from dtx import optim
+    from dtx.checkpoint import abstract_target
+    from dtx.state import abstract_train_state, replicated_shardings
+
+    mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
+    abstract = abstract_train_state(models.build_model("mlp", features=(32,)), optim.make_optimizer("adam", optim.make_schedule("constant", 2e-3, 300)),
+                                    jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32))
+    state, _ = Checkpointer(directory).restore(step, abstract_target(abstract, replicated_shardings(abstract, mesh)))
+    assert int(state.step) == step
