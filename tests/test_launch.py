@@ -109,7 +109,8 @@ def _restore_in_one_process_on_one_device(directory, step):
     from dtx.state import abstract_train_state, replicated_shardings
 
     mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
-    abstract = abstract_train_state(models.build_model("mlp", features=(32,)), optim.make_optimizer("adam", optim.make_schedule("constant", 2e-3, 300)),
+    tx = optim.make_optimizer("adam", optim.make_schedule("constant", 2e-3, 300))  # as the trainer builds it
+    abstract = abstract_train_state(models.build_model("mlp", features=(32,)), tx,
                                     jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32))
     state, _ = Checkpointer(directory).restore(step, abstract_target(abstract, replicated_shardings(abstract, mesh)))
     assert int(state.step) == step
