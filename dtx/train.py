@@ -104,11 +104,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
         checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
                                                    async_save=config.checkpoint.async_save)
     if resuming:
-        state, _ = checkpointer.restore(checkpointer.latest_step(),
+        state, saved = checkpointer.restore(checkpointer.latest_step(),
                                         checkpoint_lib.abstract_target(abstract_state, shardings))
     else:
         state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
     start_step = int(to_host(state.step))
+    # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
+    data_digest = saved.get("data_digest", "") if resuming else ""
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
 
     # --------------------------------------------------------------------- loop
@@ -133,6 +135,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
         preempted = False
         for step in range(start_step, num_steps):
             batch = loader.batch(step)
+            batch_hash = hashlib.sha256(loader.indices(step).tobytes()).hexdigest()[:16]
+            data_digest = hashlib.sha256((data_digest + batch_hash).encode()).hexdigest()[:16]
             state, step_metrics = train_step(state, batch)
             window_steps += 1
             if previous is not None:
@@ -148,23 +152,24 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                     rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
                     record = {k: float(v) for k, v in to_host(previous[1]).items()}
                     record["learning_rate"] = float(lr_by_step[done - 1])
+                    record.update(previous[2])
                     writer.write(done, {**record, "examples_per_sec": rate})
                     bar.update(done, record["loss"], rate)
                     window_start, window_steps = time.perf_counter(), 1
-            previous = (step + 1, step_metrics)
+            previous = (step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < num_steps:
                 writer.write(step + 1, evaluate(eval_step, state, test_batches))
             preempted = preemption.requested(step + 1)
             if checkpointer and (preempted or (step + 1) % every == 0 or step + 1 == num_steps):
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
-                    checkpointer.save(step + 1, state, {"config": config.to_dict()})
+                    checkpointer.save(step + 1, state, {"config": config.to_dict(), "data_digest": data_digest})
             if preempted:
                 break
         if previous is not None:
             record = {k: float(v) for k, v in to_host(previous[1]).items()}
             if loss_scaler.enabled:
                 _check_loss_scale(previous[0], record, loss_scaler)
-            writer.write(previous[0], record)
+            writer.write(previous[0], {**record, **previous[2]})
             bar.update(previous[0], record["loss"], rate)
 
         if checkpointer:

@@ -37,9 +37,12 @@ def _dtx(*args):
 
 
 def _losses(workdir):
-    """Per-step loss bits; a resumed run may log a step twice — the later record wins."""
-    by_step = {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
-    return {step: np.float32(loss).tobytes() for step, loss in by_step.items()}
+    """Per-step loss bits and batch hashes; a resumed run may log a step twice — the later record wins.
+
+    ``data_digest`` chains every batch's hash since step 0: equal digests mean no batch was repeated
+    or skipped across the restart."""
+    by_step = {r["step"]: r for r in metrics.read_metrics(workdir) if "loss" in r}
+    return {step: (np.float32(r["loss"]).tobytes(), r["batch_hash"], r["data_digest"]) for step, r in by_step.items()}
 
 
 def _state(mesh, model=None, seed=0):
@@ -283,3 +286,19 @@ def test_sigkill_during_async_saves_loses_nothing_committed(tmp_path):
     assert _losses(workdir) == _losses(tmp_path / "reference")
     final = Checkpointer(checkpoints).restore(60, _target_like(reference.state))[0]
     assert state_digest(final) == state_digest(reference.state)
+
+
+_STUCK = """
+import time
+from dtx.watchdog import StepWatchdog
+with StepWatchdog(0.5, rank=3) as watchdog:
+    watchdog.tick(41)
+    time.sleep(30)  # a step that never finishes
+"""
+
+
+def test_watchdog_aborts_a_stuck_process_naming_step_and_rank():
+    start = time.time()
+    run = subprocess.run([sys.executable, "-c", _STUCK], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == 86 and time.time() - start < 20
+    assert "rank 3" in run.stderr and "step 41" in run.stderr
