@@ -216,6 +216,8 @@ def validate(config: ConfigDict) -> None:
         raise ConfigError(f"checkpoint.resume={config.checkpoint.resume!r}; choose one of {list(RESUME_MODES)}")
     if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1")
+    if config.distributed not in ("auto", "off"):
+        raise ConfigError(f"distributed={config.distributed!r}; choose 'auto' or 'off'")
     if config.grad_accum_steps < 1:
         raise ConfigError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
     if config.loss_scale.name not in LOSS_SCALES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import time
@@ -106,6 +107,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     if resuming:
         state, saved = checkpointer.restore(checkpointer.latest_step(),
                                         checkpoint_lib.abstract_target(abstract_state, shardings))
+        _check_resumable(saved.get("config", {}), config)
     else:
         state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
     start_step = int(to_host(state.step))
@@ -160,9 +162,10 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < num_steps:
                 writer.write(step + 1, evaluate(eval_step, state, test_batches))
             preempted = preemption.requested(step + 1)
-            if checkpointer and (preempted or (step + 1) % every == 0 or step + 1 == num_steps):
+            if checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == num_steps):
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
-                    checkpointer.save(step + 1, state, {"config": config.to_dict(), "data_digest": data_digest})
+                    checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
+                                                         "data_digest": data_digest})
             if preempted:
                 break
         if previous is not None:
@@ -258,3 +261,22 @@ def _check_shared_directory(directory: str) -> None:
             f"process {jax.process_index()} cannot see {directory} written by process 0: the checkpoint "
             "directory must be on storage shared by every process (set --config.checkpoint.dir)")
     _barrier("dtx: shared-directory token checked")
+
+
+# Keys a resumed run may change: run length, logging, checkpointing and how (not what) it computes.
+_RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
+                      "eval_batch_size", "watchdog_seconds", "emulate_cpu_devices", "mesh", "driver",
+                      "distributed", "allreduce", "bucket_bytes", "parallel")
+
+
+def _check_resumable(saved: dict, config: ConfigDict) -> None:
+    """Refuse to resume a checkpoint under settings that change what its state means (data order,
+    model, optimizer, precision): the run would silently stop being the run that was saved."""
+    current = json.loads(config.to_json())  # the saved copy went through JSON too (tuples -> lists)
+    changed = sorted(k for k in set(saved) | set(current)
+                     if k not in _RESUME_MAY_CHANGE and saved.get(k) != current.get(k))
+    if saved and changed:
+        raise config_lib.ConfigError(
+            f"cannot resume: {', '.join(changed)} differ from the checkpointed run's config; set them back "
+            "or train into a new --workdir (only run length, logging, checkpointing, mesh, driver and "
+            "allreduce may change on resume)")

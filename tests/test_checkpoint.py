@@ -259,6 +259,14 @@ def test_resume_modes(tmp_path):
     saved_steps = sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())
     assert saved_steps == [3, 6]
     json.loads((tmp_path / "config.json").read_text())
+    # What the state means may not change on resume; run length and checkpointing may.
+    other_lr = config_lib.override(config, **{"optimizer.learning_rate": 0.5})
+    with pytest.raises(config_lib.ConfigError, match="cannot resume: optimizer differ"):
+        train(other_lr, tmp_path)
+    longer = config_lib.override(config, **{"num_steps": 8, "checkpoint.every_steps": 0})
+    result = train(longer, tmp_path)  # resumes at 6, saves only at the end
+    assert int(result.state.step) == 8
+    assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())[-1] == 8
 
 
 def test_sigkill_during_async_saves_loses_nothing_committed(tmp_path):

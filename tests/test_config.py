@@ -311,3 +311,15 @@ def test_override_validates_the_result():
         override(base_config(), driver="pmap")
     with pytest.raises(ConfigError, match=r"mesh=.*must be \(name, size\) pairs"):
         override(base_config(), mesh=((4, "data"),))
+
+
+def test_every_experiment_file_loads():
+    """Experiment files are public interface: each must load, locked and valid, as shipped."""
+    import glob
+
+    experiments = sorted(glob.glob(os.path.join(REPO, "experiments", "*.py")))
+    names = [os.path.basename(p) for p in experiments if not p.endswith("__init__.py")]
+    assert {"digits_mlp.py", "digits_lenet.py", "large_batch.py"} <= set(names)
+    for name in names:
+        config = load(os.path.join(REPO, "experiments", name))
+        assert config.is_locked
