@@ -132,7 +132,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
     preemption = checkpoint_lib.PreemptionWatcher(enabled=checkpointer is not None)
     with writer, bar, preemption, watchdog, jax.transfer_guard("disallow"):
-        previous = None  # (step, metrics) of the step before: read it once the next is dispatched
+        previous = None  # (step, metrics, batch record) of the step before: read once the next is dispatched
         window_start, window_steps, rate = time.perf_counter(), 0, 0.0
         preempted = False
         for step in range(start_step, num_steps):
