@@ -155,7 +155,9 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                     record = {k: float(v) for k, v in to_host(previous[1]).items()}
                     record["learning_rate"] = float(lr_by_step[done - 1])
                     record.update(previous[2])
-                    writer.write(done, {**record, "examples_per_sec": rate})
+                    writer.write(done, {**record, "examples_per_sec": rate,
+                                        "examples_per_sec_per_device": rate / mesh.size,
+                                        "step_time_ms": 1e3 * elapsed / max(window_steps - 1, 1)})
                     bar.update(done, record["loss"], rate)
                     window_start, window_steps = time.perf_counter(), 1
             previous = (step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})

@@ -57,6 +57,8 @@ def test_records(tmp_path):
     for r in records:
         if "loss" in r and "examples_per_sec" in r:
             assert r["examples_per_sec"] > 0 and r["learning_rate"] == pytest.approx(2e-3)
+            assert r["examples_per_sec_per_device"] == pytest.approx(r["examples_per_sec"] / 8)
+            assert r["step_time_ms"] > 0
     final = records[-1]
     assert final["step"] == 12 and 0 <= final["test_accuracy"] <= 1
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))

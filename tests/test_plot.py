@@ -1,0 +1,33 @@
+"""`dtx plot`: one PNG per metric from runs' records; a resumed run's re-logged steps count once."""
+
+import json
+
+from dtx.cli import main
+from dtx.plot import series
+
+
+def _run(path, records):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_series_keeps_the_last_record_per_step():
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "loss": 1.4}, {"step": 3, "x": "a"}]
+    assert series(records, "loss") == ([1, 2], [2.0, 1.4])
+
+
+def test_plot_writes_one_png_per_metric(tmp_path, capsys):
+    a = _run(tmp_path / "a", [{"step": s, "loss": 1.0 / s, "accuracy": s / 10} for s in range(1, 6)])
+    b = _run(tmp_path / "b", [{"step": s, "loss": 2.0 / s} for s in range(1, 6)] + [{"step": 5, "test_accuracy": 0.9}])
+    assert main(["plot", a, b, "--out", str(tmp_path / "plots"), "--metrics", "loss,accuracy,test_accuracy"]) == 0
+    for key in ("loss", "accuracy", "test_accuracy"):
+        png = tmp_path / "plots" / f"{key}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_errors(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    a = _run(tmp_path / "a", [{"step": 1, "loss": 1.0}])
+    assert main(["plot", a, "--metrics", "nothing"]) == 2
