@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from dtx import mesh as mesh_lib
@@ -69,26 +70,41 @@ def launch_main(argv: list[str]) -> int:
 
 
 def _supervise(processes, logs: str) -> int:
-    first_failure = None
-    deadline = None
-    while True:
-        codes = [p.poll() for p, _ in processes]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and first_failure is None:
-                first_failure = (rank, code)
-                deadline = time.time() + GRACE_SECONDS
-                print(f"dtx launch: process {rank} failed (exit code {code}); stopping the others. "
-                      f"See {os.path.join(logs, f'process_{rank}.log')}", file=sys.stderr, flush=True)
-                for process, _ in processes:
-                    if process.poll() is None:
-                        process.terminate()
-        if all(code is not None for code in codes):
-            break
-        if deadline is not None and time.time() > deadline:
+    # One waiter thread per process stamps each exit as it happens: when one rank dies its
+    # peers abort moments later, and the first *in time* is the one to report.
+    exits: list[tuple[float, int, int]] = []
+    lock = threading.Lock()
+
+    def wait(rank: int, process: subprocess.Popen) -> None:
+        code = process.wait()
+        with lock:
+            exits.append((time.monotonic(), rank, code))
+
+    waiters = [threading.Thread(target=wait, args=(rank, p), daemon=True) for rank, (p, _) in enumerate(processes)]
+    for waiter in waiters:
+        waiter.start()
+    first_failure, deadline = None, None
+    while any(waiter.is_alive() for waiter in waiters):
+        with lock:
+            failures = sorted(e for e in exits if e[2] != 0)
+        if failures and first_failure is None:
+            _, rank, code = failures[0]
+            first_failure, deadline = (rank, code), time.monotonic() + GRACE_SECONDS
+            print(f"dtx launch: process {rank} failed (exit code {code}); stopping the others. "
+                  f"See {os.path.join(logs, f'process_{rank}.log')}", file=sys.stderr, flush=True)
+            for process, _ in processes:
+                if process.poll() is None:
+                    process.terminate()
+        if deadline is not None and time.monotonic() > deadline:
             for process, _ in processes:
                 if process.poll() is None:
                     process.kill()
-        time.sleep(0.1)
+        time.sleep(0.05)
+    failures = sorted(e for e in exits if e[2] != 0)  # all may have exited between two looks
+    if failures and first_failure is None:
+        first_failure = failures[0][1:]
+    summary = ", ".join(f"rank {rank}: {code}" for _, rank, code in sorted(exits))
+    print(f"dtx launch: exit codes in order of exit: {summary}", file=sys.stderr)
     if first_failure is not None:
         rank, code = first_failure
         print(f"dtx launch: failed; first failed rank: {rank} (exit code {code})", file=sys.stderr)

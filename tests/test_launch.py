@@ -65,8 +65,8 @@ def test_dead_process_fails_the_job_fast_naming_the_rank(tmp_path):
     assert rank1, "rank 1's process must exist"
     killed_at = time.time()
     os.kill(rank1[0], signal.SIGKILL)
-    _, stderr = launcher.communicate(timeout=90)
-    assert launcher.returncode != 0
+    stdout, stderr = launcher.communicate(timeout=90)
+    assert launcher.returncode != 0, (rank1, pids, stderr)
     assert time.time() - killed_at < 60
     assert "first failed rank: 1" in stderr
 
