@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulate_main(argv[1:])
     commands.add_parser("plot", help="compare runs: PNG plots of their metrics", add_help=False)
     if argv[:1] == ["plot"]:
-        from dtx.plot import plot_main
+        from dtx.plots import plot_main
 
         return plot_main(argv[1:])
     commands.add_parser("bench", help="benchmarks: 'dtx bench collectives --help'", add_help=False)

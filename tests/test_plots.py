@@ -3,7 +3,7 @@
 import json
 
 from dtx.cli import main
-from dtx.plot import series
+from dtx.plots import metric_series
 
 
 def _run(path, records):
@@ -14,7 +14,7 @@ def _run(path, records):
 
 def test_series_keeps_the_last_record_per_step():
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "loss": 1.4}, {"step": 3, "x": "a"}]
-    assert series(records, "loss") == ([1, 2], [2.0, 1.4])
+    assert metric_series(records, "loss") == ([1, 2], [2.0, 1.4])
 
 
 def test_plot_writes_one_png_per_metric(tmp_path, capsys):
