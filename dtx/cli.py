@@ -1,21 +1,38 @@
 """The ``dtx`` command line: parses arguments and calls the library, nothing more.
 
     dtx train EXPERIMENT.py [--workdir DIR] [--config.KEY=VALUE ...]
+    dtx launch --processes N --devices-per-process D EXPERIMENT.py [...]
+    dtx simulate --model NAME [...]     dtx plot RUN_DIR [...]     dtx bench collectives [...]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
 from collections.abc import Sequence
 
 
+# Commands with parsers of their own: (module, function, one-line help). Imported only when used.
+_COMMANDS = {
+    "launch": ("dtx.launch", "launch_main", "run an experiment as several local processes (jax.distributed)"),
+    "simulate": ("dtx.simulate", "simulate_main", "predict iteration time and scaling (Das et al. model)"),
+    "plot": ("dtx.plots", "plot_main", "compare runs: PNG plots of their metrics"),
+    "bench collectives": ("dtx.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for name, (module, function, _) in _COMMANDS.items():
+        words = name.split()
+        if argv[: len(words)] == words:
+            return getattr(importlib.import_module(module), function)(argv[len(words):])
+
     parser = argparse.ArgumentParser(prog="dtx", description="Distributed training on JAX meshes.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_cmd = commands.add_parser(
         "train",
         help="train an experiment config",
@@ -25,29 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_cmd.add_argument("experiment", help="experiment file, e.g. experiments/digits_mlp.py")
     train_cmd.add_argument("--workdir", help="where metrics.jsonl and TensorBoard events go "
                            "(default: runs/<experiment>-<time>)")
-    commands.add_parser("launch", help="run an experiment as several local processes (jax.distributed)",
-                        add_help=False)
-    commands.add_parser("simulate", help="predict iteration time and scaling (Das et al. performance model)",
-                        add_help=False)
-    if argv[:1] == ["simulate"]:
-        from dtx.simulate import simulate_main
-
-        return simulate_main(argv[1:])
-    commands.add_parser("plot", help="compare runs: PNG plots of their metrics", add_help=False)
-    if argv[:1] == ["plot"]:
-        from dtx.plots import plot_main
-
-        return plot_main(argv[1:])
-    commands.add_parser("bench", help="benchmarks: 'dtx bench collectives --help'", add_help=False)
-    if argv[:2] == ["bench", "collectives"]:
-        from dtx.bench import collectives_main
-
-        return collectives_main(argv[2:])
-    if argv[:1] == ["launch"]:
-        from dtx.launch import launch_main
-
-        return launch_main(argv[1:])
+    for name, (_, _, help_text) in _COMMANDS.items():
+        commands.add_parser(name, help=f"{help_text} ('dtx {name} --help')", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command != "train":  # e.g. a bare "dtx bench"
+        parser.error(f"'{args.command}' needs more words: see 'dtx --help'")
     overrides = [a for a in rest if a.startswith("--config.")]
     unknown = [a for a in rest if not a.startswith("--config.")]
     if unknown:
