@@ -41,6 +41,32 @@ def base_config() -> ConfigDict:
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
     c.allreduce = "psum"  # shard_map driver: psum | ring | halving_doubling | recursive_doubling | tree | hierarchical
     c.bucket_bytes = 0  # gradient fusion buckets (bytes) per allreduce; 0: one per leaf
+    # Gradient compression around the allreduce (dtx.compress; needs driver=shard_map).
+    c.compression = ConfigDict()
+    c.compression.name = "none"  # none | cast | topk | randomk | sign | terngrad | qsgd | powersgd
+    c.compression.dtype = "bfloat16"  # cast: the wire dtype (bfloat16 | float16 | float32)
+    c.compression.fraction = 0.01  # topk / randomk: fraction of each gradient's entries sent, in (0, 1]
+    c.compression.error_feedback = True  # carry what was not sent into the next step (biased compressors)
+    c.compression.momentum = 0.0  # topk: DGC momentum correction (then use optimizer.name=sgd)
+    c.compression.clip_norm = 0.0  # topk: DGC local gradient clipping (0: off)
+    c.compression.warmup_steps = 0  # topk: DGC sparsity warm-up, from 25% down to fraction
+    c.compression.levels = 16  # qsgd: quantisation levels s
+    c.compression.rank = 4  # powersgd: rank r
+
+    # Synchronisation strategy (dtx.strategies; all but sync need driver=shard_map).
+    c.strategy = ConfigDict()
+    c.strategy.name = "sync"  # sync | async | ssp | local_sgd | diloco | easgd | gossip
+    c.strategy.staleness = 0  # async: delay tau (steps); ssp: staleness bound s
+    c.strategy.random_delay = False  # async: delays drawn in [0, tau] per worker and step (seeded)
+    c.strategy.period = 1  # local_sgd / diloco: H local steps per averaging; easgd: steps per exchange
+    c.strategy.sync_steps = 0  # local_sgd: post-local SGD, synchronous for the first K steps
+    c.strategy.outer_learning_rate = 0.7  # diloco: outer Nesterov SGD rate
+    c.strategy.outer_momentum = 0.9  # diloco: outer Nesterov momentum
+    c.strategy.rho = 0.1  # easgd: elastic force (pull of each worker towards the center)
+    c.strategy.moving_rate = 0.5  # easgd: how far the center moves towards the workers' mean
+    c.strategy.topology = "ring"  # gossip: ring | complete | exponential
+    c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), summing to 1
+
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | rules (model/hybrid/fsdp/rules need driver=jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
@@ -99,6 +125,8 @@ def base_config() -> ConfigDict:
     c.eval_every = 0  # steps between evaluations; 0 evaluates only at the end
     c.log_every = 10  # steps between metric records
     c.progress = True  # progress bar on the terminal / notebook
+    c.profile_steps = 0  # > 0: capture a jax.profiler trace of this many steps into WORKDIR/profile
+    c.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: look the device kind up in dtx.flops
 
     return c.lock()
 

@@ -36,7 +36,7 @@ equal. Pure Python: nothing here imports JAX.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ALGORITHMS: tuple[str, ...] = ("psum", "ring", "halving_doubling", "recursive_doubling", "tree", "hierarchical")
 
@@ -180,3 +180,76 @@ def expected_traffic(algorithm: str, nbytes: int, p: int, inner: int | None = No
         2 * (inner - 1) + 2 * (outer - 1),
         (2 * (inner - 1) * shard + 2 * (outer - 1) * -(-shard // outer)) * itemsize,
     )
+
+
+# ----------------------------------------------------------------------------- accountant
+# What one device sends per step, for every way dtx communicates: the allreduces
+# above, and the all-gathers, all-to-alls, neighbour exchanges and parameter-server
+# pushes/pulls of gradient compression (dtx.compress) and relaxed synchronisation
+# (dtx.strategies). Both report through these functions, so their bytes compare.
+
+
+def add_traffic(*traffics: Traffic) -> Traffic:
+    """Traffic of several collectives run one after the other."""
+    return Traffic(sum(t.messages for t in traffics), sum(t.bytes_sent for t in traffics))
+
+
+def scale_traffic(traffic: Traffic, times: int) -> Traffic:
+    return Traffic(traffic.messages * times, traffic.bytes_sent * times)
+
+
+def all_gather_traffic(nbytes: int, p: int) -> Traffic:
+    """Ring all-gather of ``nbytes`` from each device: each forwards ``p − 1`` blocks."""
+    if p <= 1 or nbytes == 0:
+        return Traffic(0, 0)
+    return Traffic(p - 1, (p - 1) * nbytes)
+
+
+def all_to_all_traffic(nbytes_per_peer: int, p: int) -> Traffic:
+    """All-to-all with ``nbytes_per_peer`` for each of the ``p − 1`` other devices."""
+    if p <= 1 or nbytes_per_peer == 0:
+        return Traffic(0, 0)
+    return Traffic(p - 1, (p - 1) * nbytes_per_peer)
+
+
+def neighbour_traffic(nbytes: int, neighbours: int) -> Traffic:
+    """One ``ppermute`` of ``nbytes`` to each of ``neighbours`` peers (gossip)."""
+    if neighbours <= 0 or nbytes == 0:
+        return Traffic(0, 0)
+    return Traffic(neighbours, neighbours * nbytes)
+
+
+def tree_nbytes(tree: Any, dtype: Any = None) -> int:
+    """Bytes of a pytree of arrays (or ShapeDtypeStructs), optionally as if cast to ``dtype``."""
+    import numpy as np  # local: this module stays importable without JAX
+
+    total = 0
+    for leaf in _leaves(tree):
+        itemsize = np.dtype(dtype if dtype is not None else leaf.dtype).itemsize
+        total += int(np.prod(leaf.shape, dtype=np.int64)) * itemsize
+    return total
+
+
+def dense_allreduce_traffic(tree: Any, p: int, algorithm: str = "ring", dtype: Any = None,
+                            inner: int | None = None) -> Traffic:
+    """Allreduce of every leaf of ``tree`` (leaf by leaf, as ``dtx.collectives`` does).
+
+    The float32 ring allreduce of the gradients (``dtype="float32"``) is the
+    reference every compression and strategy ratio is taken against.
+    """
+    import numpy as np
+
+    parts = []
+    for leaf in _leaves(tree):
+        itemsize = np.dtype(dtype if dtype is not None else leaf.dtype).itemsize
+        n = int(np.prod(leaf.shape, dtype=np.int64))
+        parts.append(expected_traffic(algorithm, n * itemsize, p, inner, itemsize))
+    return add_traffic(*parts)
+
+
+def _leaves(tree: Any) -> list:
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return [tree]
+    import jax
+
+    return jax.tree.leaves(tree)

@@ -108,8 +108,11 @@ def state_shardings(abstract_state: Any, rules: Rules, mesh: Mesh) -> Any:
         return NamedSharding(mesh, PartitionSpec())
 
     shardings = jax.tree_util.tree_map_with_path(follow, abstract_state)
+    # Per-worker state (compression residuals, local models): one entry per data-parallel worker.
+    split = NamedSharding(mesh, PartitionSpec(mesh_lib.batch_axes(mesh)))
     return shardings.replace(params=jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                                 is_leaf=lambda x: isinstance(x, PartitionSpec)))
+                                                 is_leaf=lambda x: isinstance(x, PartitionSpec)),
+                             worker=jax.tree.map(lambda _: split, abstract_state.worker))
 
 
 def _spec_for(name: str, path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

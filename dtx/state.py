@@ -14,7 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, LossScaleState
@@ -31,6 +31,11 @@ class TrainState:
       rng: raw uint32 PRNG key data; each step splits it, so dropout differs per step
         yet a run is reproducible from ``seed``.
       loss_scale: dynamic loss-scale state (scale 1 and inert unless float16 needs it).
+      worker: per-worker state, ``{"compress": ..., "strategy": ...}``: every leaf has a
+        leading axis of one entry per data-parallel worker, sharded over the batch axes
+        (error-feedback residuals of :mod:`dtx.compress`, local models of
+        :mod:`dtx.strategies`). Inside the shard_map step each worker sees its own entry.
+      shared: strategy state common to all workers (delay buffers, outer optimizer), replicated.
     """
 
     step: jax.Array
@@ -39,6 +44,8 @@ class TrainState:
     opt_state: Any
     rng: jax.Array
     loss_scale: LossScaleState
+    worker: Any = flax.struct.field(default_factory=dict)
+    shared: Any = flax.struct.field(default_factory=dict)
 
 
 def init_train_state(
@@ -49,6 +56,8 @@ def init_train_state(
     mesh: Mesh,
     loss_scaler: LossScaler = LossScaler(),
     shardings: TrainState | None = None,
+    strategy: Any = None,
+    compressor: Any = None,
 ) -> TrainState:
     """Create the state directly in its sharded layout.
 
@@ -65,12 +74,17 @@ def init_train_state(
       mesh: the device mesh.
       loss_scaler: gives the initial loss-scale state.
       shardings: a ``NamedSharding`` per leaf (see :func:`dtx.parallel.state_shardings`);
-        default: everything replicated (data parallelism).
+        default: everything replicated (data parallelism) but ``worker``, split over workers.
+      strategy: a :class:`dtx.strategies.Strategy` (default: ``sync``, no state of its own):
+        its ``init`` gives ``worker["strategy"]`` and ``shared``.
+      compressor: a :class:`dtx.compress.Compressor` (default: none): its ``init`` gives
+        ``worker["compress"]``.
 
     Returns:
       The ``TrainState``, placed with ``shardings``.
     """
-    init = _init_fn(model, tx, example_inputs, loss_scaler)
+    init = _init_fn(model, tx, example_inputs, loss_scaler, strategy, compressor,
+                    mesh_lib.data_parallel_size(mesh))
     if shardings is None:
         shardings = replicated_shardings(jax.eval_shape(init, seed), mesh)
     return jax.jit(init, out_shardings=shardings)(seed)
@@ -78,35 +92,55 @@ def init_train_state(
 
 def abstract_train_state(
     model: nn.Module, tx: optax.GradientTransformation, example_inputs: jax.ShapeDtypeStruct,
-    loss_scaler: LossScaler = LossScaler(),
+    loss_scaler: LossScaler = LossScaler(), strategy: Any = None,
+    compressor: Any = None, workers: int = 1,
 ) -> TrainState:
-    """The state's structure, shapes and dtypes, computed without allocating it."""
-    return jax.eval_shape(_init_fn(model, tx, example_inputs, loss_scaler), 0)
+    """The state's structure, shapes and dtypes, computed without allocating it.
+
+    ``workers`` is the data-parallel size: the leading axis of ``worker``'s leaves.
+    Bad compressor or strategy settings that depend on shapes (a PowerSGD rank
+    larger than a matrix) raise here, before anything is compiled.
+    """
+    return jax.eval_shape(_init_fn(model, tx, example_inputs, loss_scaler, strategy, compressor, workers), 0)
 
 
 def replicated_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
-    """Every leaf replicated (data parallelism, Hitchhiker's §3.1)."""
+    """Every leaf replicated (data parallelism, Hitchhiker's §3.1) but the per-worker state."""
     replicated: NamedSharding = mesh_lib.replicated(mesh)
-    return jax.tree.map(lambda _: replicated, abstract_state)
+    return with_worker_shardings(jax.tree.map(lambda _: replicated, abstract_state), abstract_state, mesh)
+
+
+def with_worker_shardings(shardings: TrainState, abstract_state: TrainState, mesh: Mesh) -> TrainState:
+    """``shardings`` with every ``worker`` leaf split over the batch axes, one entry per worker."""
+    split = NamedSharding(mesh, PartitionSpec(mesh_lib.batch_axes(mesh)))
+    return shardings.replace(worker=jax.tree.map(lambda _: split, abstract_state.worker))
 
 
 def num_params(state: TrainState) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(state.params))
 
 
-def _init_fn(model, tx, example_inputs, loss_scaler):
+def _init_fn(model, tx, example_inputs, loss_scaler, strategy=None, compressor=None, workers=1):
     def init(seed):
         init_rng, state_rng = jax.random.split(jax.random.key(seed))
         dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
         variables = dict(model.init({"params": init_rng}, dummy, train=False))
         params = variables.pop("params")
+        opt_state = tx.init(params)
+        # (This floor knows strategies and compressors only by their ``init``.)
+        strategy_worker, shared = strategy.init(params, opt_state) if strategy else ({}, {})
+        one_worker = {"compress": compressor.init(params) if compressor else {}, "strategy": strategy_worker}
+        # Every worker starts from the same state; the leading axis gives each its own copy.
+        worker = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *jnp.shape(x))), one_worker)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             model_state=variables,
-            opt_state=tx.init(params),
+            opt_state=opt_state,
             rng=jax.random.key_data(state_rng),
             loss_scale=loss_scaler.init(),
+            worker=worker,
+            shared=shared,
         )
 
     return init

@@ -35,10 +35,12 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dtx import collectives
+from dtx import collectives, compress, strategies
 from dtx import mesh as mesh_lib
+from dtx.compress import Compressor
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
 from dtx.state import TrainState
+from dtx.strategies import Strategy
 
 Batch = dict[str, jax.Array]  # "inputs", "labels"; eval batches add "mask"
 Metrics = dict[str, jax.Array]
@@ -65,6 +67,9 @@ def make_train_step(
     bucket_bytes: int = 0,
     state_shardings: Any = None,
     donate: bool = True,
+    strategy: Strategy | None = None,
+    compressor: Compressor | None = None,
+    communicate: bool = True,
 ) -> TrainStep:
     """Build the jitted ``(state, batch) -> (state, metrics)`` training step.
 
@@ -85,43 +90,63 @@ def make_train_step(
         hybrid, FSDP partitionings; see :mod:`dtx.parallel`); default replicated.
         The ``shard_map`` driver runs replicated (data-parallel) states only.
       donate: donate the input state's buffers to the output state.
+      strategy: how workers synchronise (:mod:`dtx.strategies`); default ``sync``.
+        Others need the ``shard_map`` driver.
+      compressor: gradient compression around the allreduce (:mod:`dtx.compress`);
+        default none. Others need the ``shard_map`` driver.
+      communicate: ``False`` builds the same step with every collective of the
+        gradient path removed (each worker applies its own gradient): not training,
+        a yardstick — ``dtx bench step`` times both to split compute from communication.
 
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
-      ``loss``, ``accuracy``, and with loss scaling ``loss_scale`` (the scale this
-      step used), ``skipped`` (1 when this step was skipped) and ``skipped_steps``.
+      ``loss``, ``accuracy``, ``comm_bytes`` and ``comm_rounds`` (what each worker sent
+      this step, :mod:`dtx.costmodel`'s accountant), the strategy's own metrics, and
+      with loss scaling ``loss_scale`` (the scale this step used), ``skipped`` (1 when
+      this step was skipped) and ``skipped_steps``.
     """
     if accum_steps < 1:
         raise StepError(f"accum_steps={accum_steps} must be >= 1")
+    strategy = strategy or strategies.sync()
+    compressor = compressor or compress.none()
+    check_combination(driver, strategy, compressor, loss_scaler)
     axes = mesh_lib.batch_axes(mesh)
     shards = mesh_lib.data_parallel_size(mesh)
     donate_argnums = (0,) if donate else ()
-    common = dict(tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps)
+    common = dict(tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps, strategy=strategy,
+                  compressor=compressor)
     if driver == "shard_map":
         if state_shardings is not None and not all(
-                s.is_fully_replicated for s in jax.tree.leaves(state_shardings)):
+                s.is_fully_replicated for s in jax.tree.leaves(state_shardings.replace(worker={}))):
             raise StepError("the shard_map driver runs data parallelism (replicated parameters); for model, "
                             "hybrid or fsdp partitioning use --config.driver=jit")
-        reduce = collectives.make_allreduce(allreduce, axes, mean=True, bucket_bytes=bucket_bytes)
-        body = functools.partial(
-            _train_body, model=_synchronise_norm(model, axes), reduce=reduce, axes=axes, shards=1,
-            constrain=lambda x: x, **common,
-        )
-        # An allreduce built from ppermutes leaves identical values on every device, but
-        # JAX types them "varying" and has no free cast back to replicated; such steps
-        # run without the replication checker (the tests assert identical replicas).
+        allreduce_fn = collectives.make_allreduce(allreduce, axes, mean=True, bucket_bytes=bucket_bytes)
+        comm = compress.CommContext(axes, shards, allreduce_fn, allreduce, _inner_size(allreduce, axes, mesh))
+        if not communicate:
+            comm = _silent(comm)
+        body = functools.partial(_train_body, model=_synchronise_norm(model, axes), comm=comm, axes=axes, shards=1,
+                                 constrain=lambda x: x, **common)
+        # An allreduce built from ppermutes (and the compressed ones) leaves identical values
+        # on every device, but JAX types them "varying" and has no free cast back to
+        # replicated; such steps run without the replication checker (the tests assert
+        # identical replicas instead).
+        plain = allreduce == "psum" and strategy.name == "sync" and compressor.name == "none" and communicate
+        specs = state_specs(axes)
         per_device = jax.shard_map(
-            body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes)), out_specs=PartitionSpec(),
-            check_vma=allreduce == "psum",
+            _per_worker(body), mesh=mesh, in_specs=(specs, PartitionSpec(axes)), out_specs=(specs, PartitionSpec()),
+            check_vma=plain,
         )
         return jax.jit(per_device, donate_argnums=donate_argnums)
     if driver == "jit":
         if allreduce != "psum" or bucket_bytes:
             raise StepError(f"allreduce={allreduce!r} / bucket_bytes={bucket_bytes} need driver='shard_map'; "
                             "under 'jit' XLA chooses the collectives")
+        if not communicate:
+            raise StepError("communicate=False needs driver='shard_map' (under 'jit' XLA places the collectives)")
         micro_sharding = NamedSharding(mesh, PartitionSpec(None, axes))
+        comm = compress.CommContext((), shards, lambda tree: tree, "psum")
         body = functools.partial(
-            _train_body, model=model, reduce=lambda tree: tree, axes=(), shards=shards,
+            _train_body, model=model, comm=comm, axes=(), shards=shards,
             constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), **common,
         )
         replicated, sharded = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
@@ -131,23 +156,78 @@ def make_train_step(
     raise StepError(f"unknown driver {driver!r}; choose one of {list(DRIVERS)}")
 
 
+def check_combination(driver: str, strategy: Strategy, compressor: Compressor, loss_scaler: LossScaler) -> None:
+    """Refuse strategy / compression / driver / loss-scaling combinations that cannot work."""
+    if driver == "jit" and (strategy.name != "sync" or compressor.name != "none"):
+        raise StepError(
+            f"strategy.name={strategy.name!r} / compression.name={compressor.name!r} need "
+            "--config.driver=shard_map: they place their own collectives, and under 'jit' XLA chooses them")
+    if strategy.local_models and compressor.name != "none":
+        raise StepError(
+            f"compression.name={compressor.name!r} compresses the gradient allreduce, which strategy "
+            f"{strategy.name!r} does not run every step; use strategy.name=sync, async or ssp with compression")
+    if strategy.local_models and loss_scaler.enabled:
+        raise StepError(
+            f"dynamic loss scaling needs one verdict for all workers, but strategy {strategy.name!r} keeps "
+            "local models; use compute=bfloat16 (no loss scaling) or strategy.name=sync")
+
+
+def state_specs(axes: tuple[str, ...]) -> TrainState:
+    """shard_map specs for a state: replicated, but ``worker`` split over the batch axes."""
+    everything = PartitionSpec()
+    return TrainState(step=everything, params=everything, model_state=everything, opt_state=everything,
+                      rng=everything, loss_scale=everything, worker=PartitionSpec(axes), shared=everything)
+
+
+def _per_worker(body):
+    """Inside shard_map each worker sees its own ``worker`` slice, without the leading axis of 1."""
+
+    def wrapped(state, batch, *rest):
+        state = state.replace(worker=jax.tree.map(lambda x: x[0], state.worker))
+        out = body(state, batch, *rest)
+        if isinstance(out, tuple):  # train: (state, metrics)
+            new_state, metrics = out
+            return new_state.replace(worker=jax.tree.map(lambda x: x[None], new_state.worker)), metrics
+        return out
+
+    return wrapped
+
+
+def _inner_size(algorithm: str, axes: tuple[str, ...], mesh: Mesh) -> int | None:
+    return mesh.shape[axes[-1]] if algorithm == "hierarchical" and len(axes) == 2 else None
+
+
+def _silent(comm: compress.CommContext) -> compress.CommContext:
+    """The same workers with the collectives taken out: each keeps its own gradient."""
+    return comm._replace(axes=(), allreduce=lambda tree: tree)
+
+
 def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", policy: Policy = Policy(),
-                   state_shardings: Any = None) -> EvalStep:
+                   state_shardings: Any = None, strategy: Strategy | None = None) -> EvalStep:
     """Build the jitted ``(state, batch) -> sums`` evaluation step.
 
     It returns *sums* over the examples whose ``batch["mask"]`` is true —
     ``loss_sum`` (float32), ``correct`` and ``count`` (int32) — so a padded last
     batch contributes exactly its real examples and the host's totals are exact.
+    The parameters evaluated are the strategy's global model (``strategy.eval_params``:
+    the synchronous parameters, the workers' average, the elastic center, ...).
     """
+    strategy = strategy or strategies.sync()
     axes = mesh_lib.batch_axes(mesh)
     if driver == "shard_map":
-        body = functools.partial(_eval_body, model, policy, functools.partial(lax.psum, axis_name=axes))
+        comm = compress.CommContext(axes, mesh_lib.data_parallel_size(mesh),
+                                    functools.partial(lax.pmean, axis_name=axes))
+        body = functools.partial(_eval_body, model, policy, functools.partial(lax.psum, axis_name=axes),
+                                 strategy, comm)
+        specs = state_specs(axes)
         per_device = jax.shard_map(
-            body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes)), out_specs=PartitionSpec()
+            _per_worker(body), mesh=mesh, in_specs=(specs, PartitionSpec(axes)), out_specs=PartitionSpec(),
+            check_vma=not strategy.local_models,
         )
         return jax.jit(per_device)
     if driver == "jit":
-        body = functools.partial(_eval_body, model, policy, lambda tree: tree)
+        comm = compress.CommContext((), mesh_lib.data_parallel_size(mesh), lambda tree: tree)
+        body = functools.partial(_eval_body, model, policy, lambda tree: tree, strategy, comm)
         state_sharding = mesh_lib.replicated(mesh) if state_shardings is None else state_shardings
         return jax.jit(body, in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
@@ -170,11 +250,13 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
 
 
-def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, reduce, axes,
-                shards, constrain) -> tuple[TrainState, Metrics]:
+def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor,
+                comm, axes, shards, constrain) -> tuple[TrainState, Metrics]:
     rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+    shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
+    index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
     if axes:  # independent dropout per device; the carried rng stays replicated
-        step_rng = jax.random.fold_in(step_rng, lax.axis_index(axes))
+        step_rng = jax.random.fold_in(step_rng, index)
     mutable = list(state.model_state)
 
     def loss_fn(params, model_state, micro, micro_rng):
@@ -186,38 +268,49 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         correct = jnp.mean(jnp.argmax(logits, -1) == micro["labels"])
         return scaler.scale_loss(state.loss_scale, loss), (loss, correct, model_state)
 
+    verdicts = []  # finiteness of the reduced gradients, taken while tracing the strategy's reduce
+
+    def reduce(grads, compress_state, key):
+        # The synchronisation point of data-parallel SGD: one averaged gradient for all,
+        # compressed as configured and communicated in the policy's reduce dtype.
+        grads, compress_state, stats = compressor.update(policy.cast_to_reduce(grads), compress_state, key, comm)
+        grads = scaler.unscale(state.loss_scale, policy.cast_to_params(grads))
+        if scaler.enabled:
+            verdicts.append(all_finite(grads))
+        return grads, compress_state, stats
+
+    ctx = strategies.StepContext(tx=tx, comm=comm, reduce=reduce, key=shared_key, index=index)
     # Differentiate per-device copies of the parameters: then each device's gradient is
     # its own batch's gradient, and *we* choose how to combine them (shard_map would
     # otherwise sum them implicitly when transposing the replicated-to-varying cast).
-    params = lax.pcast(state.params, axes, to="varying") if axes else state.params
+    params = strategy.grad_params(state, ctx)
+    if axes and not strategy.local_models:
+        params = lax.pcast(params, axes, to="varying")
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum_steps == 1:
         (_, (loss, accuracy, model_state)), grads = grad_fn(params, state.model_state, batch, step_rng)
     else:
         grads, loss, accuracy, model_state = _accumulate(grad_fn, params, state.model_state, batch, step_rng,
                                                          accum_steps, shards, constrain, axes)
-
-    # The synchronisation point of data-parallel SGD: one averaged gradient for all,
-    # communicated in the policy's reduce dtype.
-    grads = policy.cast_to_params(reduce(policy.cast_to_reduce(grads)))
-    grads = scaler.unscale(state.loss_scale, grads)
     loss, accuracy, model_state = _pmean_if(axes, (loss, accuracy, model_state))
 
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "accuracy": accuracy}
+    new_state, stats = strategy.apply(state, grads, ctx)
+    metrics = {"loss": loss, "accuracy": accuracy, **stats}
     loss_scale = state.loss_scale
     if scaler.enabled:
         # Decided on the reduced gradients: identical on every replica, so all skip together.
-        finite = all_finite(grads)
-        params, opt_state, model_state = select_tree(
-            finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state)
-        )
+        if len(verdicts) != 1:
+            raise StepError(f"loss scaling needs strategy {strategy.name!r} to reduce gradients once per step")
+        finite = verdicts[0]
+        kept = select_tree(finite, (new_state.params, new_state.opt_state, model_state, new_state.worker),
+                           (state.params, state.opt_state, state.model_state, state.worker))
+        new_state = new_state.replace(params=kept[0], opt_state=kept[1], worker=kept[3])
+        model_state = kept[2]
         loss_scale = scaler.update(state.loss_scale, finite)
         metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32),
                        skipped_steps=loss_scale.skipped_steps)
-    new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state,
-                              rng=jax.random.key_data(rng), loss_scale=loss_scale)
+    new_state = new_state.replace(step=state.step + 1, model_state=model_state, rng=jax.random.key_data(rng),
+                                  loss_scale=loss_scale)
     return new_state, metrics
 
 
@@ -256,8 +349,10 @@ def _pmean_if(axes, tree):
     return lax.pmean(tree, axes) if axes else tree
 
 
-def _eval_body(model: nn.Module, policy: Policy, reduce_sum, state: TrainState, batch: Batch) -> Metrics:
-    variables = {"params": policy.cast_to_compute(state.params), **state.model_state}
+def _eval_body(model: nn.Module, policy: Policy, reduce_sum, strategy: Strategy, comm: compress.CommContext,
+               state: TrainState, batch: Batch) -> Metrics:
+    params = strategy.eval_params(state, comm)
+    variables = {"params": policy.cast_to_compute(params), **state.model_state}
     logits = policy.cast_to_output(model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False))
     mask = batch["mask"]
     losses = jnp.where(mask, cross_entropy(logits, batch["labels"]), 0.0)

@@ -23,11 +23,11 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import optim, parallel, precision
+from dtx import compress, costmodel, optim, parallel, precision, strategies
 from dtx.data import TrainLoader, eval_batches
 from dtx.metrics import to_host
 from dtx.state import TrainState, abstract_train_state, init_train_state, num_params
-from dtx.step import EvalStep, check_accumulation, make_eval_step, make_train_step
+from dtx.step import EvalStep, check_accumulation, check_combination, make_eval_step, make_train_step
 from dtx.watchdog import StepWatchdog
 
 
@@ -88,18 +88,26 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     tx = optim.make_optimizer(opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay,
                               exclude=opt.exclude, trust_coefficient=opt.trust_coefficient)
     check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
+    compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
+    strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
+    check_combination(config.driver, strategy, compressor, loss_scaler)
     # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
     lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps)))
 
     # -------------------------------------------------------------- state, steps
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
-    abstract_state = abstract_train_state(model, tx, example, loss_scaler)
+    workers = mesh_lib.data_parallel_size(mesh)
+    abstract_state = abstract_train_state(model, tx, example, loss_scaler, strategy, compressor, workers)
     rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
     shardings = parallel.state_shardings(abstract_state, rules, mesh)
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
                                  accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
-                                 bucket_bytes=config.bucket_bytes, state_shardings=shardings)
-    eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings)
+                                 bucket_bytes=config.bucket_bytes, state_shardings=shardings, strategy=strategy,
+                                 compressor=compressor)
+    eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings,
+                               strategy=strategy)
+    # The yardstick of every communication figure: a float32 ring allreduce of the gradients.
+    reference_bytes = costmodel.dense_allreduce_traffic(abstract_state.params, workers, "ring", "float32").bytes_sent
     checkpointer = None
     if config.checkpoint.every_steps or resuming:
         checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
@@ -108,11 +116,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
         state, saved = checkpointer.restore(checkpointer.latest_step(),
                                         checkpoint_lib.abstract_target(abstract_state, shardings))
         _check_resumable(saved.get("config", {}), config)
+        _check_workers(saved, workers, abstract_state)
     else:
-        state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings)
+        state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings, strategy, compressor)
     start_step = int(to_host(state.step))
     # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
     data_digest = saved.get("data_digest", "") if resuming else ""
+    comm = CommTotals(**saved.get("comm", {})) if resuming else CommTotals()
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
 
     # --------------------------------------------------------------------- loop
@@ -146,6 +156,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                 # collectives need (DESIGN.md §2), without starving dispatch.
                 jax.block_until_ready(previous[1])
                 done = previous[0]
+                comm.add(previous[1])
                 watchdog.tick(done)
                 if loss_scaler.enabled:
                     _check_loss_scale(done, to_host(previous[1]), loss_scaler)
@@ -155,6 +166,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                     record = {k: float(v) for k, v in to_host(previous[1]).items()}
                     record["learning_rate"] = float(lr_by_step[done - 1])
                     record.update(previous[2])
+                    record.update(comm.record(reference_bytes))
                     writer.write(done, {**record, "examples_per_sec": rate,
                                         "examples_per_sec_per_device": rate / mesh.size,
                                         "step_time_ms": 1e3 * elapsed / max(window_steps - 1, 1)})
@@ -167,11 +179,14 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
             if checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == num_steps):
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
                     checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
-                                                         "data_digest": data_digest})
+                                                         "data_digest": data_digest, "workers": workers,
+                                                         "comm": comm.saved(previous[1])})
             if preempted:
                 break
         if previous is not None:
+            comm.add(previous[1])
             record = {k: float(v) for k, v in to_host(previous[1]).items()}
+            record.update(comm.record(reference_bytes))
             if loss_scaler.enabled:
                 _check_loss_scale(previous[0], record, loss_scaler)
             writer.write(previous[0], {**record, **previous[2]})
@@ -189,6 +204,40 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     return TrainResult(state=state, metrics=final, workdir=workdir)
 
 
+@dataclasses.dataclass
+class CommTotals:
+    """Bytes and message rounds one worker sent since step 0, summed on the host step by step
+    (strategies communicate on some steps only, so one step's figure is not the rate)."""
+
+    steps: int = 0
+    bytes: float = 0.0
+    rounds: float = 0.0
+
+    def add(self, metrics: dict) -> None:
+        if "comm_bytes" in metrics:
+            self.steps += 1
+            self.bytes += float(to_host(metrics["comm_bytes"]))
+            self.rounds += float(to_host(metrics["comm_rounds"]))
+
+    def record(self, reference_bytes: int) -> dict:
+        """``comm_bytes_per_step`` (mean so far) and ``comm_ratio``: float32 ring allreduce bytes ÷ bytes sent."""
+        if not self.steps:
+            return {}
+        per_step = self.bytes / self.steps
+        out = {"comm_bytes_total": self.bytes, "comm_bytes_per_step": per_step,
+               "comm_rounds_per_step": self.rounds / self.steps}
+        if per_step:
+            out["comm_ratio"] = reference_bytes / per_step
+        return out
+
+    def saved(self, pending: dict | None) -> dict:
+        """The totals as of the state being checkpointed (including the step still in flight)."""
+        totals = dataclasses.replace(self)
+        if pending is not None:
+            totals.add(pending)
+        return dataclasses.asdict(totals)
+
+
 def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:
     """Exact test metrics: integer counts and float64 sums over every real example."""
     sums = [to_host(eval_step(state, batch)) for batch in batches]
@@ -196,6 +245,20 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:
     correct = sum(int(s["correct"]) for s in sums)
     loss_sum = float(np.sum([np.float64(s["loss_sum"]) for s in sums]))
     return {"test_accuracy": correct / count, "test_loss": loss_sum / count, "test_examples": count}
+
+
+def _settings(block: ConfigDict) -> dict:
+    """A technique's config block without its ``name``: the keyword arguments of its factory."""
+    return {k: v for k, v in block.to_dict().items() if k != "name"}
+
+
+def _check_workers(saved: dict, workers: int, abstract_state: TrainState) -> None:
+    """Per-worker state (residuals, local models) has one entry per worker: the count must match."""
+    if jax.tree.leaves(abstract_state.worker) and saved.get("workers", workers) != workers:
+        raise config_lib.ConfigError(
+            f"cannot resume: the checkpoint holds per-worker state for {saved['workers']} data-parallel workers "
+            f"(compression residuals or local models) but this mesh has {workers}; resume on "
+            f"{saved['workers']} workers, or train into a new --workdir")
 
 
 def _loss_scaler(settings: ConfigDict, policy: precision.Policy) -> precision.LossScaler:
