@@ -174,3 +174,61 @@ def test_unknown_driver(meshes):
     model = MODELS["mlp"]()
     with pytest.raises(ValueError, match="driver 'pmap'"):
         make_train_step(model, optim.make_optimizer("sgd", 0.1), meshes["8"], driver="pmap")
+
+
+@pytest.mark.parametrize("allreduce,reduce_dtype", [("psum", "float32"), ("ring", "float32"), ("psum", "bfloat16")])
+def test_step_reports_the_bytes_its_allreduce_sends(digits, meshes, allreduce, reduce_dtype):
+    """comm_bytes / comm_rounds are the accountant's count of one leaf-by-leaf allreduce per step."""
+    from dtx import costmodel, precision
+
+    model = MODELS["mlp"]()
+    tx = optim.make_optimizer("sgd", 0.1)
+    mesh = meshes["8"]
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    state = init_train_state(model, tx, example, seed=0, mesh=mesh)
+    policy = precision.parse_policy(f"params=float32,compute=float32,output=float32,reduce={reduce_dtype}")
+    step = make_train_step(model, tx, mesh, driver="shard_map", allreduce=allreduce, policy=policy)
+    _, metrics = step(state, TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0))
+    itemsize = 4 if reduce_dtype == "float32" else 2
+    leaves = jax.tree.leaves(state.params)
+    # Ring: 2(p-1) messages of ceil(n/p) elements per leaf.
+    expected = sum(2 * 7 * -(-leaf.size // 8) * itemsize for leaf in leaves)
+    assert int(metrics["comm_bytes"]) == expected
+    assert int(metrics["comm_rounds"]) == 2 * 7 * len(leaves)
+    assert expected == costmodel.dense_allreduce_traffic(state.params, 8, "ring", reduce_dtype).bytes_sent
+
+
+def test_without_communication_each_worker_applies_its_own_gradient(digits, meshes):
+    """The yardstick of `dtx bench step`: same step, no gradient collectives."""
+    model = MODELS["mlp"]()
+    tx = optim.make_optimizer("sgd", 1.0)
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    mesh, one = meshes["8"], meshes["1"]
+    batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
+    state = init_train_state(model, tx, example, seed=0, mesh=mesh)
+    silent, _ = make_train_step(model, tx, mesh, driver="shard_map", communicate=False, donate=False)(state, batch)
+    host_batch = jax.device_get(batch)
+    rows = BATCH // 8
+    single = make_train_step(model, tx, one, driver="shard_map", donate=False)
+    for worker in (0, 5):
+        local = {k: v[worker * rows:(worker + 1) * rows] for k, v in host_batch.items()}
+        expected, _ = single(init_train_state(model, tx, example, seed=0, mesh=one),
+                             jax.device_put(local, mesh_lib.batch_sharding(one)))
+        mine = jax.tree.map(lambda x: np.asarray(x.addressable_shards[worker].data), silent.params)
+        _assert_close(mine, jax.device_get(expected.params), PARAM_TOL)
+
+
+def test_relaxed_strategies_and_compression_refuse_the_jit_driver(meshes):
+    from dtx import compress, precision, strategies
+    from dtx.step import StepError, check_combination
+
+    local = strategies.sync()._replace(name="local_sgd", local_models=True)
+    topk = compress.none()._replace(name="topk")
+    with pytest.raises(StepError, match="need --config.driver=shard_map"):
+        check_combination("jit", local, compress.none(), precision.LossScaler())
+    with pytest.raises(StepError, match="need --config.driver=shard_map"):
+        check_combination("jit", strategies.sync(), topk, precision.LossScaler())
+    with pytest.raises(StepError, match="compresses the gradient allreduce"):
+        check_combination("shard_map", local, topk, precision.LossScaler())
+    with pytest.raises(StepError, match="loss scaling"):
+        check_combination("shard_map", local, compress.none(), precision.LossScaler(enabled=True))
