@@ -1,4 +1,4 @@
-"""Metric records (JSON lines and TensorBoard event files) and the progress display.
+"""Metric records (JSON lines and TensorBoard event files), the progress display, profiler traces.
 
 Values arrive on the host already: the training loop reads step ``s - 1``'s
 metrics after dispatching step ``s``, so logging never stalls asynchronous
@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from html import escape
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -66,18 +67,40 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-class ProgressBar:
-    """Step, loss and throughput: a live bar on terminals, a few plain lines elsewhere (CI logs)."""
+PROGRESS_MODES = ("off", "notebook", "terminal", "plain")
 
-    def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None):
+
+def progress_mode(enabled: bool, console: Console) -> str:
+    """How to show progress: ``off``; ``notebook`` inside a Jupyter/Colab kernel (a bar
+    redrawn in place in the cell's output); ``terminal`` (rich's live bar); ``plain``
+    (a few lines, for CI logs and pipes)."""
+    if not enabled:
+        return "off"
+    if console.is_jupyter:  # checked first: a kernel's streams are not terminals
+        return "notebook"
+    return "terminal" if console.is_terminal else "plain"
+
+
+class ProgressBar:
+    """Step, loss and throughput, shown as :func:`progress_mode` chooses.
+
+    Args:
+      total_steps: the run's last step.
+      enabled: ``False`` shows nothing.
+      console: where terminal and plain output go (default: stderr); its
+        ``is_jupyter`` / ``is_terminal`` pick the mode.
+      display: notebook mode's ``IPython.display.display`` (injectable for tests).
+    """
+
+    def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None, display=None):
         self.total = total_steps
         self.console = console or Console(file=sys.stderr)
-        self.live = enabled and (self.console.is_terminal or self.console.is_jupyter)
-        self.quiet = not enabled
+        self.mode = progress_mode(enabled, self.console)
         self._next_line = 0
-        self._start = time.perf_counter()
-        self._bar = None
-        if self.live:
+        self._bar = self._notebook = None
+        if self.mode == "notebook":
+            self._notebook = NotebookBar(total_steps, display=display)
+        elif self.mode == "terminal":
             self._bar = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
@@ -93,7 +116,9 @@ class ProgressBar:
     def update(self, step: int, loss: float, examples_per_sec: float) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{examples_per_sec:,.0f}")
-        elif not self.quiet and step >= self._next_line:
+        elif self._notebook is not None:
+            self._notebook.update(step, loss, examples_per_sec)
+        elif self.mode == "plain" and step >= self._next_line:
             self._next_line = step + max(1, math.ceil(self.total / 10))
             self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {examples_per_sec:,.0f} ex/s")
 
@@ -105,6 +130,100 @@ class ProgressBar:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
+        if self._notebook is not None:
+            self._notebook.close()
+
+
+class NotebookBar:
+    """A progress bar in a notebook cell's output, redrawn in place.
+
+    One ``display(..., display_id=True)`` output updated through its handle: an
+    HTML ``<progress>`` element where the front end renders HTML (Jupyter, Colab,
+    VS Code) and a text line elsewhere. Needs only IPython, which every kernel has
+    (rich's own notebook support needs ipywidgets). Redraws at most every
+    ``min_interval`` seconds, so a fast loop does not flood the notebook.
+    """
+
+    def __init__(self, total_steps: int, display=None, min_interval: float = 0.2):
+        if display is None:
+            from IPython.display import display
+        self.total, self.min_interval = total_steps, min_interval
+        self._start = time.perf_counter()
+        self._last_draw = -math.inf
+        self._pending = None
+        self._handle = display(self._bundle(0, None, None), raw=True, display_id=True)
+
+    def update(self, step: int, loss: float, examples_per_sec: float) -> None:
+        self._pending = (step, loss, examples_per_sec)
+        now = time.perf_counter()
+        if now - self._last_draw >= self.min_interval or step >= self.total:
+            self._draw(now)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._draw(time.perf_counter())
+
+    def _draw(self, now: float) -> None:
+        self._handle.update(self._bundle(*self._pending), raw=True)
+        self._last_draw, self._pending = now, None
+
+    def _bundle(self, step: int, loss: float | None, rate: float | None) -> dict[str, str]:
+        elapsed = time.perf_counter() - self._start
+        fields = [f"train {step}/{self.total}"]
+        if loss is not None:
+            fields.append(f"loss {loss:.4f}")
+        if rate is not None:
+            fields.append(f"{rate:,.0f} ex/s")
+        if 0 < step < self.total:
+            fields.append(f"{elapsed * (self.total - step) / step:.0f} s left")
+        elif step >= self.total:
+            fields.append(f"done in {elapsed:.1f} s")
+        text = "  ".join(fields)
+        html = (f'<div style="font-family:monospace"><progress value="{step}" max="{max(self.total, 1)}" '
+                f'style="width:30em;vertical-align:middle"></progress> {escape(text)}</div>')
+        return {"text/plain": text, "text/html": html}
+
+
+class StepTrace:
+    """A ``jax.profiler`` trace of ``count`` steps starting at ``first_step``, into ``logdir``.
+
+    Call :meth:`before_step` before dispatching each step, with the newest outputs:
+    the trace starts before ``first_step`` is dispatched and stops once the last
+    traced step has finished (waiting on it once). View the trace with TensorBoard's
+    profile plugin or Perfetto (the ``*.trace.json.gz`` file).
+    """
+
+    def __init__(self, logdir: str | os.PathLike, first_step: int, count: int, enabled: bool = True):
+        self.logdir, self.first, self.count = os.fspath(logdir), first_step, count
+        self.enabled = enabled and count > 0
+        self.active = False
+
+    def before_step(self, step: int, outputs) -> None:
+        if not self.enabled:
+            return
+        if step == self.first and not self.active:
+            import jax
+
+            jax.profiler.start_trace(self.logdir)
+            self.active = True
+        elif step == self.first + self.count and self.active:
+            import jax
+
+            jax.block_until_ready(outputs)  # the traced steps' work, not just their dispatch
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            import jax
+
+            jax.profiler.stop_trace()
+            self.active = False
+
+    def __enter__(self) -> StepTrace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def _plain(value):

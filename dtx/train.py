@@ -13,8 +13,10 @@ import math
 import os
 import time
 
+import flax.linen as nn
 import jax
 import numpy as np
+import optax
 from ml_collections import ConfigDict
 
 import models
@@ -23,7 +25,7 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import compress, costmodel, optim, parallel, precision, strategies
+from dtx import compress, costmodel, flops, optim, parallel, precision, strategies
 from dtx.data import TrainLoader, eval_batches
 from dtx.metrics import to_host
 from dtx.state import TrainState, abstract_train_state, init_train_state, num_params
@@ -41,13 +43,23 @@ class TrainResult:
     preempted: bool = False  # stopped by SIGTERM after saving a checkpoint; run again to resume
 
 
-def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
+def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | None = None,
+          optimizer: optax.GradientTransformation | None = None) -> TrainResult:
     """Train ``config`` and evaluate on the test split; records go to ``workdir``.
+
+    Args:
+      config: the experiment (:func:`dtx.config.load`, :func:`dtx.config.override`).
+      workdir: where records, TensorBoard events, checkpoints and traces go.
+      model: a flax module to train instead of the one ``config.model`` names; it is
+        called as ``model(inputs, train=bool)`` and returns logits.
+      optimizer: an optax optimizer to use instead of the one ``config.optimizer``
+        describes (its learning rate is then not logged).
 
     Raises before any compilation on bad input (unknown names, batch sizes that do
     not split over the mesh, missing dataset files, a workdir that already holds a run).
     """
     config_lib.validate(config)
+    run_start = time.perf_counter()
     workdir = os.fspath(workdir)
     checkpoint_dir = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
 
@@ -76,23 +88,25 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     # ------------------------------------------------- precision, model, optimizer
     policy = precision.parse_policy(config.precision)
     loss_scaler = _loss_scaler(config.loss_scale, policy)
-    model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
-    model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
-                               param_dtype=policy.params, **model_kwargs)
+    if model is None:
+        model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
+        model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
+                                   param_dtype=policy.params, **model_kwargs)
     opt = config.optimizer
     peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
                                          opt.scaling)
     warmup_steps = opt.warmup_steps or round(opt.warmup_epochs * loader.steps_per_epoch)
     learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, warmup_steps, power=opt.decay_power,
                                         boundaries=opt.step_boundaries, factor=opt.step_factor)
-    tx = optim.make_optimizer(opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay,
-                              exclude=opt.exclude, trust_coefficient=opt.trust_coefficient)
+    tx = optimizer if optimizer is not None else optim.make_optimizer(
+        opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay, exclude=opt.exclude,
+        trust_coefficient=opt.trust_coefficient)
     check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
     compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
     strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
     check_combination(config.driver, strategy, compressor, loss_scaler)
     # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
-    lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps)))
+    lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps))) if optimizer is None else None
 
     # -------------------------------------------------------------- state, steps
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
@@ -124,6 +138,10 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
     data_digest = saved.get("data_digest", "") if resuming else ""
     comm = CommTotals(**saved.get("comm", {})) if resuming else CommTotals()
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
+    # FLOPs per device from XLA's cost analysis of the compiled step (the loop's first call
+    # reuses this compilation); unknown under accumulation, whose loop XLA counts once.
+    step_flops = None if config.grad_accum_steps > 1 else flops.step_flops(train_step, state, loader.batch(start_step))
+    peak_flops = flops.device_peak_flops(policy.compute, config.peak_flops)
 
     # --------------------------------------------------------------------- loop
     main_process = jax.process_index() == 0
@@ -133,19 +151,24 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
             f.write(config.to_json(indent=2))
     writer = metrics_lib.MetricWriter(workdir, enabled=main_process)
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
-                              "peak_learning_rate": peak_lr, "precision": str(policy),
+                              "precision": str(policy),
+                              **({"peak_learning_rate": peak_lr} if optimizer is None else {}),
+                              **flops.header(step_flops, mesh.size, peak_flops),
                               **({"resumed_from": start_step} if resuming else {})})
     every = config.checkpoint.every_steps
     bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process)
     watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index())
+    trace = metrics_lib.StepTrace(os.path.join(workdir, "profile"), start_step + 1, config.profile_steps,
+                                  enabled=main_process)
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
     preemption = checkpoint_lib.PreemptionWatcher(enabled=checkpointer is not None)
-    with writer, bar, preemption, watchdog, jax.transfer_guard("disallow"):
+    with writer, bar, preemption, watchdog, trace, jax.transfer_guard("disallow"):
         previous = None  # (step, metrics, batch record) of the step before: read once the next is dispatched
         window_start, window_steps, rate = time.perf_counter(), 0, 0.0
         preempted = False
         for step in range(start_step, num_steps):
+            trace.before_step(step, state)  # --config.profile_steps: starts/stops a profiler trace
             batch = loader.batch(step)
             batch_hash = hashlib.sha256(loader.indices(step).tobytes()).hexdigest()[:16]
             data_digest = hashlib.sha256((data_digest + batch_hash).encode()).hexdigest()[:16]
@@ -163,13 +186,17 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
                 if done % config.log_every == 0:
                     elapsed = time.perf_counter() - window_start
                     rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
+                    step_seconds = elapsed / max(window_steps - 1, 1)
                     record = {k: float(v) for k, v in to_host(previous[1]).items()}
-                    record["learning_rate"] = float(lr_by_step[done - 1])
+                    if lr_by_step is not None:
+                        record["learning_rate"] = float(lr_by_step[done - 1])
                     record.update(previous[2])
                     record.update(comm.record(reference_bytes))
                     writer.write(done, {**record, "examples_per_sec": rate,
                                         "examples_per_sec_per_device": rate / mesh.size,
-                                        "step_time_ms": 1e3 * elapsed / max(window_steps - 1, 1)})
+                                        "step_time_ms": 1e3 * step_seconds,
+                                        **flops.utilisation(step_flops, step_seconds, peak_flops),
+                                        "elapsed_s": time.perf_counter() - run_start})
                     bar.update(done, record["loss"], rate)
                     window_start, window_steps = time.perf_counter(), 1
             previous = (step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
@@ -189,8 +216,9 @@ def train(config: ConfigDict, workdir: str | os.PathLike) -> TrainResult:
             record.update(comm.record(reference_bytes))
             if loss_scaler.enabled:
                 _check_loss_scale(previous[0], record, loss_scaler)
-            writer.write(previous[0], {**record, **previous[2]})
+            writer.write(previous[0], {**record, **previous[2], "elapsed_s": time.perf_counter() - run_start})
             bar.update(previous[0], record["loss"], rate)
+        trace.stop()
 
         if checkpointer:
             checkpointer.close()  # waits for the last save; a failed save raises here

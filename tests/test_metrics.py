@@ -12,7 +12,8 @@ import pytest
 from rich.console import Console
 from tensorboardX.proto.event_pb2 import Event
 
-from dtx.metrics import METRICS_FILE, MetricWriter, ProgressBar, read_metrics
+from dtx.metrics import (METRICS_FILE, MetricWriter, NotebookBar, ProgressBar, StepTrace, progress_mode,
+                         read_metrics)
 
 
 # ------------------------------------------------------- TFRecord reading
@@ -211,3 +212,99 @@ def test_progress_on_a_terminal_draws_one_live_bar():
     assert final, output[-300:]
     assert "loss 0.0100" in final[-1] and "1,234 ex/s" in final[-1]
     assert "step 1/100" not in output  # the bar, not the plain lines
+
+
+# ------------------------------------------------- progress: mode selection, notebook bar
+
+@pytest.mark.parametrize("enabled, terminal, jupyter, mode", [
+    (False, True, False, "off"),
+    (False, False, True, "off"),
+    (True, False, True, "notebook"),
+    (True, True, True, "notebook"),  # a kernel first: its streams may claim to be terminals
+    (True, True, False, "terminal"),
+    (True, False, False, "plain"),
+])
+def test_progress_mode_selection(enabled, terminal, jupyter, mode):
+    console = Console(file=io.StringIO(), force_terminal=terminal, force_jupyter=jupyter, color_system=None)
+    assert progress_mode(enabled, console) == mode
+    bar = ProgressBar(10, enabled=enabled, console=console, display=_FakeDisplay())
+    assert bar.mode == mode
+
+
+class _FakeDisplay:
+    """IPython.display.display with display_id=True: records the first bundle and every update."""
+
+    def __init__(self):
+        self.bundles = []
+
+    def __call__(self, bundle, raw, display_id):
+        assert raw and display_id is True
+        self.bundles.append(bundle)
+        return self
+
+    def update(self, bundle, raw):
+        assert raw
+        self.bundles.append(bundle)
+
+
+def test_notebook_bar_redraws_one_output_in_place():
+    display = _FakeDisplay()
+    console = Console(file=io.StringIO(), force_jupyter=True)
+    with ProgressBar(100, console=console, display=display) as bar:
+        for step in range(1, 101):
+            bar.update(step, 1.0 / step, 1234.0)
+    assert console.file.getvalue() == ""  # nothing on the streams: everything went to the one display
+    first, *updates = display.bundles
+    assert first["text/plain"].startswith("train 0/100")
+    assert 1 <= len(updates) <= 100  # throttled redraws of the same output
+    last = updates[-1]
+    assert last["text/plain"].startswith("train 100/100  loss 0.0100  1,234 ex/s  done in ")
+    assert '<progress value="100" max="100"' in last["text/html"]
+
+
+def test_notebook_bar_throttles_and_shows_the_last_step_on_close():
+    display = _FakeDisplay()
+    bar = NotebookBar(1000, display=display, min_interval=3600.0)
+    for step in range(1, 500):
+        bar.update(step, 0.5, 10.0)
+    assert len(display.bundles) == 2  # the empty bar, then the first update only
+    bar.close()
+    assert display.bundles[-1]["text/plain"].startswith("train 499/1000  loss 0.5000  10 ex/s")
+    assert "s left" in display.bundles[-1]["text/plain"]
+
+
+# ------------------------------------------------------------- profiler trace
+
+def test_profile_steps_write_a_trace(tmp_path):
+    from dtx import config as config_lib
+    from dtx.train import train
+
+    experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                              "digits_mlp.py")
+    config = config_lib.load(experiment, ["--config.num_steps=8", "--config.model.features=(32,)",
+                                          "--config.progress=False", "--config.profile_steps=3"])
+    train(config, tmp_path)
+    traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
+def test_step_trace_window(monkeypatch):
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda logdir: calls.append(("start", logdir)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+    with StepTrace("/tmp/x", first_step=3, count=2) as trace:
+        for step in range(10):
+            trace.before_step(step, {"loss": np.float32(step)})
+            calls.append(step)
+    assert calls == [0, 1, 2, ("start", "/tmp/x"), 3, 4, ("stop",), 5, 6, 7, 8, 9]
+    calls.clear()
+    with StepTrace("/tmp/x", first_step=3, count=100) as trace:  # the run ends first: stopped on exit
+        for step in range(5):
+            trace.before_step(step, None)
+    assert calls == [("start", "/tmp/x"), ("stop",)]
+    with StepTrace("/tmp/x", first_step=1, count=0) as trace:  # profile_steps=0: off
+        for step in range(5):
+            trace.before_step(step, None)
+    assert calls == [("start", "/tmp/x"), ("stop",)]
