@@ -1,11 +1,13 @@
-"""``dtx bench collectives``: time every allreduce algorithm and set it beside the α-β model.
+"""``dtx bench``: what a step costs — allreduce algorithms alone, and a whole train step split in two.
 
     dtx bench collectives [--sizes 4KiB..64MiB] [--algorithms ring tree ...]
                           [--alpha 5e-6 --bandwidth 1.25e9 --gamma 0] [--out DIR]
                           [--repeats N] [--devices N]
+    dtx bench step EXPERIMENT.py [--config.KEY=VALUE ...] [--vary KEY=V1,V2,...]
+                          [--steps 20] [--rounds 5]
 
-For each message size (bytes per device, float32) and algorithm it prints and saves
-the measured time, the algorithm bandwidth ``n/t``, the bus bandwidth
+``collectives``: for each message size (bytes per device, float32) and algorithm it
+prints and saves the measured time, the algorithm bandwidth ``n/t``, the bus bandwidth
 ``algbw·2(p−1)/p`` (NCCL-tests' convention: comparable with link bandwidth whatever
 p), the bytes each device sends (counted from the schedule, :func:`dtx.collectives.
 count_traffic`), and the time the α-β-γ model predicts for the network given by the
@@ -14,6 +16,13 @@ all devices on one ``data`` axis; ``hierarchical`` uses a 2D ``(node, local)`` m
 ``(2, 4)`` on 8 devices. On an emulated CPU mesh the devices share the host's cores,
 so measured times show the software cost of each schedule, not a network
 (DESIGN.md §2); the predicted column is the network.
+
+``step``: times the experiment's train step as configured, and the same step built
+with ``communicate=False`` (every collective of the gradient path removed, each
+worker applying its own gradient): *compute* is the second, *communication* the
+difference. It also reports the bytes each worker sends per step (the accountant
+of :mod:`dtx.costmodel`) and MFU when the device's peak is known (:mod:`dtx.flops`).
+``--vary allreduce=psum,ring`` measures one row per value.
 """
 
 from __future__ import annotations
@@ -147,29 +156,19 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 def write_plot(rows: list[dict], path: str, title: str) -> None:
     """Measured (solid) and predicted (dashed) time, and bus bandwidth, against size."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
-    from matplotlib.figure import Figure
+    from dtx import plots
 
-    fig = Figure(figsize=(12, 4.5))
-    FigureCanvasAgg(fig)
-    ax_time, ax_bw = fig.subplots(1, 2)
+    times, bandwidths = {}, {}
     for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
         mine = [r for r in rows if r["algorithm"] == algorithm]
         sizes = [r["size_bytes"] for r in mine]
-        (line,) = ax_time.plot(sizes, [r["time_s"] for r in mine], "o-", label=f"{algorithm} measured")
-        ax_time.plot(sizes, [r["predicted_s"] for r in mine], "--", color=line.get_color(), label=f"{algorithm} α-β")
-        ax_bw.plot(sizes, [r["busbw_Bps"] / 1e9 for r in mine], "o-", color=line.get_color(), label=algorithm)
-    for ax, ylabel in ((ax_time, "seconds per allreduce"), (ax_bw, "bus bandwidth, GB/s")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("bytes per device")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_time.legend(fontsize=7, ncol=2)
-    ax_bw.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        times[f"{algorithm} measured"] = (sizes, [r["time_s"] for r in mine])
+        times[f"{algorithm} α-β"] = plots.Line(sizes, [r["predicted_s"] for r in mine], style="--",
+                                             same_color_as=f"{algorithm} measured")
+        bandwidths[algorithm] = (sizes, [r["busbw_Bps"] / 1e9 for r in mine])
+    axes = dict(xlabel="bytes per device", logx=True, logy=True)
+    plots.panels_plot([plots.Panel(times, ylabel="seconds per allreduce", **axes),
+                       plots.Panel(bandwidths, ylabel="bus bandwidth, GB/s", **axes)], path, title=title)
 
 
 def collectives_main(argv: list[str]) -> int:
@@ -214,6 +213,175 @@ def collectives_main(argv: list[str]) -> int:
         print(f"wrote {os.path.join(args.out, 'collectives.csv')} and collectives.png")
     elif not args.out:
         print("(pass --out DIR to save collectives.csv and collectives.png)")
+    return 0
+
+
+# ------------------------------------------------------------------ dtx bench step
+
+STEP_HEADER = ("| setting | step (ms) | compute (ms) | communication (ms) | comm share | comm bytes/step/worker "
+               "| MFU |\n|---|---|---|---|---|---|---|")
+
+
+def build_steps(config):
+    """The experiment's train step and its no-collective twin, with a state for each and a batch.
+
+    Built the way :func:`dtx.train.train` builds them (same mesh, data, model,
+    optimizer, policy, compressor and strategy). Returns ``(steps, states, batch,
+    policy)`` where ``steps``/``states`` map ``"full"`` and (``shard_map`` driver only)
+    ``"compute"`` to the step and its own state.
+    """
+    import models
+    from dtx import compress, datasets, optim, parallel, precision, strategies
+    from dtx.data import TrainLoader
+    from dtx.state import abstract_train_state, init_train_state
+    from dtx.step import make_train_step
+    from dtx.train import _loss_scaler, _settings  # the same readings of the config as a run's
+
+    if config.emulate_cpu_devices:
+        mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    mesh_lib.check_batch_size(config.global_batch_size, mesh)
+    dataset = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
+                                    synthetic=config.dataset.synthetic.to_dict())
+    policy = precision.parse_policy(config.precision)
+    scaler = _loss_scaler(config.loss_scale, policy)
+    model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
+                               param_dtype=policy.params, **{k: v for k, v in config.model.items() if k != "name"})
+    opt = config.optimizer
+    tx = optim.make_optimizer(opt.name, opt.learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay,
+                              exclude=opt.exclude, trust_coefficient=opt.trust_coefficient)
+    compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
+    strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
+    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
+    workers = mesh_lib.data_parallel_size(mesh)
+    abstract = abstract_train_state(model, tx, example, scaler, strategy, compressor, workers)
+    rules = parallel.make_rules(config.parallel.name, mesh, abstract.params, config.parallel.rules)
+    shardings = parallel.state_shardings(abstract, rules, mesh)
+    kinds = {"full": True, "compute": False} if config.driver == "shard_map" else {"full": True}
+    steps = {kind: make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=scaler,
+                                   accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
+                                   bucket_bytes=config.bucket_bytes, state_shardings=shardings, strategy=strategy,
+                                   compressor=compressor, communicate=communicate)
+             for kind, communicate in kinds.items()}
+    states = {kind: init_train_state(model, tx, example, config.seed, mesh, scaler, shardings, strategy, compressor)
+              for kind in steps}
+    batch = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed).batch(0)
+    return steps, states, batch, policy
+
+
+def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
+    """Median seconds per step with and without the gradient collectives, bytes per step, MFU.
+
+    Each round times ``steps`` calls of each step in turn (interleaved, so machine
+    noise hits both alike), every call waiting on the previous one's output (lag-1:
+    XLA:CPU deadlocks with many steps in flight, DESIGN.md §2).
+    """
+    from dtx import flops
+
+    step_fns, states, batch, policy = build_steps(config)
+    per_device_flops = None if config.grad_accum_steps > 1 else flops.step_flops(step_fns["full"], states["full"],
+                                                                                  batch)
+    times = {kind: [] for kind in step_fns}
+    comm_bytes = []
+
+    def run(kind, count):
+        previous = None
+        for _ in range(count):
+            states[kind], out = step_fns[kind](states[kind], batch)
+            if previous is not None:
+                jax.block_until_ready(previous)
+            previous = out
+            if kind == "full":
+                comm_bytes.append(out.get("comm_bytes"))
+        jax.block_until_ready(previous)
+
+    for kind in step_fns:
+        run(kind, 2)  # compile and warm up
+    comm_bytes.clear()
+    for _ in range(rounds):
+        for kind in step_fns:
+            start = time.perf_counter()
+            run(kind, steps)
+            times[kind].append((time.perf_counter() - start) / steps)
+    step_s = statistics.median(times["full"])
+    compute_s = statistics.median(times["compute"]) if "compute" in times else None
+    sent = [float(b) for b in comm_bytes if b is not None]
+    peak = flops.device_peak_flops(policy.compute, config.peak_flops)
+    return {
+        "step_s": step_s, "compute_s": compute_s, "comm_s": None if compute_s is None else step_s - compute_s,
+        "comm_bytes_per_step": statistics.fmean(sent) if sent else None,
+        "flops_per_device": per_device_flops, "peak_flops": peak, "mfu": flops.mfu(per_device_flops, step_s, peak),
+        "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+    }
+
+
+def describe(config) -> str:
+    """The settings that decide what a step communicates, e.g. ``shard_map psum, none, sync``."""
+    text = f"{config.driver} {config.allreduce}" if config.driver == "shard_map" else config.driver
+    return f"{text}, {config.compression.name}, {config.strategy.name}"
+
+
+def step_row(name: str, result: dict) -> str:
+    """One markdown row of :data:`STEP_HEADER`."""
+    def ms(seconds):
+        return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
+
+    share = "n/a" if result["comm_s"] is None else f"{100 * result['comm_s'] / result['step_s']:.0f}%"
+    sent = result["comm_bytes_per_step"]
+    mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.2f}%"
+    return (f"| {name} | {ms(result['step_s'])} | {ms(result['compute_s'])} | {ms(result['comm_s'])} | {share} "
+            f"| {'n/a' if sent is None else f'{sent:,.0f}'} | {mfu} |")
+
+
+def step_main(argv: list[str]) -> int:
+    """Entry point of ``dtx bench step``; returns the exit status."""
+    from dtx import config as config_lib
+
+    parser = argparse.ArgumentParser(
+        prog="dtx bench step", description="Time a train step with and without its gradient collectives.",
+        epilog="Other arguments are config overrides: --config.KEY=VALUE.")
+    parser.add_argument("experiment", help="experiment file, e.g. experiments/digits_mlp.py")
+    parser.add_argument("--vary", metavar="KEY=V1,V2,...", help="one row per value of a config key, e.g. "
+                        "allreduce=psum,ring or compression.name=none,topk")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed block (default 20)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved blocks per step kind (median; default 5)")
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if not a.startswith("--config.")]
+    if unknown:
+        parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1")
+    variants = {None: []}
+    if args.vary:
+        key, _, values = args.vary.partition("=")
+        if not key or not values:
+            parser.error(f"--vary {args.vary!r}: write KEY=V1,V2,... e.g. allreduce=psum,ring")
+        variants = {f"{key}={value}": [f"--config.{key}={value}"] for value in values.split(",")}
+    configs = {}
+    try:
+        for name, extra in variants.items():
+            configs[name] = config_lib.load(args.experiment, rest + extra + ["--config.progress=False"])
+    except config_lib.ConfigError as e:
+        print(f"dtx bench step: config error: {e}", file=sys.stderr)
+        return 2
+    first = True
+    for name, config in configs.items():
+        try:
+            result = measure_step(config, args.steps, args.rounds)
+        except ValueError as e:  # bad combinations (StepError, MeshError, ...) before anything runs
+            print(f"dtx bench step: error: {e}", file=sys.stderr)
+            return 2
+        if first:
+            print(f"{args.experiment} ({describe(config)}): global batch {config.global_batch_size} on "
+                  f"{result['devices']} {result['platform']} device(s); median of {args.rounds} x {args.steps} steps")
+            print(STEP_HEADER)
+            first = False
+        print(step_row(name or describe(config), result), flush=True)
+    if config.driver != "shard_map":
+        print("(compute/communication split needs --config.driver=shard_map: under jit XLA places the collectives)")
+    if result["peak_flops"] is None:
+        print(f"(MFU: no peak FLOP/s known for device kind {jax.devices()[0].device_kind!r}; "
+              "set --config.peak_flops)")
     return 0
 
 

@@ -2,7 +2,8 @@
 
     dtx train EXPERIMENT.py [--workdir DIR] [--config.KEY=VALUE ...]
     dtx launch --processes N --devices-per-process D EXPERIMENT.py [...]
-    dtx simulate --model NAME [...]     dtx plot RUN_DIR [...]     dtx bench collectives [...]
+    dtx simulate --model NAME [...]     dtx plot RUN_DIR [...]
+    dtx bench collectives [...]         dtx bench step EXPERIMENT.py [...]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _COMMANDS = {
     "simulate": ("dtx.simulate", "simulate_main", "predict iteration time and scaling (Das et al. model)"),
     "plot": ("dtx.plots", "plot_main", "compare runs: PNG plots of their metrics"),
     "bench collectives": ("dtx.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
+    "bench step": ("dtx.bench", "step_main", "split a train step's time into compute and communication"),
 }
 
 

@@ -31,3 +31,27 @@ def test_plot_errors(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
     a = _run(tmp_path / "a", [{"step": 1, "loss": 1.0}])
     assert main(["plot", a, "--metrics", "nothing"]) == 2
+
+
+def test_quality_metrics_against_time_and_bytes(tmp_path):
+    records = [{"step": 0, "num_params": 10}]
+    records += [{"step": s, "loss": 1.0 / s, "elapsed_s": 0.5 * s, "comm_bytes_total": 100.0 * s} for s in (2, 4)]
+    records += [{"step": 5, "test_accuracy": 0.9}]  # an evaluation record: no time, no bytes of its own
+    assert metric_series(records, "loss", "elapsed_s") == ([1.0, 2.0], [0.5, 0.25])
+    assert metric_series(records, "test_accuracy", "comm_bytes_total") == ([400.0], [0.9])
+    assert metric_series([{"step": 1, "test_accuracy": 0.5}], "test_accuracy", "elapsed_s") == ([], [])
+    run = _run(tmp_path / "r", records)
+    assert main(["plot", run, "--out", str(tmp_path / "p")]) == 0
+    names = sorted(p.name for p in (tmp_path / "p").iterdir())
+    assert names == ["loss.png", "loss_vs_bytes.png", "loss_vs_time.png", "test_accuracy.png",
+                     "test_accuracy_vs_bytes.png", "test_accuracy_vs_time.png"]
+    assert main(["plot", run, "--x", "step,wall"]) == 2
+
+
+def test_panels_share_colours_and_styles(tmp_path):
+    from dtx.plots import Line, Panel, panels_plot
+
+    path = panels_plot([Panel({"a": ([1, 2], [1, 4]), "a model": Line([1, 2], [1, 3], "--", same_color_as="a")},
+                              xlabel="x", logx=True, logy=True),
+                        Panel({"b": ([1, 2], [2, 2])})], tmp_path / "sub" / "two.png", title="two panels")
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
