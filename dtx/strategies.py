@@ -390,8 +390,10 @@ def gossip(topology: str = "ring", mixing: tuple[float, ...] = (1 / 3, 1 / 3, 1 
         spread = sum(jnp.sum(jnp.square((x - m).astype(jnp.float32))) for x, m in
                      zip(jax.tree.leaves(local), jax.tree.leaves(mean)))
         distance = jnp.sqrt(lax.pmean(spread, axes) if axes else spread)
-        nbytes = costmodel.tree_nbytes(local)
-        per_round = [costmodel.neighbour_traffic(nbytes, topology_lib.neighbours(terms)) for terms in rounds]
+        # One ppermute per leaf and neighbour, as the allreduces count one collective per leaf.
+        per_round = [costmodel.add_traffic(*(costmodel.neighbour_traffic(costmodel.tree_nbytes(x),
+                                                                         topology_lib.neighbours(terms))
+                                             for x in jax.tree.leaves(local))) for terms in rounds]
         stats = {"comm_bytes": jnp.stack([count_scalar(t.bytes_sent) for t in per_round])[round_],
                  "comm_rounds": jnp.stack([count_scalar(t.messages) for t in per_round])[round_],
                  "consensus_distance": distance}

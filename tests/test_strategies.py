@@ -1,0 +1,334 @@
+"""Synchronous, asynchronous and relaxed SGD: each strategy's special case is sync, and each
+relaxation does what its paper says, on 8 workers.
+
+Tolerances: as tests/test_step.py — float32 sums in another order differ in the last
+bits, held to ``atol=1e-6, rtol=1e-5`` on parameters after a few SGD-momentum steps.
+SGD-momentum, not Adam, wherever a strategy with local optimizer states is compared
+with ``sync``: local steps followed by an average equal one step on the average only
+for an optimizer linear in the gradient (Adam divides by each worker's own ``√v``).
+Spectral and elastic contractions are held to ``rtol=1e-4`` (float32 arithmetic on
+differences of parameters of size ~0.1–1).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from dtx import config as config_lib
+from dtx import costmodel, datasets, metrics, optim, strategies
+from dtx import mesh as mesh_lib
+from dtx.data import TrainLoader, eval_batches
+from dtx.state import init_train_state
+from dtx.step import cross_entropy, make_eval_step, make_train_step
+from dtx.strategies import StrategyError, make_strategy, mixing_matrix
+from dtx.train import evaluate, train
+
+STEPS = 6
+BATCH = 64
+P = 8
+PARAM_TOL = dict(atol=1e-6, rtol=1e-5)
+CONTRACTION_TOL = dict(rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    digits = datasets.load_dataset("digits")
+    mesh = mesh_lib.make_mesh([("data", -1)])
+    model = models.build_model("mlp", features=(16,))
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+    return dict(digits=digits, mesh=mesh, model=model, example=example,
+                batches=[loader.batch(s) for s in range(10)])
+
+
+def momentum():
+    return optim.make_optimizer("momentum", 0.1, momentum=0.9)
+
+
+def _check_replicas(state):
+    """Replicated leaves identical on every device; per-worker leaves one entry per worker."""
+    for leaf in jax.tree.leaves(state.replace(worker={})):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert leaf.sharding.is_fully_replicated and all(np.array_equal(shards[0], s) for s in shards[1:])
+    for leaf in jax.tree.leaves(state.worker):
+        assert leaf.shape[0] == P and not leaf.sharding.is_fully_replicated
+
+
+def run(setup, strategy, tx, steps=STEPS, state=None):
+    """Train ``steps`` steps; the host states after each step, the host metrics, the device state."""
+    model, mesh = setup["model"], setup["mesh"]
+    if state is None:
+        state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
+    step = make_train_step(model, tx, mesh, strategy=strategy)
+    states, records = [], []
+    for s in range(steps):
+        state, m = step(state, setup["batches"][s])
+        records.append(jax.device_get(m))  # waits on each step (DESIGN.md §2)
+        _check_replicas(state)
+        states.append(jax.device_get(state))
+    return states, records, state
+
+
+@pytest.fixture(scope="module")
+def sync_run(setup):
+    return run(setup, strategies.sync(), momentum())[:2]
+
+
+def _close(tree, reference, tol=PARAM_TOL):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(a, b, **tol, err_msg=jax.tree_util.keystr(path))
+
+
+def _each_worker(tree):
+    return [jax.tree.map(lambda x: x[i], tree) for i in range(P)]
+
+
+def test_every_strategy_builds_from_the_default_config_block():
+    settings = {k: v for k, v in config_lib.base_config().strategy.to_dict().items() if k != "name"}
+    assert sorted(settings) == sorted(strategies.SETTINGS)
+    for name in strategies.STRATEGIES:
+        assert make_strategy(name, **settings).name == name
+
+
+@pytest.mark.parametrize("name", ["async", "ssp"])
+def test_no_staleness_is_sync_bit_for_bit(setup, sync_run, name):
+    states, records, _ = run(setup, make_strategy(name, staleness=0), momentum())
+    reference, ref_records = sync_run
+    for a, b in zip(jax.tree.leaves(states[-1].params), jax.tree.leaves(reference[-1].params)):
+        np.testing.assert_array_equal(a, b)
+    # And the same traffic: a sharded server's push + pull is the ring allreduce's bytes.
+    assert [int(r["comm_bytes"]) for r in records] == [int(r["comm_bytes"]) for r in ref_records]
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("local_sgd", dict(period=1)),
+    ("gossip", dict(topology="complete")),
+    ("diloco", dict(period=1, outer_learning_rate=1.0, outer_momentum=0.0)),
+])
+def test_special_case_is_sync(setup, sync_run, name, settings):
+    states, records, _ = run(setup, make_strategy(name, **settings), momentum())
+    reference = sync_run[0][-1]
+    _close(states[-1].params, reference.params)
+    for worker in _each_worker(states[-1].worker["strategy"]["params"]):
+        _close(worker, reference.params)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def _reference(setup, tx, delay):
+    """SGD on the host where worker ``i``'s gradient at step ``t`` is taken at ``θ_{t − delay(t, i)}``."""
+    model = setup["model"]
+    state = init_train_state(model, tx, setup["example"], seed=0, mesh=setup["mesh"])
+    params = jax.device_get(state.params)
+    opt_state = tx.init(params)
+    grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(model.apply({"params": p}, x, train=True), y).mean()))
+    history = [params]
+    for t in range(STEPS):
+        batch = jax.device_get(setup["batches"][t])
+        xs, ys = np.split(batch["inputs"], P), np.split(batch["labels"], P)  # worker i holds block i
+        grads = [grad(history[max(0, t - delay(t, i))], xs[i], ys[i]) for i in range(P)]
+        mean = jax.tree.map(lambda *g: sum(g) / P, *grads)
+        updates, opt_state = tx.update(mean, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(params)
+    return params
+
+
+def test_async_with_fixed_delay_is_delayed_sgd(setup):
+    tau = 2
+    states, records, _ = run(setup, make_strategy("async", staleness=tau), momentum())
+    _close(states[-1].params, _reference(setup, momentum(), lambda t, i: min(t, tau)))
+    assert [float(r["staleness"]) for r in records] == [min(t, tau) for t in range(STEPS)]
+
+
+def test_ssp_differentiates_a_cache_at_most_s_steps_old(setup):
+    s = 2
+    states, records, _ = run(setup, make_strategy("ssp", staleness=s), momentum())
+    phase = [(i * (s + 1)) // P for i in range(P)]  # documented in dtx.strategies.ssp
+    _close(states[-1].params, _reference(setup, momentum(), lambda t, i: (t + phase[i]) % (s + 1)))
+    # Push every step, pull when the cache expires: (1 + fraction pulling) / 2 of push + pull.
+    full = costmodel.dense_allreduce_traffic(states[0].params, P, "ring").bytes_sent
+    for t, r in enumerate(records):
+        pulling = sum((t + o) % (s + 1) == 0 for o in phase) / P
+        assert float(r["comm_bytes"]) == pytest.approx(full * (1 + pulling) / 2, rel=1e-6)
+        assert 0 <= float(r["staleness"]) <= s
+
+
+def test_async_random_delays_are_bounded_seeded_and_reproducible(setup):
+    tau = 3
+    strategy = make_strategy("async", staleness=tau, random_delay=True)
+    first, records, _ = run(setup, strategy, momentum())
+    again, _, _ = run(setup, strategy, momentum())
+    stale = [float(r["staleness"]) for r in records]
+    assert stale[0] == 0 and all(0 <= d <= min(t, tau) for t, d in enumerate(stale))
+    assert any(d != min(t, tau) for t, d in enumerate(stale))  # drawn per worker, not the fixed bound
+    for a, b in zip(jax.tree.leaves(first[-1]), jax.tree.leaves(again[-1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def _allreduce_bytes(params):
+    """Ring allreduce of every float32 leaf, by hand: 2(p−1) messages of ⌈e/p⌉ elements."""
+    leaves = jax.tree.leaves(params)
+    return (sum(2 * (P - 1) * -(-leaf.size // P) * 4 for leaf in leaves), 2 * (P - 1) * len(leaves))
+
+
+def test_post_local_sgd_averages_every_h_steps_and_pays_only_then(setup):
+    strategy = make_strategy("local_sgd", period=3, sync_steps=2)
+    states, records, device_state = run(setup, strategy, momentum())
+    nbytes, rounds = _allreduce_bytes(states[0].params)
+    averaged = [True, True, True, False, False, True]  # steps 1-2 synchronous, then every 3rd
+    assert [int(r["comm_bytes"]) for r in records] == [nbytes * a for a in averaged]
+    assert [int(r["comm_rounds"]) for r in records] == [rounds * a for a in averaged]
+    for state, a in zip(states, averaged):
+        workers = _each_worker(state.worker["strategy"]["params"])
+        spread = max(float(np.max(np.abs(x - y))) for w in workers[1:]
+                     for x, y in zip(jax.tree.leaves(w), jax.tree.leaves(workers[0])))
+        assert (spread == 0) == a  # identical right after an average, apart in between
+        if a:
+            _close(workers[0], state.params, dict(atol=0, rtol=0))
+    # The model evaluated is the workers' mean, also between averagings.
+    mid = states[4]
+    placed = lambda state: jax.device_put(state, jax.tree.map(lambda x: x.sharding, device_state))  # noqa: E731
+    batches = eval_batches(setup["digits"].test, 120, setup["mesh"])
+    local = evaluate(make_eval_step(setup["model"], setup["mesh"], strategy=strategy), placed(mid), batches)
+    mean = jax.tree.map(lambda x: x.mean(0), mid.worker["strategy"]["params"])
+    expected = evaluate(make_eval_step(setup["model"], setup["mesh"]), placed(mid.replace(params=mean)), batches)
+    assert local["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-5)
+
+
+def _with_workers(state, worker_params):
+    """``state`` with each worker's local parameters replaced (host arrays, leading axis P)."""
+    placed = jax.device_put(worker_params, jax.tree.map(lambda x: x.sharding, state.worker["strategy"]["params"]))
+    return state.replace(worker={**state.worker, "strategy": {**state.worker["strategy"], "params": placed}})
+
+
+def _consensus(worker_params):
+    x = np.concatenate([np.asarray(leaf, np.float64).reshape(P, -1) for leaf in jax.tree.leaves(worker_params)], 1)
+    return float(np.sqrt(np.mean(np.sum((x - x.mean(0)) ** 2, 1))))
+
+
+def test_gossip_ring_sends_to_two_neighbours_every_step(setup):
+    states, records, _ = run(setup, make_strategy("gossip", topology="ring"), momentum())
+    leaves = jax.tree.leaves(states[0].params)
+    assert [int(r["comm_bytes"]) for r in records] == [2 * sum(leaf.size * 4 for leaf in leaves)] * STEPS
+    assert [int(r["comm_rounds"]) for r in records] == [2 * len(leaves)] * STEPS
+    assert all(float(r["consensus_distance"]) > 0 for r in records)  # workers disagree, within bounds
+    assert records[-1]["loss"] < records[0]["loss"]
+    mean = jax.tree.map(lambda x: x.mean(0), states[-1].worker["strategy"]["params"])
+    _close(states[-1].params, mean)
+
+
+@pytest.mark.parametrize("topology, weights", [
+    ("ring", (1 / 3, 1 / 3, 1 / 3)), ("ring", (0.5, 0.3, 0.2)), ("exponential", ()), ("complete", ()),
+])
+def test_gossip_consensus_shrinks_by_the_spectral_gap(setup, topology, weights):
+    """Zero gradients: one mixing step is ``X ← W X``; the disagreement shrinks by at most
+    ``|λ₂(W)|``, and by exactly that along ``λ₂``'s eigenvector."""
+    tx = optax.sgd(0.0)
+    strategy = make_strategy("gossip", topology=topology, **({"mixing": weights} if weights else {}))
+    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+    W = mixing_matrix(topology, weights, P)
+    eigenvalues, eigenvectors = np.linalg.eig(W)
+    order = np.argsort(-np.abs(eigenvalues))  # λ₁ = 1 (consensus) first
+    lambda2 = np.abs(eigenvalues[order[1]])
+    v = eigenvectors[:, order[1]]
+    v = (v.real if np.linalg.norm(v.real) > 1e-3 else v.imag).astype(np.float32)
+    rng = np.random.default_rng(0)
+    base = jax.device_get(state.params)
+    # Not donated: both disagreements start from ``state`` (jax 0.10 segfaults on a donated buffer here).
+    step = make_train_step(setup["model"], tx, setup["mesh"], strategy=strategy, donate=False)
+    for disagreement in ("random", "eigenvector"):
+        offsets = jax.tree.map(lambda x: rng.normal(size=(P, *x.shape)).astype(np.float32), base)
+        if disagreement == "eigenvector":
+            offsets = jax.tree.map(lambda o: v.reshape(-1, *[1] * (o.ndim - 1)) * o[0], offsets)
+        workers = jax.tree.map(lambda b, o: b + 0.1 * o, base, offsets)
+        new, m = step(_with_workers(state, workers), setup["batches"][0])
+        new = jax.device_get(new)
+        mixed = jax.tree.map(lambda x: np.einsum("ij,j...->i...", W, np.asarray(x, np.float64)), workers)
+        _close(new.worker["strategy"]["params"], mixed, dict(atol=1e-6, rtol=1e-5))  # W is what runs
+        before, after = _consensus(workers), float(m["consensus_distance"])
+        assert after == pytest.approx(_consensus(new.worker["strategy"]["params"]), rel=1e-4, abs=1e-6)
+        if disagreement == "random":
+            assert after <= lambda2 * before * (1 + 1e-4) + 1e-6
+        else:
+            assert after == pytest.approx(lambda2 * before, rel=CONTRACTION_TOL["rtol"], abs=1e-6)
+    neighbours = {"ring": 2, "exponential": 1, "complete": P - 1}[topology]
+    assert int(m["comm_bytes"]) == neighbours * costmodel.tree_nbytes(base)
+
+
+def test_easgd_center_converges_to_the_workers_mean_with_zero_gradients(setup):
+    alpha, beta, period = 0.1, 0.5, 2
+    tx = optax.sgd(0.0)
+    strategy = make_strategy("easgd", period=period, rho=alpha, moving_rate=beta)
+    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+    base = jax.device_get(state.params)
+    rng = np.random.default_rng(1)
+    workers = jax.tree.map(lambda b: b + 0.1 * rng.normal(size=(P, *b.shape)).astype(np.float32), base)
+    gap0 = jax.tree.map(lambda w, c: w.mean(0) - c, workers, base)
+    fixed_point = jax.tree.map(lambda w, c: (beta * w.mean(0) + alpha * c) / (alpha + beta), workers, base)
+    states, records, _ = run(setup, strategy, tx, steps=8, state=_with_workers(state, workers))
+    nbytes, _ = _allreduce_bytes(base)
+    for t, (s, r) in enumerate(zip(states, records)):
+        exchanges = (t + 1) // period
+        gap = jax.tree.map(lambda w, c: w.mean(0) - c, s.worker["strategy"]["params"], s.params)
+        expected = jax.tree.map(lambda g: g * (1 - alpha - beta) ** exchanges, gap0)
+        _close(gap, expected, dict(**CONTRACTION_TOL, atol=1e-6))
+        assert int(r["comm_bytes"]) == nbytes * ((t + 1) % period == 0)
+    # β·mean + α·center is conserved, so the center tends to the point it fixes.
+    k = len(states) // period
+    _close(states[-1].params, jax.tree.map(lambda f, g: f - beta / (alpha + beta) * (1 - alpha - beta) ** k * g,
+                                           fixed_point, gap0), dict(rtol=1e-5, atol=1e-6))
+
+
+@pytest.mark.parametrize("name, settings, match", [
+    ("hogwild", {}, r"strategy.name='hogwild' is unknown; choose one of \['async'"),
+    ("local_sgd", dict(period=0), r"strategy.period=0 must be an integer >= 1 \(H local steps"),
+    ("diloco", dict(period=-2), r"strategy.period=-2 must be an integer >= 1"),
+    ("easgd", dict(period=1.5), r"strategy.period=1.5 must be an integer"),
+    ("async", dict(staleness=-1), r"strategy.staleness=-1 must be an integer >= 0 \(tau"),
+    ("ssp", dict(staleness=-3), r"strategy.staleness=-3 must be an integer >= 0 \(s, the staleness bound"),
+    ("local_sgd", dict(sync_steps=-1), r"strategy.sync_steps=-1 must be an integer >= 0"),
+    ("gossip", dict(mixing=(0.5, 0.5, 0.5)), r"strategy.mixing=\(0.5, 0.5, 0.5\) must be 3 weights .* summing to 1"),
+    ("gossip", dict(mixing=(1.2, -0.1, -0.1)), r"each >= 0"),
+    ("gossip", dict(mixing=(0.5, 0.5)), r"must be 3 weights"),
+    ("gossip", dict(topology="torus"), r"strategy.topology='torus' is unknown; choose one of \['ring'"),
+    ("easgd", dict(rho=1.5), r"strategy.rho=1.5 must be in \[0, 1\]"),
+    ("easgd", dict(moving_rate=-0.1), r"strategy.moving_rate=-0.1 must be in \[0, 1\]"),
+    ("diloco", dict(outer_learning_rate=0.0), r"strategy.outer_learning_rate=0.0 must be in \(0, inf\]"),
+    ("diloco", dict(outer_momentum=1.0), r"strategy.outer_momentum=1.0 must be in \[0, 1\)"),
+    ("sync", dict(perod=2), r"unknown strategy setting\(s\) \['perod'\]"),
+])
+def test_bad_settings_are_refused_with_the_key_and_the_fix(name, settings, match):
+    with pytest.raises(StrategyError, match=match):
+        make_strategy(name, **settings)
+
+
+def test_unused_settings_are_not_checked():
+    make_strategy("sync", period=0, mixing=(2.0,))  # the block is shared; sync uses none of them
+
+
+def test_train_refuses_a_bad_strategy_before_any_work(tmp_path):
+    config = config_lib.override(config_lib.base_config(), **{"strategy.name": "local_sgd", "strategy.period": 0,
+                                                               "num_steps": 2, "progress": False})
+    with pytest.raises(StrategyError, match="strategy.period=0"):
+        train(config, tmp_path)
+    assert not (tmp_path / metrics.METRICS_FILE).exists()
+
+
+def test_diloco_resumes_exactly_from_a_checkpoint(tmp_path):
+    """Local models, inner AdamW states and the outer momentum are in the checkpoint: stopping
+    mid-period and resuming equals the uninterrupted run bit for bit."""
+    config = config_lib.override(config_lib.base_config(), **{
+        "strategy.name": "diloco", "strategy.period": 4, "optimizer.name": "adamw", "model.features": (16,),
+        "global_batch_size": 64, "num_steps": 9, "log_every": 1, "progress": False})
+    whole = train(config, tmp_path / "whole")
+    first = config_lib.override(config, **{"num_steps": 6, "checkpoint.every_steps": 6})
+    train(first, tmp_path / "resumed")  # stops at 6: mid-period, one outer step done, the next at 8
+    resumed = train(config, tmp_path / "resumed")
+    for a, b in zip(jax.tree.leaves(jax.device_get(whole.state)), jax.tree.leaves(jax.device_get(resumed.state))):
+        np.testing.assert_array_equal(a, b)
+    assert resumed.metrics == whole.metrics
+    last = [metrics.read_metrics(tmp_path / d)[-2] for d in ("whole", "resumed")]
+    assert last[0]["comm_bytes_per_step"] == last[1]["comm_bytes_per_step"] > 0
