@@ -7,18 +7,50 @@ functions with explicit state — and the state (error-feedback residuals, Power
 warm-started factors, ...) is per worker: it lives in ``TrainState.worker`` and so
 in checkpoints.
 
-Selected by ``config.compression.name``; see :data:`COMPRESSORS`.
+Selected by ``config.compression.name``; see :data:`COMPRESSORS`. Each leaf (parameter
+tensor) is compressed on its own, as the papers do; all leaves travel in one message.
+
+=========  ===============================================  ============================  ======
+name       what crosses the mesh                            collective                    biased
+=========  ===============================================  ============================  ======
+none       the float32 (reduce-dtype) gradient              configured allreduce          no
+cast       the gradient in ``dtype`` (bf16/fp16)            configured allreduce          ~no
+topk       k largest values + uint16/int32 indices          all-gather                    yes
+randomk    k values at indices drawn from a shared key      configured allreduce          no*
+sign       1 bit per entry + a float32 scale per chunk      all-to-all, then all-gather   yes
+terngrad   2 bits per entry + a float32 scale per bucket    all-to-all, then all-gather   no*
+qsgd       ⌈lg(2L+1)⌉ bits + a float32 norm per bucket      all-to-all, then all-gather   no*
+powersgd   rank-r factors P and Q of each matrix            configured allreduce (×2)     yes
+=========  ===============================================  ============================  ======
+
+**Error feedback** (Seide et al. 2014; Stich et al., *Sparsified SGD with Memory*,
+NeurIPS 2018; Karimireddy et al. 2019): with ``error_feedback=True`` (the default)
+every compressor but ``none`` and ``cast`` keeps what it did not send in a per-worker
+float32 residual and adds it to the next gradient, so that, summed over steps,
+applied updates + residuals == true gradients. (*) The unbiased compressors are
+unbiased *per step* only with ``error_feedback=False`` (random-k then rescales by
+``n/k``); with it they are compressors with memory like the others.
+
+**Bytes.** ``stats`` reports ``comm_bytes``, what this device *sends* in the step
+(:mod:`dtx.costmodel`'s accountant), and ``payload_ratio``: dense float32 bytes of the
+gradient ÷ the bytes of one worker's encoded gradient (the "gradient compression
+ratio" of the DGC paper). The trainer's ``comm_ratio`` compares ``comm_bytes`` with a
+float32 ring allreduce; for an all-gather of sparse payloads it is about ``2/p`` of
+the payload ratio, because each device forwards every other device's payload.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from dtx import costmodel
+from dtx import costmodel, quantize
 
 PyTree = Any
 Stats = dict[str, jax.Array]
@@ -81,6 +113,20 @@ def _modelled(algorithm: str) -> str:
     return "ring" if algorithm == "psum" else algorithm
 
 
+def _stats(traffic: costmodel.Traffic, payload_bytes: int, grads: PyTree) -> Stats:
+    dense = costmodel.tree_nbytes(grads, "float32")
+    return {**traffic_stats(traffic), "payload_ratio": jnp.asarray(dense / payload_bytes, jnp.float32)}
+
+
+def _zeros32(params: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
+
+
+def _index(ctx: CommContext) -> jax.Array:
+    return lax.axis_index(ctx.axes) if ctx.axes else jnp.zeros((), jnp.int32)
+
+
+# ----------------------------------------------------------------------------- dense
 def none() -> Compressor:
     """No compression: the configured allreduce of the dense gradient."""
 
@@ -92,7 +138,340 @@ def none() -> Compressor:
     return Compressor("none", lambda params: {}, update)
 
 
-COMPRESSORS: dict[str, Callable[..., Compressor]] = {"none": none}
+WIRE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def cast(dtype: str = "bfloat16", **_) -> Compressor:
+    """The configured allreduce in a narrower float: ``dtype`` on the wire (the Guide's fp16/bf16).
+
+    The sums themselves run in ``dtype`` (that is what crossing the wire in it means for
+    a ring). Under ``driver=jit`` the same effect is the precision policy's ``reduce=``.
+    """
+    if dtype not in WIRE_DTYPES:
+        raise CompressionError(f"compression.dtype={dtype!r} is unknown; choose one of {list(WIRE_DTYPES)}")
+
+    def update(grads, state, key, ctx):
+        del key
+        wire = jax.tree.map(lambda g: g.astype(dtype), grads)
+        mean = jax.tree.map(lambda m, g: m.astype(g.dtype), ctx.allreduce(wire), grads)
+        traffic = costmodel.dense_allreduce_traffic(grads, ctx.size, _modelled(ctx.algorithm), dtype, ctx.inner)
+        return mean, state, _stats(traffic, costmodel.tree_nbytes(grads, dtype), grads)
+
+    return Compressor("cast", lambda params: {}, update)
+
+
+# ----------------------------------------------------------------------------- sparsification
+def dgc_fractions(fraction: float, warmup_steps: int) -> list[float]:
+    """DGC's sparsity warm-up: 25%, 6.25%, 1.5625%, ... (÷4 per stage) down to ``fraction``.
+
+    Lin et al. raise the sparsity exponentially (75%, 93.75%, 98.4375%, 99.6%, 99.9%)
+    over the first epochs, so that the early, fast-changing gradients are sent densely
+    enough. Without warm-up (or for ``fraction >= 0.25``) there is one stage.
+    """
+    stages = []
+    while warmup_steps and 0.25 / 4 ** len(stages) > fraction:
+        stages.append(0.25 / 4 ** len(stages))
+    return stages + [fraction]
+
+
+def _index_dtype(n: int):
+    """The narrowest honest index: uint16 addresses 65,536 entries."""
+    return jnp.uint16 if n <= 2**16 else jnp.int32
+
+
+def _sparse_layout(sizes: list[int], ks: list[int]) -> quantize.Layout:
+    parts = []
+    for n, k in zip(sizes, ks):
+        parts += [(k, jnp.float32), (k, _index_dtype(n))]
+    return quantize.Layout(parts)
+
+
+def _topk_exchange(vs: list[jax.Array], ks: list[int], ctx: CommContext) -> tuple[list, list]:
+    """All-gather every worker's k largest |v| with their indices; the mean and what was sent."""
+    chosen = [lax.top_k(jnp.abs(v), k)[1] for v, k in zip(vs, ks)]
+    layout = _sparse_layout([v.size for v in vs], ks)
+    pieces = []
+    for v, i in zip(vs, chosen):
+        pieces += [v[i], i.astype(_index_dtype(v.size))]
+    buffer = layout.pack(pieces)
+    gathered = layout.unpack(lax.all_gather(buffer, ctx.axes) if ctx.axes else buffer[None])
+    means, masks = [], []
+    for j, (v, i) in enumerate(zip(vs, chosen)):
+        values, indices = gathered[2 * j], gathered[2 * j + 1].astype(jnp.int32)
+        total = jnp.zeros_like(v)
+        # One scatter per worker, in worker order: indices are unique within a payload, so
+        # no atomics, and every worker adds the same numbers in the same order.
+        for row in range(values.shape[0]):
+            total = total.at[indices[row]].add(values[row], unique_indices=True)
+        means.append(total / values.shape[0])
+        masks.append(jnp.zeros(v.shape, bool).at[i].set(True))
+    return means, masks
+
+
+def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 0.0, clip_norm: float = 0.0,
+         warmup_steps: int = 0, **_) -> Compressor:
+    """Top-k sparsification with Deep Gradient Compression's fixes (Lin et al., ICLR 2018).
+
+    Each worker sends the ``k = ⌈fraction·n⌉`` entries of largest magnitude of each
+    leaf, as float32 values and uint16 (leaves up to 65,536 entries) or int32 indices,
+    all leaves in one all-gather; every worker scatter-adds all payloads and divides
+    by ``p``. With ``error_feedback`` the rest accumulates locally (Stich et al. 2018).
+    DGC's fixes, each off by default:
+
+    * momentum correction (``momentum = m > 0``): ``u ← m·u + g; v ← v + u``; send
+      top-k of ``v``. The momentum is applied *here*, before sparsification, so use
+      ``optimizer.name=sgd`` (plain SGD) with it, not a momentum optimizer.
+    * local gradient clipping (``clip_norm > 0``): the local gradient is clipped to a
+      global norm of ``clip_norm / √p`` before it is accumulated.
+    * momentum factor masking: ``u`` is zeroed where ``v`` was sent (with momentum).
+    * sparsity warm-up (``warmup_steps > 0``): the fraction falls ÷4 per stage from
+      25% to ``fraction`` over ``warmup_steps`` steps (:func:`dgc_fractions`).
+    """
+    _check_fraction(fraction)
+    if not 0 <= momentum < 1:
+        raise CompressionError(f"compression.momentum={momentum} must be in [0, 1) (0: no momentum correction)")
+    if momentum and not error_feedback:
+        raise CompressionError(f"compression.momentum={momentum} (DGC momentum correction) accumulates into the "
+                               "error-feedback residual; set compression.error_feedback=True or momentum=0")
+    if clip_norm < 0 or warmup_steps < 0:
+        raise CompressionError(f"compression.clip_norm={clip_norm} and compression.warmup_steps={warmup_steps} "
+                               "must be >= 0 (0: off)")
+    schedule = dgc_fractions(fraction, warmup_steps)
+
+    def init(params):
+        state = {"residual": _zeros32(params)} if error_feedback else {}
+        if momentum:
+            state["momentum"] = _zeros32(params)
+        if len(schedule) > 1:
+            state["step"] = jnp.zeros((), jnp.int32)
+        return state
+
+    def update(grads, state, key, ctx):
+        del key
+        leaves, treedef = jax.tree.flatten(grads)
+        g = [x.astype(jnp.float32).reshape(-1) for x in leaves]
+        if clip_norm:
+            norm = jnp.sqrt(sum(jnp.sum(x * x) for x in g))
+            g = [x * jnp.minimum(1.0, clip_norm / math.sqrt(ctx.size) / jnp.maximum(norm, 1e-30)) for x in g]
+        u = g
+        if momentum:
+            u = [momentum * m.reshape(-1) + x for m, x in zip(jax.tree.leaves(state["momentum"]), g)]
+        v = [r.reshape(-1) + x for r, x in zip(jax.tree.leaves(state["residual"]), u)] if error_feedback else u
+        sizes = [x.size for x in g]
+        plans = [[math.ceil(f * n) for n in sizes] for f in schedule]
+        layouts = [_sparse_layout(sizes, ks) for ks in plans]
+        if len(schedule) == 1:
+            stage = 0
+            means, masks = _topk_exchange(v, plans[0], ctx)
+        else:  # one branch per stage: a static k each, so every collective has a static size
+            stage = jnp.minimum(state["step"] * (len(schedule) - 1) // warmup_steps, len(schedule) - 1)
+            means, masks = lax.switch(stage, [lambda v, ks=ks: _topk_exchange(v, ks, ctx) for ks in plans], v)
+        new_state = {}
+        if error_feedback:
+            new_state["residual"] = treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)
+                                                       for m, x, l in zip(masks, v, leaves)])
+        if momentum:  # momentum factor masking: what was sent stops pushing
+            new_state["momentum"] = treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)
+                                                       for m, x, l in zip(masks, u, leaves)])
+        if len(schedule) > 1:
+            new_state["step"] = state["step"] + 1
+        traffics = [costmodel.all_gather_traffic(lay.nbytes, ctx.size) for lay in layouts]
+        dense = costmodel.tree_nbytes(grads, "float32")
+        stats = {"comm_bytes": jnp.asarray([t.bytes_sent for t in traffics], jnp.int32)[stage],
+                 "comm_rounds": jnp.asarray([t.messages for t in traffics], jnp.int32)[stage],
+                 "payload_ratio": jnp.asarray([dense / lay.nbytes for lay in layouts], jnp.float32)[stage]}
+        mean = treedef.unflatten([m.reshape(l.shape).astype(l.dtype) for m, l in zip(means, leaves)])
+        return mean, new_state, stats
+
+    return Compressor("topk", init, update)
+
+
+def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compressor:
+    """Random-k sparsification (Stich et al. 2018): k entries per leaf at indices all workers draw alike.
+
+    The indices come from the step's shared key, so only the ``k`` values cross the
+    mesh (one allreduce of all leaves' values, no indices). Without error feedback the
+    values are rescaled by ``n/k``, which makes the step's update unbiased; with it they
+    are not (the residual keeps the rest for later steps).
+    """
+    _check_fraction(fraction)
+
+    def init(params):
+        return {"residual": _zeros32(params)} if error_feedback else {}
+
+    def update(grads, state, key, ctx):
+        leaves, treedef = jax.tree.flatten(grads)
+        v = [x.astype(jnp.float32).reshape(-1) for x in leaves]
+        if error_feedback:
+            v = [r.reshape(-1) + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
+        ks = [math.ceil(fraction * x.size) for x in v]
+        # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n).
+        chosen = [lax.top_k(jax.random.uniform(jax.random.fold_in(key, i), (x.size,)), k)[1]
+                  for i, (x, k) in enumerate(zip(v, ks))]
+        scale = [1.0 if error_feedback else x.size / k for x, k in zip(v, ks)]
+        values = jnp.concatenate([x[i] * s for x, i, s in zip(v, chosen, scale)])
+        mean_values = jnp.split(ctx.allreduce(values), list(itertools.accumulate(ks))[:-1])
+        mean = [jnp.zeros_like(x).at[i].set(m).reshape(l.shape).astype(l.dtype)
+                for x, i, m, l in zip(v, chosen, mean_values, leaves)]
+        new_state = {}
+        if error_feedback:
+            new_state["residual"] = treedef.unflatten([x.at[i].set(0.0).reshape(l.shape)
+                                                       for x, i, l in zip(v, chosen, leaves)])
+        sent = jax.ShapeDtypeStruct((sum(ks),), jnp.float32)
+        traffic = costmodel.dense_allreduce_traffic(sent, ctx.size, _modelled(ctx.algorithm), inner=ctx.inner)
+        return treedef.unflatten(mean), new_state, _stats(traffic, 4 * sum(ks), grads)
+
+    return Compressor("randomk", init, update)
+
+
+# ----------------------------------------------------------------------------- quantisation
+def _quantized(name: str, quantizer: quantize.Quantizer, error_feedback: bool) -> Compressor:
+    """A quantiser of :mod:`dtx.quantize` run as a two-phase compressed allreduce.
+
+    With error feedback, both sides keep residuals: each worker what its phase-1 codes
+    lost, and each worker as the "server" of its chunk what the phase-2 re-quantisation
+    lost (as in 1-bit Adam). Without, phase 2 re-quantises stochastically for the unbiased
+    quantisers, so the mean stays unbiased.
+    """
+
+    def init(params):
+        return {"residual": _zeros32(params), "server": _zeros32(params)} if error_feedback else {}
+
+    def update(grads, state, key, ctx):
+        leaves, treedef = jax.tree.flatten(grads)
+        v = [x.astype(jnp.float32) for x in leaves]
+        if error_feedback:
+            v = [r + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
+        index = _index(ctx)
+        server = jax.tree.leaves(state["server"]) if error_feedback else None
+        mean, sent, server = quantize.compressed_allreduce(v, server, quantizer, jax.random.fold_in(key, index),
+                                                           ctx.axes, ctx.size, index)
+        new_state = {}
+        if error_feedback:
+            new_state = {"residual": treedef.unflatten([x - s for x, s in zip(v, sent)]),
+                         "server": treedef.unflatten(server)}
+        row = quantize.chunk_bytes([x.shape for x in leaves], ctx.size, quantizer)
+        traffic = costmodel.compressed_allreduce_traffic(row, ctx.size)
+        mean = treedef.unflatten([m.astype(l.dtype) for m, l in zip(mean, leaves)])
+        return mean, new_state, _stats(traffic, ctx.size * row, grads)
+
+    return Compressor(name, init, update)
+
+
+def sign(error_feedback: bool = True, **_) -> Compressor:
+    """1 bit per entry scaled by the chunk's mean magnitude: EF-signSGD (Karimireddy et al.,
+    ICML 2019) / 1-bit SGD (Seide et al. 2014). Biased: use it with error feedback."""
+    return _quantized("sign", quantize.sign_quantizer(), error_feedback)
+
+
+def terngrad(error_feedback: bool = True, bucket_size: int = 512, **_) -> Compressor:
+    """TernGrad (Wen et al., NeurIPS 2017): {−s, 0, +s} per entry, ``s = max |v|`` per bucket."""
+    _check_bucket(bucket_size)
+    return _quantized("terngrad", quantize.ternary_quantizer(bucket_size), error_feedback)
+
+
+def qsgd(error_feedback: bool = True, levels: int = 16, bucket_size: int = 512, **_) -> Compressor:
+    """QSGD (Alistarh et al., NeurIPS 2017): ``levels`` stochastic levels of ``|v| / ‖v‖₂`` per bucket."""
+    if not 1 <= levels <= 127:
+        raise CompressionError(f"compression.levels={levels} must be in [1, 127] (codes of 2·levels+1 values "
+                               "are packed into at most 8 bits)")
+    _check_bucket(bucket_size)
+    return _quantized("qsgd", quantize.qsgd_quantizer(levels, bucket_size), error_feedback)
+
+
+# ----------------------------------------------------------------------------- low rank
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int, bool]:
+    """``(n, m, transposed)``: the leaf as an ``n × m`` matrix with ``n <= m``.
+
+    The shorter side carries P: at full rank ``r = n`` the orthogonalised P is square,
+    so ``P̂P̂ᵀ = I`` and the approximation is exact whatever the warm-started Q.
+    """
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    return (rows, cols, False) if rows <= cols else (cols, rows, True)
+
+
+def _as_matrix(x: jax.Array) -> jax.Array:
+    n, m, transposed = _matrix_shape(x.shape)
+    x = x.reshape(-1, x.shape[-1])
+    return x.T if transposed else x
+
+
+def _from_matrix(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return (x.T if _matrix_shape(shape)[2] else x).reshape(shape)
+
+
+def powersgd(rank: int = 4, error_feedback: bool = True, **_) -> Compressor:
+    """PowerSGD (Vogels et al., NeurIPS 2019): one step of subspace iteration per step, rank ``r``.
+
+    Each leaf with two or more dimensions, as an ``n × m`` matrix M (plus its residual):
+    ``P = M Q``; allreduce P; orthogonalise P (QR); ``Q = Mᵀ P̂``; allreduce Q; the
+    update is ``P̂ Qᵀ`` and Q is kept to warm-start the next step (initialised from a
+    fixed-seed normal, the same on every worker). Vectors (biases, norms) are
+    allreduced uncompressed. A rank larger than a matrix's smaller side is an error.
+    """
+    if rank < 1:
+        raise CompressionError(f"compression.rank={rank} must be >= 1")
+
+    def init(params):
+        q = {}
+        for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+            if jnp.ndim(x) < 2:
+                continue
+            n, m, _ = _matrix_shape(jnp.shape(x))
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            if rank > n:
+                raise CompressionError(
+                    f"compression.rank={rank} is larger than parameter {name!r} of shape {tuple(jnp.shape(x))} "
+                    f"allows (a {n}×{m} matrix has rank <= {n}); choose compression.rank <= {n}")
+            q[str(i)] = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (m, rank), jnp.float32)
+        return {"q": q, "residual": _zeros32(params)} if error_feedback else {"q": q}
+
+    def update(grads, state, key, ctx):
+        del key
+        leaves, treedef = jax.tree.flatten(grads)
+        v = [x.astype(jnp.float32) for x in leaves]
+        if error_feedback:
+            v = [r + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
+        matrices = {str(i): _as_matrix(x) for i, x in enumerate(v) if x.ndim >= 2}
+        vectors = {str(i): x for i, x in enumerate(v) if x.ndim < 2}
+        dot = lambda a, b: jnp.matmul(a, b, precision=lax.Precision.HIGHEST)  # noqa: E731
+        first = ctx.allreduce({"p": {i: dot(m, state["q"][i]) for i, m in matrices.items()}, "vectors": vectors})
+        p_hat = {i: jnp.linalg.qr(p)[0] for i, p in first["p"].items()}
+        q = ctx.allreduce({i: dot(m.T, p_hat[i]) for i, m in matrices.items()})
+        approx = {i: _from_matrix(dot(p_hat[i], q[i].T), v[int(i)].shape) for i in matrices}
+        mean = [approx[str(i)] if str(i) in approx else first["vectors"][str(i)] for i in range(len(v))]
+        new_state = {"q": q}
+        if error_feedback:  # vectors are sent exactly: nothing left over
+            new_state["residual"] = treedef.unflatten([x - m if x.ndim >= 2 else jnp.zeros_like(x)
+                                                       for x, m in zip(v, mean)])
+        shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)  # noqa: E731
+        algorithm = _modelled(ctx.algorithm)
+        traffic = costmodel.add_traffic(
+            costmodel.dense_allreduce_traffic(shapes(first), ctx.size, algorithm, inner=ctx.inner),
+            costmodel.dense_allreduce_traffic(shapes(q), ctx.size, algorithm, inner=ctx.inner))
+        payload = costmodel.tree_nbytes(shapes(first)) + costmodel.tree_nbytes(shapes(q))
+        mean = treedef.unflatten([m.astype(l.dtype) for m, l in zip(mean, leaves)])
+        return mean, new_state, _stats(traffic, payload, grads)
+
+    return Compressor("powersgd", init, update)
+
+
+# ----------------------------------------------------------------------------- registry
+def _check_fraction(fraction: float) -> None:
+    if not 0 < fraction <= 1:
+        raise CompressionError(f"compression.fraction={fraction} must be in (0, 1] (the fraction of each "
+                               "gradient's entries sent; 1 sends everything)")
+
+
+def _check_bucket(bucket_size: int) -> None:
+    if bucket_size < 0:
+        raise CompressionError(f"compression.bucket_size={bucket_size} must be >= 0 (0: one scale per chunk)")
+
+
+COMPRESSORS: dict[str, Callable[..., Compressor]] = {
+    "none": none, "cast": cast, "topk": topk, "randomk": randomk, "sign": sign, "terngrad": terngrad,
+    "qsgd": qsgd, "powersgd": powersgd,
+}
 
 
 def make_compressor(name: str, **settings) -> Compressor:
@@ -102,4 +481,6 @@ def make_compressor(name: str, **settings) -> Compressor:
     """
     if name not in COMPRESSORS:
         raise CompressionError(f"compression.name={name!r} is unknown; choose one of {sorted(COMPRESSORS)}")
-    return COMPRESSORS[name]()
+    if name == "none":
+        return none()
+    return COMPRESSORS[name](**settings)
