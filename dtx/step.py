@@ -70,6 +70,7 @@ def make_train_step(
     strategy: Strategy | None = None,
     compressor: Compressor | None = None,
     communicate: bool = True,
+    grad_norm: bool = False,
 ) -> TrainStep:
     """Build the jitted ``(state, batch) -> (state, metrics)`` training step.
 
@@ -97,6 +98,9 @@ def make_train_step(
       communicate: ``False`` builds the same step with every collective of the
         gradient path removed (each worker applies its own gradient): not training,
         a yardstick — ``dtx bench step`` times both to split compute from communication.
+      grad_norm: also report ``grad_norm``, the global L2 norm of the reduced gradient
+        (strategies that reduce gradients: sync, async, ssp). Opt-in: it costs ~30% on
+        the jit driver of an emulated mesh (BENCHMARKS.md).
 
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
@@ -114,7 +118,7 @@ def make_train_step(
     shards = mesh_lib.data_parallel_size(mesh)
     donate_argnums = (0,) if donate else ()
     common = dict(tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps, strategy=strategy,
-                  compressor=compressor)
+                  compressor=compressor, grad_norm=grad_norm)
     if driver == "shard_map":
         if state_shardings is not None and not all(
                 s.is_fully_replicated for s in jax.tree.leaves(state_shardings.replace(worker={}))):
@@ -251,7 +255,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor,
-                comm, axes, shards, constrain) -> tuple[TrainState, Metrics]:
+                comm, axes, shards, constrain, grad_norm=False) -> tuple[TrainState, Metrics]:
     rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
     shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
     index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
@@ -277,6 +281,8 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         grads = scaler.unscale(state.loss_scale, policy.cast_to_params(grads))
         if scaler.enabled:
             verdicts.append(all_finite(grads))
+        if grad_norm:  # of the gradient every replica applies (unscaled, after compression)
+            stats = {**stats, "grad_norm": optax.tree.norm(grads)}
         return grads, compress_state, stats
 
     ctx = strategies.StepContext(tx=tx, comm=comm, reduce=reduce, key=shared_key, index=index)

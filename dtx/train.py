@@ -117,7 +117,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
                                  accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
                                  bucket_bytes=config.bucket_bytes, state_shardings=shardings, strategy=strategy,
-                                 compressor=compressor)
+                                 compressor=compressor, grad_norm=config.log_grad_norm)
     eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings,
                                strategy=strategy)
     # The yardstick of every communication figure: a float32 ring allreduce of the gradients.
@@ -359,7 +359,8 @@ def _check_shared_directory(directory: str) -> None:
 # Keys a resumed run may change: run length, logging, checkpointing and how (not what) it computes.
 _RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
                       "eval_batch_size", "watchdog_seconds", "emulate_cpu_devices", "mesh", "driver",
-                      "distributed", "allreduce", "bucket_bytes", "parallel")
+                      "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
+                      "log_grad_norm")
 
 
 def _check_resumable(saved: dict, config: ConfigDict) -> None:

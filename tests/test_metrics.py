@@ -308,3 +308,30 @@ def test_step_trace_window(monkeypatch):
         for step in range(5):
             trace.before_step(step, None)
     assert calls == [("start", "/tmp/x"), ("stop",)]
+
+
+# ------------------------------------------------------------- gradient norm
+
+@pytest.mark.parametrize("driver", ["shard_map", "jit"])
+def test_grad_norm_is_the_norm_of_the_applied_gradient(driver):
+    import jax
+    import optax
+
+    import models
+    from dtx import datasets
+    from dtx import mesh as mesh_lib
+    from dtx.data import TrainLoader
+    from dtx.state import init_train_state
+    from dtx.step import make_train_step
+
+    digits = datasets.load_dataset("digits")
+    mesh = mesh_lib.make_mesh([("data", -1)])
+    model, tx = models.build_model("mlp", features=(16,)), optax.sgd(1.0)  # update = -gradient
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    state = init_train_state(model, tx, example, 0, mesh)
+    batch = TrainLoader(digits.train, 64, mesh, seed=0).batch(0)
+    new, metrics = make_train_step(model, tx, mesh, driver=driver, grad_norm=True, donate=False)(state, batch)
+    applied = jax.tree.map(lambda a, b: a - b, state.params, new.params)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(applied)), rel=1e-5)
+    _, plain = make_train_step(model, tx, mesh, driver=driver, donate=False)(state, batch)
+    assert "grad_norm" not in plain  # opt-in
