@@ -253,3 +253,9 @@ def _leaves(tree: Any) -> list:
     import jax
 
     return jax.tree.leaves(tree)
+
+
+def compressed_allreduce_traffic(chunk_bytes: int, p: int) -> Traffic:
+    """Two-phase compressed allreduce (1-bit Adam's): an all-to-all of one encoded chunk
+    to each peer, then an all-gather of the re-encoded averaged chunk: ``2(p−1)`` chunks."""
+    return add_traffic(all_to_all_traffic(chunk_bytes, p), all_gather_traffic(chunk_bytes, p))
