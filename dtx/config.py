@@ -63,10 +63,10 @@ def base_config() -> ConfigDict:
     c.strategy.sync_steps = 0  # local_sgd: post-local SGD, synchronous for the first K steps
     c.strategy.outer_learning_rate = 0.7  # diloco: outer Nesterov SGD rate
     c.strategy.outer_momentum = 0.9  # diloco: outer Nesterov momentum
-    c.strategy.rho = 0.1  # easgd: elastic force (pull of each worker towards the center)
-    c.strategy.moving_rate = 0.5  # easgd: how far the center moves towards the workers' mean
-    c.strategy.topology = "ring"  # gossip: ring | complete | exponential
-    c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), summing to 1
+    c.strategy.rho = 0.1  # easgd: alpha in [0, 1], the fraction of (x_i - center) each worker moves back
+    c.strategy.moving_rate = 0.5  # easgd: beta in [0, 1], the fraction of mean(x_i - center) the center moves
+    c.strategy.topology = "ring"  # gossip: ring | complete (uniform 1/p) | exponential (one peer 2^k away)
+    c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), >= 0, summing to 1
 
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | rules (model/hybrid/fsdp/rules need driver=jit)

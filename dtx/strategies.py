@@ -8,23 +8,10 @@ state shared by all (delay buffers, outer optimizers) in ``TrainState.shared``.
 Both are checkpointed with the rest of the state. Everything is simulated
 deterministically on the mesh: a run is a pure function of its seed and data.
 
-===========  =========================================================  ======================================
-name         one step (``config.strategy`` keys)                        communication per worker
-===========  =========================================================  ======================================
-sync         average the gradients, one update everywhere               gradient allreduce, every step
-async        gradients at parameters ``d ≤ τ`` updates old (staleness,   push + pull, every step
-             random_delay)
-ssp          gradients at a cached copy at most ``s`` steps old          push every step, pull on refresh
-             (staleness)
-local_sgd    ``H`` local steps, then average the parameters (period,     parameter allreduce every H steps
-             sync_steps)
-diloco       ``H`` inner steps, outer Nesterov SGD on the mean delta     delta allreduce every H steps
-             (period, outer_learning_rate, outer_momentum)
-easgd        local steps, elastic pull to a center every ``τ`` steps    difference allreduce every τ steps
-             (period, rho, moving_rate)
-gossip       local step, then mix with the neighbours (topology,        one message per neighbour, every step
-             mixing)
-===========  =========================================================  ======================================
+Strategies (:data:`STRATEGIES`; keys of ``config.strategy`` in each factory's signature):
+``sync``; the parameter-server family ``async`` and ``ssp`` (stale gradients); and,
+with local models, ``local_sgd``, ``diloco``, ``easgd`` and ``gossip``. The table of
+what each does and sends is in docs/strategies.md.
 
 ``state.params`` is each strategy's *global* model: the synchronous parameters,
 the parameter server's (async, ssp), the last average (local_sgd), the outer
@@ -42,8 +29,11 @@ Async and ssp model a parameter server *sharded over the workers* (Dean et al.,
 sends ``(p−1)/p`` of the gradient to the other shards' servers (a reduce-scatter),
 a pull fetches ``(p−1)/p`` of the parameters back (an all-gather). Push + pull is
 byte for byte the ring allreduce the emulated mesh runs, so async reports the
-gradient reduction's own statistics (compression and the reduce dtype included);
-ssp pulls only when its cache expires and reports the push half on other steps.
+gradient reduction's own statistics (compression, the reduce dtype and the
+allreduce algorithm included — async saves no bytes: it saves waiting). Ssp pulls
+only when a cache expires: it reports ``(1 + f)/2`` of those statistics, ``f`` the
+fraction of workers pulling this step (exact halves for the ring; a model for the
+other algorithms and for compressed payloads).
 Averaging strategies report the configured allreduce of the parameters on the
 steps they average and nothing otherwise; gossip one ``ppermute`` of the
 parameters per neighbour.
@@ -153,13 +143,17 @@ def async_sgd(staleness: int = 0, random_delay: bool = False, **_) -> Strategy:
 
     Step ``t`` applies, once, the mean of every worker's gradient taken at the server's
     parameters of ``d_i`` updates ago, ``θ_{t+1} = θ_t − η·mean_i ∇f_i(θ_{t−d_i})`` —
-    the delayed-gradient model of asynchronous SGD (Hitchhiker's Guide §3.2; Lian et al.,
-    NeurIPS 2015). ``d_i = min(τ, t)`` for every worker, or with ``random_delay`` drawn
+    the delayed-gradient model of asynchronous SGD (the Hitchhiker's Guide on Downpour and
+    asynchronous parameter servers; Lian et al., *Asynchronous parallel stochastic gradient
+    for nonconvex optimization*, NeurIPS 2015). ``d_i = min(τ, t)`` for every worker, or with ``random_delay`` drawn
     uniformly from ``[0, min(τ, t)]`` per worker and step from the run's seed. The
     server's last ``τ`` parameters live in ``state.shared["history"]`` (a ring buffer,
-    slot ``t mod τ``). ``τ = 0`` is ``sync``. Reports ``staleness``, the mean delay.
+    slot ``t mod τ``; ``τ`` replicated copies of the parameters). ``τ = 0`` is ``sync``.
+    Reports ``staleness``, the mean delay over the workers.
     """
     tau = _integer("staleness", staleness, 0, "tau, how many updates old the parameters of a gradient may be")
+    if not isinstance(random_delay, (bool, np.bool_)):
+        raise StrategyError(f"strategy.random_delay={random_delay!r} must be True or False")
 
     def delays(step, ctx):
         # Every worker draws all p delays from the shared key: the mean needs no message.
@@ -194,7 +188,7 @@ def async_sgd(staleness: int = 0, random_delay: bool = False, **_) -> Strategy:
 
 def ssp(staleness: int = 0, **_) -> Strategy:
     """Stale-synchronous parallel SGD (Ho et al., *More effective distributed ML via a stale
-    synchronous parallel parameter server*, NIPS 2013; Hitchhiker's Guide §3.2).
+    synchronous parallel parameter server*, NIPS 2013; the Hitchhiker's Guide on bounded staleness).
 
     Each worker differentiates a cached copy of the server's parameters and pulls a
     fresh one only when the copy would be more than ``s`` steps old: worker ``i``
@@ -264,7 +258,7 @@ def _allreduce_stats(tree, comm, communicates):
 
 def local_sgd(period: int = 1, sync_steps: int = 0, **_) -> Strategy:
     """Local SGD / periodic model averaging (Stich, *Local SGD converges fast and communicates
-    little*, ICLR 2019; Hitchhiker's Guide §3.3), optionally post-local SGD (Lin et al.,
+    little*, ICLR 2019; the Hitchhiker's Guide on model averaging), optionally post-local SGD (Lin et al.,
     *Don't use large mini-batches, use local SGD*, ICLR 2020): synchronous for the first
     ``sync_steps`` steps, then ``H = period`` local steps between averagings.
 
@@ -329,7 +323,7 @@ def diloco(period: int = 1, outer_learning_rate: float = 0.7, outer_momentum: fl
 
 def easgd(period: int = 1, rho: float = 0.1, moving_rate: float = 0.5, **_) -> Strategy:
     """Elastic averaging SGD, synchronous (Zhang, Choromanska & LeCun, *Deep learning with
-    elastic averaging SGD*, NIPS 2015, eqs. 5–6; Hitchhiker's Guide §3.3).
+    elastic averaging SGD*, NIPS 2015, eqs. 5–6; the Hitchhiker's Guide on EASGD).
 
     Workers take local steps; every ``τ = period`` steps each is pulled towards the
     center variable ``x̃`` (``state.params``, the model evaluated) and the center towards
@@ -362,7 +356,7 @@ def easgd(period: int = 1, rho: float = 0.1, moving_rate: float = 0.5, **_) -> S
 
 def gossip(topology: str = "ring", mixing: tuple[float, ...] = (1 / 3, 1 / 3, 1 / 3), **_) -> Strategy:
     """Decentralised SGD (D-PSGD, Lian et al., NeurIPS 2017; Koloskova et al., ICML 2020;
-    Hitchhiker's Guide §3.3): a local step, then ``x_i ← Σ_j W_ij x_j`` with the
+    the Hitchhiker's Guide on decentralised SGD): a local step, then ``x_i ← Σ_j W_ij x_j`` with the
     neighbours of :mod:`dtx.topology` (``ring`` with weights ``mixing = (self, left,
     right)``, ``complete``, ``exponential``), by ``lax.ppermute``; no global barrier.
 

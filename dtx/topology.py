@@ -2,7 +2,7 @@
 
 In decentralised SGD every worker ``i`` replaces its parameters by a weighted
 average of its neighbours', ``x_i ← Σ_j W_ij x_j`` (Hitchhiker's Guide, Chahal et
-al., arXiv 1810.11787, §3.3; Lian et al., *Can decentralized algorithms outperform
+al., arXiv 1810.11787, on decentralised SGD; Lian et al., *Can decentralized algorithms outperform
 centralized algorithms?*, NeurIPS 2017; Koloskova et al., *A unified theory of
 decentralized SGD*, ICML 2020). ``W`` is doubly stochastic, so the workers' mean is
 preserved, and the disagreement between workers shrinks by the second-largest

@@ -1,0 +1,60 @@
+"""Synchronous, asynchronous and relaxed-synchronous SGD on the reference task, side by side.
+
+The Hitchhiker's Guide (Chahal et al., arXiv 1810.11787) §3 contrasts synchronous
+SGD with asynchronous parameter servers and relaxed schemes that communicate less.
+This experiment is the default digits task (experiments/digits_mlp.py: MLP 256-256,
+Adam 2e-3, global batch 128 over 8 workers, 20 epochs = 220 steps) with
+``strategy.name`` set to the config argument and these settings:
+
+===========  ==============================================================================
+sync         average the gradients every step (the baseline)
+async        Downpour-style stale gradients, delays drawn in [0, 4] per worker and step
+ssp          stale-synchronous, each worker's parameter cache at most 4 steps old
+local_sgd    16 local Adam steps between parameter averagings
+diloco       16 inner AdamW steps (weight decay 1e-4), outer Nesterov SGD (0.7, momentum 0.9)
+easgd        elastic exchange every 4 steps, β = moving_rate = 0.9, α = rho = β/8 (the
+             paper's symmetric choice β = pα for p = 8)
+gossip       ring, weights (1/3, 1/3, 1/3) for (self, left, right)
+===========  ==============================================================================
+
+Launch one (any key overridable, e.g. the period):
+
+    dtx train experiments/sync_strategies.py:local_sgd --config.strategy.period=64
+
+The sweep over strategies and settings, table and plot: ``python benchmarks/strategies_sweep.py``
+(BENCHMARKS.md, docs/strategies.md). Expected: every strategy within ~1.5 points of
+sync's 98.6% test accuracy; local_sgd/diloco/easgd send 4–16× fewer bytes per step,
+gossip 14× fewer message rounds (measured results in BENCHMARKS.md).
+"""
+
+from dtx.config import base_config
+
+SETTINGS = {
+    "sync": {},
+    "async": {"staleness": 4, "random_delay": True},
+    "ssp": {"staleness": 4},
+    "local_sgd": {"period": 16},
+    "diloco": {"period": 16, "outer_learning_rate": 0.7, "outer_momentum": 0.9},
+    "easgd": {"period": 4, "rho": 0.9 / 8, "moving_rate": 0.9},
+    "gossip": {"topology": "ring", "mixing": (1 / 3, 1 / 3, 1 / 3)},
+}
+
+
+def get_config(strategy: str = "sync"):
+    if strategy not in SETTINGS:
+        raise ValueError(f"sync_strategies: strategy {strategy!r} must be one of {sorted(SETTINGS)}")
+    config = base_config()
+    config.dataset.name = "digits"
+    config.model.features = (256, 256)
+    config.optimizer.name = "adam"
+    config.optimizer.learning_rate = 2e-3
+    config.global_batch_size = 128
+    config.num_epochs = 20.0
+    config.log_every = 20
+    config.strategy.name = strategy
+    for key, value in SETTINGS[strategy].items():
+        config.strategy[key] = value
+    if strategy == "diloco":  # the paper's inner optimizer
+        config.optimizer.name = "adamw"
+        config.optimizer.weight_decay = 1e-4
+    return config
