@@ -6,7 +6,10 @@ scaling rule and 2 warmup epochs; only the global batch (128 ... 8192, i.e. up t
 CSV and a PNG.
 
     python benchmarks/large_batch_sweep.py [--out docs] [--batches 128,256,...] [--optimizers momentum,lars,lamb]
-        [--set KEY=VALUE ...]
+        [--set KEY=VALUE ...] [--no-write]
+
+The full default sweep updates BENCHMARKS.md (section large_batch); a partial one
+(other batches, optimizers or --set) only prints its table.
 """
 
 import argparse
@@ -29,7 +32,9 @@ def main():
     parser.add_argument("--optimizers", default="momentum,lars,lamb")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run, e.g. --set optimizer.learning_rate=0.25")
+    parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args()
+    started = time.perf_counter()
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
     from dtx import plots
@@ -62,12 +67,29 @@ def main():
     png = plots.line_plot(series, os.path.join(args.out, "large_batch.png"), logx=True,
                           title="Large-batch training: 20 epochs, linear LR scaling + warmup",
                           xlabel="global batch", ylabel="test accuracy (%)")
-    print("| global batch | steps | " + " | ".join(f"{o} (peak lr, acc %)" for o in optimizers) + " |")
-    print("|---|---|" + "---|" * len(optimizers))
+    names = {"momentum": "momentum", "lars": "LARS", "lamb": "LAMB"}
+    lines = ["| global batch | steps | " + " | ".join(f"{names.get(o, o)} (peak lr, acc %)" for o in optimizers)
+             + " |", "|---|---|" + "---|" * len(optimizers)]
     for batch in batches:
         cells = [r for r in rows if r["global_batch"] == batch]
-        print(f"| {batch} | {cells[0]['steps']} | "
-              + " | ".join(f"{r['peak_lr']:.3g}, {100 * r['test_accuracy']:.2f}" for r in cells) + " |")
+        label = f"{batch} ({batch // batches[0]}×)" if batch != batches[0] else str(batch)
+        lines.append(f"| {label} | {cells[0]['steps']} | "
+                     + " | ".join(f"{r['peak_lr']:.3g}, {100 * r['test_accuracy']:.2f}" for r in cells) + " |")
+    print("\n".join(lines))
+    default = (args.batches, args.optimizers, args.set) == ("128,256,512,1024,2048,4096,8192", "momentum,lars,lamb", [])
+    if default and not args.no_write:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import report
+
+        report.update_section("large_batch", (
+            f"`python benchmarks/large_batch_sweep.py` ({report.machine()}; "
+            f"{(time.perf_counter() - started) / 60:.0f} min) — every run is "
+            "`experiments/large_batch.py:<optimizer>` with only `global_batch_size` changed: the synthetic task "
+            "(16,384 training / 4,096 held-out examples, 32 features, 10 classes of 4 clusters), MLP 256-256, "
+            "20 epochs, linear scaling rule from base batch 128 (`optimizer.scaling=linear`), 2 warmup epochs, "
+            "then polynomial (power 2) decay, weight decay 1e-4 with biases excluded. Base rates at batch 128: "
+            "momentum 0.05, LARS 0.5 (η = 0.001), LAMB 0.002. Plot: `docs/large_batch.png`; CSV: "
+            "`docs/large_batch.csv`.\n\n" + "\n".join(lines)))
     print(f"\nplot: {png}", file=sys.stderr)
 
 

@@ -3,9 +3,13 @@
 The baseline the default experiment is compared with (BENCHMARKS.md). Same data
 split, model, optimizer, batch size and epochs as experiments/digits_mlp.py.
 
-    python benchmarks/plain_loop.py
+    python benchmarks/plain_loop.py [--eval-each-epoch]
+
+``--eval-each-epoch`` prints the test accuracy after every epoch (flushed), which
+``benchmarks/time_to_accuracy.py`` times.
 """
 
+import argparse
 import time
 
 START = time.perf_counter()
@@ -28,6 +32,9 @@ class MLP(nn.Module):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--eval-each-epoch", action="store_true")
+    args = parser.parse_args()
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)
@@ -53,11 +60,14 @@ def main():
     batch = 128
     steps_per_epoch = len(y_train) // batch
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    for epoch in range(20):
         perm = rng.permutation(len(y_train))
         for i in range(steps_per_epoch):
             idx = perm[i * batch : (i + 1) * batch]
             params, opt_state, loss = train_step(params, opt_state, x_train[idx], y_train[idx])
+        if args.eval_each_epoch:
+            accuracy = float(jnp.mean(jnp.argmax(model.apply(params, x_test), -1) == y_test))
+            print(f"epoch {epoch + 1} test_accuracy {accuracy:.4f}", flush=True)
     accuracy = float(jnp.mean(jnp.argmax(model.apply(params, x_test), -1) == y_test))
     print(f"test_accuracy {accuracy:.4f}  wall {time.perf_counter() - START:.2f}s")
 

@@ -5,9 +5,10 @@ steps). Memory: XLA's compiled memory analysis of the train step (temp bytes hol
 the activations kept for the backward pass), for the default model and a larger
 MLP batch where activations dominate.
 
-    python benchmarks/precision.py
+    python benchmarks/precision.py [--no-write]      # updates BENCHMARKS.md (precision)
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -43,19 +44,32 @@ def step_memory(spec, features, batch, in_features):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-write", action="store_true", help="print the table only, leave BENCHMARKS.md alone")
+    args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
 
     experiment = os.path.join(REPO, "experiments", "digits_mlp.py")
-    print("| compute dtype | test accuracy (digits, 8 devices) | step temp bytes/device: default MLP, batch 128 "
-          "| step temp bytes/device: MLP 1024-1024, batch 8192 |\n|---|---|---|---|")
+    lines = ["| compute dtype | test accuracy (digits, 8 devices) | temp bytes/device: default MLP, batch 128 "
+             "| temp bytes/device: MLP 1024-1024, batch 8192 |", "|---|---|---|---|"]
     for name, spec in POLICIES.items():
         config = dtx.load(experiment, [f"--config.precision={spec}", "--config.progress=False"])
         with tempfile.TemporaryDirectory() as workdir:
             accuracy = dtx.train(config, os.path.join(workdir, "run")).metrics["test_accuracy"]
         small = step_memory(spec, (256, 256), 128, 64)
         large = step_memory(spec, (1024, 1024), 8192, 784)
-        print(f"| {name} | {100 * accuracy:.2f}% | {small:,} | {large:,} |")
+        lines.append(f"| {name} | {100 * accuracy:.2f}% | {small:,} | {large:,} |")
+        print(lines[-1], flush=True)
+    if not args.no_write:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import report
+
+        report.update_section("precision", (
+            f"`python benchmarks/precision.py` ({report.machine()}) — the default experiment with "
+            "`--config.precision=p=f32,c=f32,o=f32` and `p=f32,c=bf16,o=f32`, and XLA's compiled memory analysis "
+            "of the train step (`temp_size_in_bytes` per device: the activations kept for the backward pass and "
+            "other scratch).\n\n" + "\n".join(lines)))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@
 Each benchmark owns one section, delimited by ``<!-- bench:NAME -->`` and
 ``<!-- /bench:NAME -->``; running it again replaces that section and leaves the
 rest of the file alone, so ``benchmarks/run_all.py`` can refresh every figure.
+Text outside the markers (analysis, runs on other machines) is written by hand.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import re
+import time
 
 BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
 
@@ -25,3 +28,22 @@ def update_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def machine(devices: str = "") -> str:
+    """Where and when a figure was measured, e.g. ``2-core CPU, 8 emulated devices, jax 0.10.2, 2026-11-29``.
+
+    ``devices`` describes the devices used; by default it is read from JAX (which
+    must then be configured already).
+    """
+    if not devices:
+        import jax
+
+        found = jax.devices()
+        kind = found[0].device_kind if found[0].platform != "cpu" else "CPU device"
+        devices = f"{len(found)} {'emulated ' if found[0].platform == 'cpu' and len(found) > 1 else ''}{kind}" + (
+            "s" if len(found) > 1 else "")
+    import jax
+
+    return (f"{os.cpu_count()}-core {platform.machine()} host, {devices}, Python {platform.python_version()}, "
+            f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")

@@ -1,101 +1,145 @@
 """dtx's train step vs a hand-written ``jax.jit`` data-parallel step: same model, mesh, batch.
 
-Both steps are timed in one process, interleaved in blocks, each waiting on the
+All steps are timed in one process, interleaved in blocks, each waiting on the
 previous step's output (lag-1, DESIGN.md §2); the ratio of medians is what counts
-(the machine is noisy, absolute times are not comparable across runs).
+(the machine is noisy, absolute times are not comparable across runs). Also timed:
+dtx's steps with ``grad_norm=True`` (``--config.log_grad_norm``), the opt-in cost.
 
-    python benchmarks/step_overhead.py [--devices 8] [--batch 256] [--rounds 15]
+    python benchmarks/step_overhead.py                 # 8 and 1 devices; updates BENCHMARKS.md
+    python benchmarks/step_overhead.py --devices 8 --batch 256 --rounds 15   # one row, printed only
 """
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
-import jax
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--devices", type=int, default=8)
-parser.add_argument("--batch", type=int, default=256)
-parser.add_argument("--rounds", type=int, default=15)
-parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
-args = parser.parse_args()
-jax.config.update("jax_num_cpu_devices", args.devices)
-
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import models  # noqa: E402
-from dtx import mesh as mesh_lib  # noqa: E402
-from dtx.state import init_train_state  # noqa: E402
-from dtx.step import cross_entropy, make_train_step  # noqa: E402
-
-mesh = mesh_lib.make_mesh([("data", -1)])
-model = models.build_model("mlp", features=(512, 512))
-tx = optax.sgd(0.01, momentum=0.9)
-rng = np.random.default_rng(0)
-inputs = rng.standard_normal((args.batch, 28, 28, 1), dtype=np.float32)
-labels = rng.integers(0, 10, args.batch).astype(np.int32)
-batch = jax.device_put({"inputs": inputs, "labels": labels}, mesh_lib.batch_sharding(mesh))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+RUNNERS = ("handwritten", "jit", "shard_map", "jit+grad_norm", "shard_map+grad_norm")
 
 
-# -- the hand-written baseline: what a user writes with plain jax.jit + NamedSharding
-def handwritten_step(params, opt_state, batch):
-    def loss_fn(p):
-        return cross_entropy(model.apply({"params": p}, batch["inputs"]), batch["labels"]).mean()
+def measure(devices, batch_size, rounds, steps):
+    """Median seconds per step of every runner, on ``devices`` emulated CPU devices (or the accelerators)."""
+    import jax
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    jax.config.update("jax_num_cpu_devices", devices)
+    import numpy as np
+    import optax
 
+    import models
+    from dtx import mesh as mesh_lib
+    from dtx.state import init_train_state
+    from dtx.step import cross_entropy, make_train_step
 
-replicated = mesh_lib.replicated(mesh)
-handwritten = jax.jit(handwritten_step, in_shardings=(replicated, replicated, mesh_lib.batch_sharding(mesh)),
-                      out_shardings=replicated, donate_argnums=(0, 1))
+    mesh = mesh_lib.make_mesh([("data", -1)])
+    model = models.build_model("mlp", features=(512, 512))
+    tx = optax.sgd(0.01, momentum=0.9)
+    rng = np.random.default_rng(0)
+    inputs = rng.standard_normal((batch_size, 28, 28, 1), dtype=np.float32)
+    labels = rng.integers(0, 10, batch_size).astype(np.int32)
+    batch = jax.device_put({"inputs": inputs, "labels": labels}, mesh_lib.batch_sharding(mesh))
 
+    # -- the hand-written baseline: what a user writes with plain jax.jit + NamedSharding
+    def handwritten_step(params, opt_state, batch):
+        def loss_fn(p):
+            return cross_entropy(model.apply({"params": p}, batch["inputs"]), batch["labels"]).mean()
 
-def make_runner(name):
-    state = init_train_state(model, tx, jax.ShapeDtypeStruct(inputs.shape, inputs.dtype), 0, mesh)
-    if name == "handwritten":
-        carry = [state.params, state.opt_state]
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
 
-        def run(steps):
+    replicated = mesh_lib.replicated(mesh)
+    handwritten = jax.jit(handwritten_step, in_shardings=(replicated, replicated, mesh_lib.batch_sharding(mesh)),
+                          out_shardings=replicated, donate_argnums=(0, 1))
+
+    def make_runner(name):
+        state = init_train_state(model, tx, jax.ShapeDtypeStruct(inputs.shape, inputs.dtype), 0, mesh)
+        if name == "handwritten":
+            carry = [state.params, state.opt_state]
+
+            def run(count):
+                out = None
+                for _ in range(count):
+                    params, opt_state, loss = handwritten(*carry, batch)
+                    if out is not None:
+                        out.block_until_ready()
+                    carry[:] = [params, opt_state]
+                    out = loss
+                out.block_until_ready()
+            return run
+        driver, _, extra = name.partition("+")
+        step = make_train_step(model, tx, mesh, driver=driver, grad_norm=extra == "grad_norm")
+        box = [state]
+
+        def run(count):
             out = None
-            for _ in range(steps):
-                params, opt_state, loss = handwritten(*carry, batch)
+            for _ in range(count):
+                box[0], metrics = step(box[0], batch)
                 if out is not None:
                     out.block_until_ready()
-                carry[:] = [params, opt_state]
-                out = loss
+                out = metrics["loss"]
             out.block_until_ready()
         return run
-    step = make_train_step(model, tx, mesh, driver=name)
-    box = [state]
 
-    def run(steps):
-        out = None
-        for _ in range(steps):
-            box[0], metrics = step(box[0], batch)
-            if out is not None:
-                out.block_until_ready()
-            out = metrics["loss"]
-        out.block_until_ready()
-    return run
+    runners = {name: make_runner(name) for name in RUNNERS}
+    for run in runners.values():
+        run(3)  # compile and warm up
+    times = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run(steps)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}, jax.devices()[0].platform
 
 
-runners = {name: make_runner(name) for name in ("handwritten", "jit", "shard_map")}
-for run in runners.values():
-    run(3)  # compile and warm up
-times = {name: [] for name in runners}
-for _ in range(args.rounds):
-    for name, run in runners.items():
-        start = time.perf_counter()
-        run(args.steps)
-        times[name].append((time.perf_counter() - start) / args.steps)
+def row(devices, batch_size, medians, platform):
+    base = medians["handwritten"]
+    cells = [f"{medians[name] * 1e3:.2f} (**{medians[name] / base:.3f}×**)" if name in ("jit", "shard_map")
+             else f"{medians[name] * 1e3:.2f} ({medians[name] / base:.3f}×)" for name in RUNNERS[1:]]
+    where = f"{devices} emulated" if platform == "cpu" and devices > 1 else ("1" if platform == "cpu" else platform)
+    return f"| {where} | {batch_size} | {base * 1e3:.2f} | " + " | ".join(cells) + " |"
 
-base = statistics.median(times["handwritten"])
-print(f"MLP 784-512-512-10, global batch {args.batch}, {args.devices} devices ({jax.devices()[0].platform}), "
-      f"{args.rounds} rounds x {args.steps} steps")
-print("| step | median ms/step | ratio vs hand-written jit |\n|---|---|---|")
-for name in runners:
-    median = statistics.median(times[name])
-    print(f"| {name} | {median * 1e3:.2f} | {median / base:.3f} |")
+
+HEADER = ("| devices | batch | hand-written (ms/step) | dtx `jit` driver | dtx `shard_map` driver | `jit` + grad_norm "
+          "| `shard_map` + grad_norm |\n|---|---|---|---|---|---|---|")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, help="measure one device count and print its row (no BENCHMARKS.md)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # child-process protocol
+    args = parser.parse_args()
+    if args.devices:
+        medians, platform = measure(args.devices, args.batch, args.rounds, args.steps)
+        print(json.dumps({"medians": medians, "platform": platform}) if args.json
+              else HEADER + "\n" + row(args.devices, args.batch, medians, platform))
+        return
+    import report
+
+    rows = []
+    for devices in (8, 1):  # one process each: the device count is fixed when JAX starts
+        out = subprocess.run([sys.executable, __file__, "--devices", str(devices), "--batch", str(args.batch),
+                              "--rounds", str(args.rounds), "--steps", str(args.steps), "--json"],
+                             capture_output=True, text=True, check=True)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(row(devices, args.batch, result["medians"], result["platform"]))
+        print(rows[-1], flush=True)
+    devices_text = "8 emulated CPU devices and 1" if result["platform"] == "cpu" else result["platform"]
+    markdown = (f"`python benchmarks/step_overhead.py` ({report.machine(devices_text)}) — MLP 784-512-512-10, "
+                f"SGD-momentum, global batch {args.batch}; interleaved blocks of {args.steps} steps, each step "
+                f"waiting on the previous one (lag-1), median of {args.rounds} rounds; ratio to the hand-written "
+                "step in brackets. Target: ≤ 1.03.\n\n" + HEADER + "\n" + "\n".join(rows))
+    report.update_section("step_overhead", markdown)
+    print("updated BENCHMARKS.md (step_overhead)")
+
+
+if __name__ == "__main__":
+    main()
