@@ -112,13 +112,15 @@ def main():
         "parameter server sharded over the workers; see docs/strategies.md); ratio = float32 ring allreduce "
         "bytes ÷ bytes sent. Plots: `docs/strategies.png` (bytes), `docs/strategies_rounds.png` (rounds).",
         "",
-        "| strategy | setting | test accuracy (%) | KiB / step | rounds / step | ratio |",
-        "|---|---|---|---|---|---|",
+        "| strategy | setting | test accuracy (%) | KiB / step | rounds / step | ratio | wall s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['setting']} | {100 * r['test_accuracy']:.2f} | "
                      f"{r['comm_bytes_per_step'] / 1024:.1f} | {r['comm_rounds_per_step']:.2f} | "
-                     f"{r['comm_ratio']:.2f}× |")
+                     f"{r['comm_ratio']:.2f}× | {r['seconds']:.1f} |")
+    lines += ["", "Wall seconds include start-up and compilation, on 2 shared cores: not a measure of the "
+              "strategies' speed (the emulated mesh has no network). What the figures show: docs/strategies.md."]
     markdown = "\n".join(lines)
     print(markdown)
     if not args.no_report:
