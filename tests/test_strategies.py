@@ -289,6 +289,7 @@ def test_easgd_center_converges_to_the_workers_mean_with_zero_gradients(setup):
     ("easgd", dict(period=1.5), r"strategy.period=1.5 must be an integer"),
     ("async", dict(staleness=-1), r"strategy.staleness=-1 must be an integer >= 0 \(tau"),
     ("ssp", dict(staleness=-3), r"strategy.staleness=-3 must be an integer >= 0 \(s, the staleness bound"),
+    ("async", dict(random_delay="yes"), r"strategy.random_delay='yes' must be True or False"),
     ("local_sgd", dict(sync_steps=-1), r"strategy.sync_steps=-1 must be an integer >= 0"),
     ("gossip", dict(mixing=(0.5, 0.5, 0.5)), r"strategy.mixing=\(0.5, 0.5, 0.5\) must be 3 weights .* summing to 1"),
     ("gossip", dict(mixing=(1.2, -0.1, -0.1)), r"each >= 0"),
