@@ -208,6 +208,52 @@ def _topk_exchange(vs: list[jax.Array], ks: list[int], ctx: CommContext) -> tupl
     return means, masks
 
 
+def _check_sparse(fraction: float, error_feedback: bool, momentum: float, clip_norm: float) -> None:
+    _check_fraction(fraction)
+    if not 0 <= momentum < 1:
+        raise CompressionError(f"compression.momentum={momentum} must be in [0, 1) (0: no momentum correction)")
+    if momentum and not error_feedback:
+        raise CompressionError(f"compression.momentum={momentum} (DGC momentum correction) accumulates into the "
+                               "error-feedback residual; set compression.error_feedback=True or momentum=0")
+    if clip_norm < 0:
+        raise CompressionError(f"compression.clip_norm={clip_norm} must be >= 0 (0: off)")
+
+
+def _sparse_init(params, error_feedback: bool, momentum: float) -> dict:
+    state = {"residual": _zeros32(params)} if error_feedback else {}
+    if momentum:
+        state["momentum"] = _zeros32(params)
+    return state
+
+
+def _accumulate(grads, state, ctx, error_feedback, momentum, clip_norm):
+    """DGC's local steps before sparsification, on flat float32 leaves: ``(u, v)``.
+
+    Local clipping, then momentum correction ``u ← m·u + g`` (``u = g`` without), then
+    accumulation ``v ← v + u`` into the error-feedback residual (``v = u`` without).
+    """
+    g = [x.astype(jnp.float32).reshape(-1) for x in jax.tree.leaves(grads)]
+    if clip_norm:
+        norm = jnp.sqrt(sum(jnp.sum(x * x) for x in g))
+        g = [x * jnp.minimum(1.0, clip_norm * math.sqrt(ctx.size) / jnp.maximum(norm, 1e-30)) for x in g]
+    u = g
+    if momentum:
+        u = [momentum * m.reshape(-1) + x for m, x in zip(jax.tree.leaves(state["momentum"]), g)]
+    v = [r.reshape(-1) + x for r, x in zip(jax.tree.leaves(state["residual"]), u)] if error_feedback else u
+    return u, v
+
+
+def _after_sending(grads, masks, u, v, error_feedback, momentum) -> dict:
+    """The residual keeps what was not sent; momentum factor masking stops what was."""
+    leaves, treedef = jax.tree.flatten(grads)
+    unsent = lambda xs: treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)  # noqa: E731
+                                           for m, x, l in zip(masks, xs, leaves)])
+    state = {"residual": unsent(v)} if error_feedback else {}
+    if momentum:
+        state["momentum"] = unsent(u)
+    return state
+
+
 def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 0.0, clip_norm: float = 0.0,
          warmup_steps: int = 0, **_) -> Compressor:
     """Top-k sparsification with Deep Gradient Compression's fixes (Lin et al., ICLR 2018).
@@ -221,43 +267,35 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
     * momentum correction (``momentum = m > 0``): ``u ← m·u + g; v ← v + u``; send
       top-k of ``v``. The momentum is applied *here*, before sparsification, so use
       ``optimizer.name=sgd`` (plain SGD) with it, not a momentum optimizer.
-    * local gradient clipping (``clip_norm > 0``): the local gradient is clipped to a
-      global norm of ``clip_norm / √p`` before it is accumulated.
+    * local gradient clipping (``clip_norm > 0``): the local gradient is clipped before
+      it is accumulated, to the norm it would have if the *averaged* gradient had norm
+      ``clip_norm`` and the workers' gradients were i.i.d. DGC's ``N^{-1/2}`` threshold
+      applies to local gradients that *sum* to the global one (each carries a ``1/N``);
+      dtx's local gradients are means that *average* to it, so the threshold is ``clip_norm·√p``.
     * momentum factor masking: ``u`` is zeroed where ``v`` was sent (with momentum).
     * sparsity warm-up (``warmup_steps > 0``): the fraction falls ÷4 per stage from
       25% to ``fraction`` over ``warmup_steps`` steps (:func:`dgc_fractions`).
+
+    An all-gather makes each device send ``(p−1)·k·(4 + index bytes)``; it beats the
+    float32 ring allreduce's ``2(p−1)/p·4n`` only while ``fraction < 8 / (p·(4 + index
+    bytes))`` (16.7% at p = 8 with uint16 indices), so warm-up stages above that cost
+    more than dense: the accountant counts them as they are.
     """
-    _check_fraction(fraction)
-    if not 0 <= momentum < 1:
-        raise CompressionError(f"compression.momentum={momentum} must be in [0, 1) (0: no momentum correction)")
-    if momentum and not error_feedback:
-        raise CompressionError(f"compression.momentum={momentum} (DGC momentum correction) accumulates into the "
-                               "error-feedback residual; set compression.error_feedback=True or momentum=0")
-    if clip_norm < 0 or warmup_steps < 0:
-        raise CompressionError(f"compression.clip_norm={clip_norm} and compression.warmup_steps={warmup_steps} "
-                               "must be >= 0 (0: off)")
+    _check_sparse(fraction, error_feedback, momentum, clip_norm)
+    if warmup_steps < 0:
+        raise CompressionError(f"compression.warmup_steps={warmup_steps} must be >= 0 (0: no sparsity warm-up)")
     schedule = dgc_fractions(fraction, warmup_steps)
 
     def init(params):
-        state = {"residual": _zeros32(params)} if error_feedback else {}
-        if momentum:
-            state["momentum"] = _zeros32(params)
+        state = _sparse_init(params, error_feedback, momentum)
         if len(schedule) > 1:
             state["step"] = jnp.zeros((), jnp.int32)
         return state
 
     def update(grads, state, key, ctx):
         del key
-        leaves, treedef = jax.tree.flatten(grads)
-        g = [x.astype(jnp.float32).reshape(-1) for x in leaves]
-        if clip_norm:
-            norm = jnp.sqrt(sum(jnp.sum(x * x) for x in g))
-            g = [x * jnp.minimum(1.0, clip_norm / math.sqrt(ctx.size) / jnp.maximum(norm, 1e-30)) for x in g]
-        u = g
-        if momentum:
-            u = [momentum * m.reshape(-1) + x for m, x in zip(jax.tree.leaves(state["momentum"]), g)]
-        v = [r.reshape(-1) + x for r, x in zip(jax.tree.leaves(state["residual"]), u)] if error_feedback else u
-        sizes = [x.size for x in g]
+        u, v = _accumulate(grads, state, ctx, error_feedback, momentum, clip_norm)
+        sizes = [x.size for x in v]
         plans = [[math.ceil(f * n) for n in sizes] for f in schedule]
         layouts = [_sparse_layout(sizes, ks) for ks in plans]
         if len(schedule) == 1:
@@ -266,13 +304,7 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
         else:  # one branch per stage: a static k each, so every collective has a static size
             stage = jnp.minimum(state["step"] * (len(schedule) - 1) // warmup_steps, len(schedule) - 1)
             means, masks = lax.switch(stage, [lambda v, ks=ks: _topk_exchange(v, ks, ctx) for ks in plans], v)
-        new_state = {}
-        if error_feedback:
-            new_state["residual"] = treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)
-                                                       for m, x, l in zip(masks, v, leaves)])
-        if momentum:  # momentum factor masking: what was sent stops pushing
-            new_state["momentum"] = treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)
-                                                       for m, x, l in zip(masks, u, leaves)])
+        new_state = _after_sending(grads, masks, u, v, error_feedback, momentum)
         if len(schedule) > 1:
             new_state["step"] = state["step"] + 1
         traffics = [costmodel.all_gather_traffic(lay.nbytes, ctx.size) for lay in layouts]
@@ -280,6 +312,7 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
         stats = {"comm_bytes": jnp.asarray([t.bytes_sent for t in traffics], jnp.int32)[stage],
                  "comm_rounds": jnp.asarray([t.messages for t in traffics], jnp.int32)[stage],
                  "payload_ratio": jnp.asarray([dense / lay.nbytes for lay in layouts], jnp.float32)[stage]}
+        leaves, treedef = jax.tree.flatten(grads)
         mean = treedef.unflatten([m.reshape(l.shape).astype(l.dtype) for m, l in zip(means, leaves)])
         return mean, new_state, stats
 
@@ -292,18 +325,15 @@ def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compres
     The indices come from the step's shared key, so only the ``k`` values cross the
     mesh (one allreduce of all leaves' values, no indices). Without error feedback the
     values are rescaled by ``n/k``, which makes the step's update unbiased; with it they
-    are not (the residual keeps the rest for later steps).
+    are not (the residual keeps the rest for later steps). A coordinate then waits
+    ``n/k`` steps on average and arrives as one burst: use plain SGD (a momentum
+    optimizer, or DGC's momentum correction, amplifies the bursts; measured in
+    docs/compression.md).
     """
     _check_fraction(fraction)
 
-    def init(params):
-        return {"residual": _zeros32(params)} if error_feedback else {}
-
     def update(grads, state, key, ctx):
-        leaves, treedef = jax.tree.flatten(grads)
-        v = [x.astype(jnp.float32).reshape(-1) for x in leaves]
-        if error_feedback:
-            v = [r.reshape(-1) + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
+        _, v = _accumulate(grads, state, ctx, error_feedback, 0.0, 0.0)
         ks = [math.ceil(fraction * x.size) for x in v]
         # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n).
         chosen = [lax.top_k(jax.random.uniform(jax.random.fold_in(key, i), (x.size,)), k)[1]
@@ -311,17 +341,16 @@ def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compres
         scale = [1.0 if error_feedback else x.size / k for x, k in zip(v, ks)]
         values = jnp.concatenate([x[i] * s for x, i, s in zip(v, chosen, scale)])
         mean_values = jnp.split(ctx.allreduce(values), list(itertools.accumulate(ks))[:-1])
+        leaves, treedef = jax.tree.flatten(grads)
         mean = [jnp.zeros_like(x).at[i].set(m).reshape(l.shape).astype(l.dtype)
                 for x, i, m, l in zip(v, chosen, mean_values, leaves)]
-        new_state = {}
-        if error_feedback:
-            new_state["residual"] = treedef.unflatten([x.at[i].set(0.0).reshape(l.shape)
-                                                       for x, i, l in zip(v, chosen, leaves)])
+        masks = [jnp.zeros(x.shape, bool).at[i].set(True) for x, i in zip(v, chosen)]
+        new_state = _after_sending(grads, masks, v, v, error_feedback, 0.0)
         sent = jax.ShapeDtypeStruct((sum(ks),), jnp.float32)
         traffic = costmodel.dense_allreduce_traffic(sent, ctx.size, _modelled(ctx.algorithm), inner=ctx.inner)
         return treedef.unflatten(mean), new_state, _stats(traffic, 4 * sum(ks), grads)
 
-    return Compressor("randomk", init, update)
+    return Compressor("randomk", lambda params: _sparse_init(params, error_feedback, 0.0), update)
 
 
 # ----------------------------------------------------------------------------- quantisation
