@@ -145,8 +145,9 @@ def async_sgd(staleness: int = 0, random_delay: bool = False, **_) -> Strategy:
     parameters of ``d_i`` updates ago, ``θ_{t+1} = θ_t − η·mean_i ∇f_i(θ_{t−d_i})`` —
     the delayed-gradient model of asynchronous SGD (the Hitchhiker's Guide on Downpour and
     asynchronous parameter servers; Lian et al., *Asynchronous parallel stochastic gradient
-    for nonconvex optimization*, NeurIPS 2015). ``d_i = min(τ, t)`` for every worker, or with ``random_delay`` drawn
-    uniformly from ``[0, min(τ, t)]`` per worker and step from the run's seed. The
+    for nonconvex optimization*, NeurIPS 2015). ``d_i = min(τ, t)`` for every worker, or
+    with ``random_delay`` drawn uniformly from ``[0, min(τ, t)]`` per worker and step from
+    the run's seed. The
     server's last ``τ`` parameters live in ``state.shared["history"]`` (a ring buffer,
     slot ``t mod τ``; ``τ`` replicated copies of the parameters). ``τ = 0`` is ``sync``.
     Reports ``staleness``, the mean delay over the workers.
@@ -259,8 +260,9 @@ def _allreduce_stats(tree, comm, communicates):
 def local_sgd(period: int = 1, sync_steps: int = 0, **_) -> Strategy:
     """Local SGD / periodic model averaging (Stich, *Local SGD converges fast and communicates
     little*, ICLR 2019; the Hitchhiker's Guide on model averaging), optionally post-local SGD (Lin et al.,
-    *Don't use large mini-batches, use local SGD*, ICLR 2020): synchronous for the first
-    ``sync_steps`` steps, then ``H = period`` local steps between averagings.
+    *Don't use large mini-batches, use local SGD*, ICLR 2020): parameters averaged after
+    every one of the first ``sync_steps`` steps, then ``H = period`` local steps between
+    averagings.
 
     Each worker steps its own parameters with its own optimizer state; every ``H``-th
     step the parameters (not the optimizer states, as in Lin et al.) are averaged.
