@@ -66,13 +66,13 @@ def main():
     if not args.no_write:
         import report
 
-        report.update_section("collectives", (
+        report.write("collectives", (
             f"`dtx bench collectives --out docs` ({report.machine('8 emulated CPU devices')}; table excerpt; full "
             "CSV `docs/collectives.csv`, plot `docs/collectives.png`). Time is the median of 5 calls, each waited "
             "on; \"predicted\" is the α-β model for a 10 Gb/s network with α = 5 µs (the flags' defaults) — a "
             "network this machine does not have, so it is a model, not a measurement. Bytes sent per device are "
             "counted from each algorithm's own schedule (equal to the formula; `psum`'s schedule is XLA's, "
-            "modelled as a ring).\n\n" + table))
+            "modelled as a ring)."), table)
 
 
 if __name__ == "__main__":

@@ -74,13 +74,13 @@ def main():
     if not args.no_write:
         import report
 
-        report.update_section("default_run", (
+        report.write("default_run", (
             f"`python benchmarks/default_run.py --repeats {args.repeats}` "
             f"({report.machine('8 emulated CPU devices or 1')})"
             " — whole-process wall time (start-up, imports, compilation, training to the end, evaluation), each "
             "command a fresh process, interleaved, medians. The baseline, `benchmarks/plain_loop.py`, is the "
             "obvious single-device flax + optax loop on the same split, model, optimizer (Adam 2e-3), batch (128) "
-            "and epochs (20).\n\n" + table))
+            "and epochs (20)."), table)
 
 
 if __name__ == "__main__":

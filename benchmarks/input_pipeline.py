@@ -85,11 +85,11 @@ def main():
     if not args.no_write:
         import report
 
-        report.update_section("input_pipeline", (
+        report.write("input_pipeline", (
             f"`python benchmarks/input_pipeline.py` ({report.machine()}) — median per batch / per step of "
             f"{args.rounds} interleaved rounds of {args.steps}; the loader's batches are waited on until placed, "
             "the steps run on pre-placed batches with the lag-1 wait; \"host\" is the loader's own work "
-            "(epoch order, row gather) without the placement on the devices.\n\n" + table))
+            "(epoch order, row gather) without the placement on the devices."), table)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def main():
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import report
 
-        report.update_section("large_batch", (
+        report.write("large_batch", (
             f"`python benchmarks/large_batch_sweep.py` ({report.machine()}; "
             f"{(time.perf_counter() - started) / 60:.0f} min) — every run is "
             "`experiments/large_batch.py:<optimizer>` with only `global_batch_size` changed: the synthetic task "
@@ -89,7 +89,7 @@ def main():
             "20 epochs, linear scaling rule from base batch 128 (`optimizer.scaling=linear`), 2 warmup epochs, "
             "then polynomial (power 2) decay, weight decay 1e-4 with biases excluded. Base rates at batch 128: "
             "momentum 0.05, LARS 0.5 (η = 0.001), LAMB 0.002. Plot: `docs/large_batch.png`; CSV: "
-            "`docs/large_batch.csv`.\n\n" + "\n".join(lines)))
+            "`docs/large_batch.csv`."), "\n".join(lines))
     print(f"\nplot: {png}", file=sys.stderr)
 
 

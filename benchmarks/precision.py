@@ -65,11 +65,11 @@ def main():
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import report
 
-        report.update_section("precision", (
+        report.write("precision", (
             f"`python benchmarks/precision.py` ({report.machine()}) — the default experiment with "
             "`--config.precision=p=f32,c=f32,o=f32` and `p=f32,c=bf16,o=f32`, and XLA's compiled memory analysis "
             "of the train step (`temp_size_in_bytes` per device: the activations kept for the backward pass and "
-            "other scratch).\n\n" + "\n".join(lines)))
+            "other scratch)."), "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import textwrap
 import time
 
 BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
@@ -28,6 +29,12 @@ def update_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def write(name: str, preamble: str, body: str, width: int = 110) -> None:
+    """Section ``name``: ``preamble`` (what was run, where, how) wrapped at ``width``, then ``body`` (tables)."""
+    update_section(name, textwrap.fill(preamble, width, break_long_words=False, break_on_hyphens=False)
+                   + "\n\n" + body.strip())
 
 
 def machine(devices: str = "") -> str:

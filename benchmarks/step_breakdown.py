@@ -61,14 +61,14 @@ def main():
         import report
 
         command = " ".join(["python benchmarks/step_breakdown.py", *overrides])
-        report.update_section("step_breakdown", (
+        report.write("step_breakdown", (
             f"`{command}` ({report.machine()}; {(time.perf_counter() - started) / 60:.0f} min) — "
             f"`dtx bench step experiments/digits_mlp.py --config.KEY=VALUE` for each setting: MLP 256-256 on "
             f"digits, global batch 128, median of {args.rounds} interleaved blocks of {args.steps} steps. "
             "*Compute* is the same step with every collective of the gradient path removed "
             "(`make_train_step(..., communicate=False)`); *communication* is the difference; bytes are what one "
             "worker sends per step by the accountant of `dtx/costmodel.py` (a mean over the steps: strategies "
-            "communicate on some steps only).\n\n" + table))
+            "communicate on some steps only)."), table)
 
 
 if __name__ == "__main__":

@@ -136,8 +136,8 @@ def main():
     markdown = (f"`python benchmarks/step_overhead.py` ({report.machine(devices_text)}) — MLP 784-512-512-10, "
                 f"SGD-momentum, global batch {args.batch}; interleaved blocks of {args.steps} steps, each step "
                 f"waiting on the previous one (lag-1), median of {args.rounds} rounds; ratio to the hand-written "
-                "step in brackets. Target: ≤ 1.03.\n\n" + HEADER + "\n" + "\n".join(rows))
-    report.update_section("step_overhead", markdown)
+                "step in brackets. Target: ≤ 1.03.")
+    report.write("step_overhead", markdown, HEADER + "\n" + "\n".join(rows))
     print("updated BENCHMARKS.md (step_overhead)")
 
 

@@ -107,12 +107,12 @@ def main():
     if not args.no_write:
         import report
 
-        report.update_section("time_to_accuracy", (
+        report.write("time_to_accuracy", (
             f"`python benchmarks/time_to_accuracy.py --repeats {args.repeats}` "
             f"({report.machine('8 emulated CPU devices or 1')}) — wall-clock from process launch (start-up, imports, "
             f"compilation included) to the first test evaluation ≥ {100 * args.target:.0f}% on digits (360 "
             "held-out images), evaluating after every epoch; same model (MLP 256-256), optimizer (Adam 2e-3) and "
-            "batch (128) in both; fresh processes, interleaved, medians.\n\n" + table))
+            "batch (128) in both; fresh processes, interleaved, medians."), table)
 
 
 if __name__ == "__main__":
