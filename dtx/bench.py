@@ -333,6 +333,17 @@ def step_row(name: str, result: dict) -> str:
             f"| {'n/a' if sent is None else f'{sent:,.0f}'} | {mfu} |")
 
 
+def _top_level_split(text: str) -> list[str]:
+    """``"psum,ring"`` → two values; commas inside brackets stay: ``"(64,),(64, 64)"`` → two tuples."""
+    values, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            values.append(text[start:i])
+            start = i + 1
+    return [v for v in values + [text[start:]] if v]
+
+
 def step_main(argv: list[str]) -> int:
     """Entry point of ``dtx bench step``; returns the exit status."""
     from dtx import config as config_lib
@@ -356,7 +367,7 @@ def step_main(argv: list[str]) -> int:
         key, _, values = args.vary.partition("=")
         if not key or not values:
             parser.error(f"--vary {args.vary!r}: write KEY=V1,V2,... e.g. allreduce=psum,ring")
-        variants = {f"{key}={value}": [f"--config.{key}={value}"] for value in values.split(",")}
+        variants = {f"{key}={value}": [f"--config.{key}={value}"] for value in _top_level_split(values)}
     configs = {}
     try:
         for name, extra in variants.items():

@@ -64,3 +64,10 @@ def test_collectives_command_writes_csv_and_plot(tmp_path, capsys):
     assert "hierarchical" in out and "ring" in out
     assert (tmp_path / "collectives.csv").read_text().count("\n") == 4
     assert (tmp_path / "collectives.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vary_values_split_at_top_level_commas():
+    assert bench._top_level_split("psum,ring") == ["psum", "ring"]
+    assert bench._top_level_split("(64,),(64, 64)") == ["(64,)", "(64, 64)"]
+    assert bench._top_level_split('(("data", -1),),(("node", 2), ("local", 4))') == [
+        '(("data", -1),)', '(("node", 2), ("local", 4))']
