@@ -466,13 +466,18 @@ def powersgd(rank: int = 4, error_feedback: bool = True, **_) -> Compressor:
         dot = lambda a, b: jnp.matmul(a, b, precision=lax.Precision.HIGHEST)  # noqa: E731
         first = ctx.allreduce({"p": {i: dot(m, state["q"][i]) for i, m in matrices.items()}, "vectors": vectors})
         p_hat = {i: jnp.linalg.qr(p)[0] for i, p in first["p"].items()}
-        q = ctx.allreduce({i: dot(m.T, p_hat[i]) for i, m in matrices.items()})
+        q_local = {i: dot(m.T, p_hat[i]) for i, m in matrices.items()}
+        q = ctx.allreduce(q_local)
         approx = {i: _from_matrix(dot(p_hat[i], q[i].T), v[int(i)].shape) for i in matrices}
         mean = [approx[str(i)] if str(i) in approx else first["vectors"][str(i)] for i in range(len(v))]
         new_state = {"q": q}
-        if error_feedback:  # vectors are sent exactly: nothing left over
-            new_state["residual"] = treedef.unflatten([x - m if x.ndim >= 2 else jnp.zeros_like(x)
-                                                       for x, m in zip(v, mean)])
+        if error_feedback:
+            # What this worker's own message lost: M − P̂(MᵀP̂)ᵀ (Vogels et al., Alg. 2). Its
+            # mean over workers is mean M − the update, so the books balance; vectors are sent
+            # exactly and leave nothing.
+            mine = {i: _from_matrix(dot(p_hat[i], q_local[i].T), v[int(i)].shape) for i in matrices}
+            new_state["residual"] = treedef.unflatten([x - mine[str(i)] if str(i) in mine else jnp.zeros_like(x)
+                                                       for i, x in enumerate(v)])
         shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)  # noqa: E731
         algorithm = _modelled(ctx.algorithm)
         traffic = costmodel.add_traffic(
