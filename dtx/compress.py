@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dtx import costmodel, quantize
+from dtx import costmodel, quantize, sparsify
 
 PyTree = Any
 Stats = dict[str, jax.Array]
@@ -161,53 +161,6 @@ def cast(dtype: str = "bfloat16", **_) -> Compressor:
 
 
 # ----------------------------------------------------------------------------- sparsification
-def dgc_fractions(fraction: float, warmup_steps: int) -> list[float]:
-    """DGC's sparsity warm-up: 25%, 6.25%, 1.5625%, ... (÷4 per stage) down to ``fraction``.
-
-    Lin et al. raise the sparsity exponentially (75%, 93.75%, 98.4375%, 99.6%, 99.9%)
-    over the first epochs, so that the early, fast-changing gradients are sent densely
-    enough. Without warm-up (or for ``fraction >= 0.25``) there is one stage.
-    """
-    stages = []
-    while warmup_steps and 0.25 / 4 ** len(stages) > fraction:
-        stages.append(0.25 / 4 ** len(stages))
-    return stages + [fraction]
-
-
-def _index_dtype(n: int):
-    """The narrowest honest index: uint16 addresses 65,536 entries."""
-    return jnp.uint16 if n <= 2**16 else jnp.int32
-
-
-def _sparse_layout(sizes: list[int], ks: list[int]) -> quantize.Layout:
-    parts = []
-    for n, k in zip(sizes, ks):
-        parts += [(k, jnp.float32), (k, _index_dtype(n))]
-    return quantize.Layout(parts)
-
-
-def _topk_exchange(vs: list[jax.Array], ks: list[int], ctx: CommContext) -> tuple[list, list]:
-    """All-gather every worker's k largest |v| with their indices; the mean and what was sent."""
-    chosen = [lax.top_k(jnp.abs(v), k)[1] for v, k in zip(vs, ks)]
-    layout = _sparse_layout([v.size for v in vs], ks)
-    pieces = []
-    for v, i in zip(vs, chosen):
-        pieces += [v[i], i.astype(_index_dtype(v.size))]
-    buffer = layout.pack(pieces)
-    gathered = layout.unpack(lax.all_gather(buffer, ctx.axes) if ctx.axes else buffer[None])
-    means, masks = [], []
-    for j, (v, i) in enumerate(zip(vs, chosen)):
-        values, indices = gathered[2 * j], gathered[2 * j + 1].astype(jnp.int32)
-        total = jnp.zeros_like(v)
-        # One scatter per worker, in worker order: indices are unique within a payload, so
-        # no atomics, and every worker adds the same numbers in the same order.
-        for row in range(values.shape[0]):
-            total = total.at[indices[row]].add(values[row], unique_indices=True)
-        means.append(total / values.shape[0])
-        masks.append(jnp.zeros(v.shape, bool).at[i].set(True))
-    return means, masks
-
-
 def _check_sparse(fraction: float, error_feedback: bool, momentum: float, clip_norm: float) -> None:
     _check_fraction(fraction)
     if not 0 <= momentum < 1:
@@ -226,21 +179,12 @@ def _sparse_init(params, error_feedback: bool, momentum: float) -> dict:
     return state
 
 
-def _accumulate(grads, state, ctx, error_feedback, momentum, clip_norm):
-    """DGC's local steps before sparsification, on flat float32 leaves: ``(u, v)``.
-
-    Local clipping, then momentum correction ``u ← m·u + g`` (``u = g`` without), then
-    accumulation ``v ← v + u`` into the error-feedback residual (``v = u`` without).
-    """
+def _accumulate(grads, state, p, error_feedback, momentum, clip_norm):
+    """:func:`dtx.sparsify.dgc_accumulate` on this worker's gradient and state: flat ``(u, v)``."""
     g = [x.astype(jnp.float32).reshape(-1) for x in jax.tree.leaves(grads)]
-    if clip_norm:
-        norm = jnp.sqrt(sum(jnp.sum(x * x) for x in g))
-        g = [x * jnp.minimum(1.0, clip_norm * math.sqrt(ctx.size) / jnp.maximum(norm, 1e-30)) for x in g]
-    u = g
-    if momentum:
-        u = [momentum * m.reshape(-1) + x for m, x in zip(jax.tree.leaves(state["momentum"]), g)]
-    v = [r.reshape(-1) + x for r, x in zip(jax.tree.leaves(state["residual"]), u)] if error_feedback else u
-    return u, v
+    flat = lambda tree: [x.reshape(-1) for x in jax.tree.leaves(tree)]  # noqa: E731
+    return sparsify.dgc_accumulate(g, flat(state["momentum"]) if momentum else None,
+                                   flat(state["residual"]) if error_feedback else None, p, momentum, clip_norm)
 
 
 def _after_sending(grads, masks, u, v, error_feedback, momentum) -> dict:
@@ -274,7 +218,7 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
       dtx's local gradients are means that *average* to it, so the threshold is ``clip_norm·√p``.
     * momentum factor masking: ``u`` is zeroed where ``v`` was sent (with momentum).
     * sparsity warm-up (``warmup_steps > 0``): the fraction falls ÷4 per stage from
-      25% to ``fraction`` over ``warmup_steps`` steps (:func:`dgc_fractions`).
+      25% to ``fraction`` over ``warmup_steps`` steps (:func:`dtx.sparsify.dgc_fractions`).
 
     An all-gather makes each device send ``(p−1)·k·(4 + index bytes)``; it beats the
     float32 ring allreduce's ``2(p−1)/p·4n`` only while ``fraction < 8 / (p·(4 + index
@@ -284,7 +228,7 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
     _check_sparse(fraction, error_feedback, momentum, clip_norm)
     if warmup_steps < 0:
         raise CompressionError(f"compression.warmup_steps={warmup_steps} must be >= 0 (0: no sparsity warm-up)")
-    schedule = dgc_fractions(fraction, warmup_steps)
+    schedule = sparsify.dgc_fractions(fraction, warmup_steps)
 
     def init(params):
         state = _sparse_init(params, error_feedback, momentum)
@@ -294,16 +238,17 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
 
     def update(grads, state, key, ctx):
         del key
-        u, v = _accumulate(grads, state, ctx, error_feedback, momentum, clip_norm)
+        u, v = _accumulate(grads, state, ctx.size, error_feedback, momentum, clip_norm)
         sizes = [x.size for x in v]
         plans = [[math.ceil(f * n) for n in sizes] for f in schedule]
-        layouts = [_sparse_layout(sizes, ks) for ks in plans]
+        layouts = [sparsify.payload_layout(sizes, ks) for ks in plans]
         if len(schedule) == 1:
             stage = 0
-            means, masks = _topk_exchange(v, plans[0], ctx)
+            means, masks = sparsify.topk_exchange(v, plans[0], ctx.axes)
         else:  # one branch per stage: a static k each, so every collective has a static size
             stage = jnp.minimum(state["step"] * (len(schedule) - 1) // warmup_steps, len(schedule) - 1)
-            means, masks = lax.switch(stage, [lambda v, ks=ks: _topk_exchange(v, ks, ctx) for ks in plans], v)
+            means, masks = lax.switch(stage, [lambda v, ks=ks: sparsify.topk_exchange(v, ks, ctx.axes)
+                                                for ks in plans], v)
         new_state = _after_sending(grads, masks, u, v, error_feedback, momentum)
         if len(schedule) > 1:
             new_state["step"] = state["step"] + 1
@@ -333,7 +278,7 @@ def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compres
     _check_fraction(fraction)
 
     def update(grads, state, key, ctx):
-        _, v = _accumulate(grads, state, ctx, error_feedback, 0.0, 0.0)
+        _, v = _accumulate(grads, state, ctx.size, error_feedback, 0.0, 0.0)
         ks = [math.ceil(fraction * x.size) for x in v]
         # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n).
         chosen = [lax.top_k(jax.random.uniform(jax.random.fold_in(key, i), (x.size,)), k)[1]

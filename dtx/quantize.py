@@ -274,5 +274,6 @@ def compressed_allreduce(
             error = y - decode(phase2[-1], lay, w, count[None])
             new_server.append(unchunked(lax.dynamic_update_index_in_dim(s_PW, error[0], index, 0), x))
     gathered = rows.unpack(lax.all_gather(rows.pack(phase2)[0], axes))  # row j: chunk j, from worker j
-    mean = [unchunked(decode(g, lay, w, jnp.asarray(counts)), x) for g, x, (w, counts, lay) in zip(gathered, leaves, plans)]
+    mean = [unchunked(decode(g, lay, w, jnp.asarray(counts)), x)
+            for g, x, (w, counts, lay) in zip(gathered, leaves, plans)]
     return mean, sent, new_server if server is not None else None

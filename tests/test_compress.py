@@ -30,7 +30,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import models
-from dtx import collectives, compress, config as config_lib, datasets, optim, precision, quantize, strategies
+from dtx import collectives, compress, datasets, optim, precision, quantize, sparsify, strategies
+from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx.compress import CommContext, CompressionError
 from dtx.data import TrainLoader
@@ -220,7 +221,7 @@ def _dgc_reference(grads, fraction, momentum, clip_norm, warmup_steps):
     """DGC (Lin et al. 2018, Alg. 1 + momentum correction, masking, clipping, warm-up) in numpy."""
     names = list(grads)
     steps = grads[names[0]].shape[0]
-    schedule = compress.dgc_fractions(fraction, warmup_steps)
+    schedule = sparsify.dgc_fractions(fraction, warmup_steps)
     assert schedule == [0.25, 0.0625, 0.015625, 0.01]
     u = {n: np.zeros(grads[n].shape[1:], np.float64) for n in names}
     v = {n: np.zeros(grads[n].shape[1:], np.float64) for n in names}
@@ -343,8 +344,8 @@ def trained(mesh):
         for s in range(TRAIN_STEPS):
             state, metrics = step(state, jax.device_put(loader.batch(s), mesh_lib.batch_sharding(on)))
             records.append({k: float(v) for k, v in metrics.items()})  # waits on each step (DESIGN.md §2)
-        moved = np.concatenate([(np.asarray(a) - b).ravel()
-                                for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(initial))])
+        final = jax.tree.leaves(jax.device_get(state.params))
+        moved = np.concatenate([(a - b).ravel() for a, b in zip(final, jax.tree.leaves(initial))])
         return state, records, moved
 
     return run
