@@ -10,26 +10,30 @@ in checkpoints.
 Selected by ``config.compression.name``; see :data:`COMPRESSORS`. Each leaf (parameter
 tensor) is compressed on its own, as the papers do; all leaves travel in one message.
 
-=========  ===============================================  ============================  ======
-name       what crosses the mesh                            collective                    biased
-=========  ===============================================  ============================  ======
-none       the float32 (reduce-dtype) gradient              configured allreduce          no
-cast       the gradient in ``dtype`` (bf16/fp16)            configured allreduce          ~no
-topk       k largest values + uint16/int32 indices          all-gather                    yes
-randomk    k values at indices drawn from a shared key      configured allreduce          no*
-sign       1 bit per entry + a float32 scale per chunk      all-to-all, then all-gather   yes
-terngrad   2 bits per entry + a float32 scale per bucket    all-to-all, then all-gather   no*
-qsgd       ⌈lg(2L+1)⌉ bits + a float32 norm per bucket      all-to-all, then all-gather   no*
-powersgd   rank-r factors P and Q of each matrix            configured allreduce (×2)     yes
-=========  ===============================================  ============================  ======
+=========  ===============================================  ============================  ======  ========
+name       what crosses the mesh                            collective                    biased  residual
+=========  ===============================================  ============================  ======  ========
+none       the float32 (reduce-dtype) gradient              configured allreduce          no      —
+cast       the gradient in ``dtype`` (bf16/fp16)            configured allreduce          ~no     —
+topk       k largest values + uint16/int32 indices          all-gather                    yes     yes
+randomk    k values at indices drawn from a shared key      configured allreduce          no*     yes
+sign       1 bit per entry + a float32 scale per chunk      all-to-all, then all-gather   yes     yes
+terngrad   2 bits per entry + a float32 scale per bucket    all-to-all, then all-gather   no      never
+qsgd       ⌈lg(2L+1)⌉ bits + a float32 norm per bucket      all-to-all, then all-gather   no      never
+powersgd   rank-r factors P and Q of each matrix            configured allreduce (×2)     yes     yes
+=========  ===============================================  ============================  ======  ========
 
 **Error feedback** (Seide et al. 2014; Stich et al., *Sparsified SGD with Memory*,
 NeurIPS 2018; Karimireddy et al. 2019): with ``error_feedback=True`` (the default)
-every compressor but ``none`` and ``cast`` keeps what it did not send in a per-worker
-float32 residual and adds it to the next gradient, so that, summed over steps,
-applied updates + residuals == true gradients. (*) The unbiased compressors are
-unbiased *per step* only with ``error_feedback=False`` (random-k then rescales by
-``n/k``); with it they are compressors with memory like the others.
+the compressors marked "yes" keep what they did not send in a per-worker float32
+residual and add it to the next gradient, so that, summed over steps, applied
+updates + residuals == true gradients. (*) Random-k is unbiased per step only with
+``error_feedback=False`` (it then rescales by ``n/k``). TernGrad and QSGD are unbiased
+and never keep a residual, as in their papers: error feedback's guarantee needs a
+*contractive* compressor, ``‖C(v) − v‖ < ‖v‖``, and theirs are not in general (their
+variance can exceed ``‖v‖²``, e.g. QSGD with 7 levels on buckets of 512); fed back, the
+residual then grows step after step (measured: QSGD L=7 with a residual diverged on the
+reference task, without it matches the uncompressed run; docs/compression.md).
 
 **Bytes.** ``stats`` reports ``comm_bytes``, what this device *sends* in the step
 (:mod:`dtx.costmodel`'s accountant), and ``payload_ratio``: dense float32 bytes of the
@@ -302,10 +306,10 @@ def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compres
 def _quantized(name: str, quantizer: quantize.Quantizer, error_feedback: bool) -> Compressor:
     """A quantiser of :mod:`dtx.quantize` run as a two-phase compressed allreduce.
 
-    With error feedback, both sides keep residuals: each worker what its phase-1 codes
-    lost, and each worker as the "server" of its chunk what the phase-2 re-quantisation
-    lost (as in 1-bit Adam). Without, phase 2 re-quantises stochastically for the unbiased
-    quantisers, so the mean stays unbiased.
+    With error feedback (sign), both sides keep residuals: each worker what its phase-1
+    codes lost, and each worker as the "server" of its chunk what the phase-2
+    re-quantisation lost (as in 1-bit Adam). Without (TernGrad, QSGD), phase 2
+    re-quantises stochastically with fresh randomness, so the mean stays unbiased.
     """
 
     def init(params):
@@ -338,19 +342,27 @@ def sign(error_feedback: bool = True, **_) -> Compressor:
     return _quantized("sign", quantize.sign_quantizer(), error_feedback)
 
 
-def terngrad(error_feedback: bool = True, bucket_size: int = 512, **_) -> Compressor:
-    """TernGrad (Wen et al., NeurIPS 2017): {−s, 0, +s} per entry, ``s = max |v|`` per bucket."""
+def terngrad(bucket_size: int = 512, **_) -> Compressor:
+    """TernGrad (Wen et al., NeurIPS 2017): {−s, 0, +s} per entry, ``s = max |v|`` per bucket.
+
+    Unbiased; no error feedback (see the module docstring). TernGrad's layer-wise scalar
+    sharing and gradient clipping are not implemented; the bucket plays the scale's part.
+    """
     _check_bucket(bucket_size)
-    return _quantized("terngrad", quantize.ternary_quantizer(bucket_size), error_feedback)
+    return _quantized("terngrad", quantize.ternary_quantizer(bucket_size), error_feedback=False)
 
 
-def qsgd(error_feedback: bool = True, levels: int = 16, bucket_size: int = 512, **_) -> Compressor:
-    """QSGD (Alistarh et al., NeurIPS 2017): ``levels`` stochastic levels of ``|v| / ‖v‖₂`` per bucket."""
+def qsgd(levels: int = 16, bucket_size: int = 512, **_) -> Compressor:
+    """QSGD (Alistarh et al., NeurIPS 2017): ``levels`` stochastic levels of ``|v| / ‖v‖₂`` per bucket.
+
+    Unbiased; no error feedback (see the module docstring). Codes are fixed-width
+    (``⌈lg(2L+1)⌉`` bits), without the paper's Elias coding of the levels.
+    """
     if not 1 <= levels <= 127:
         raise CompressionError(f"compression.levels={levels} must be in [1, 127] (codes of 2·levels+1 values "
                                "are packed into at most 8 bits)")
     _check_bucket(bucket_size)
-    return _quantized("qsgd", quantize.qsgd_quantizer(levels, bucket_size), error_feedback)
+    return _quantized("qsgd", quantize.qsgd_quantizer(levels, bucket_size), error_feedback=False)
 
 
 # ----------------------------------------------------------------------------- low rank

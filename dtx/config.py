@@ -46,7 +46,7 @@ def base_config() -> ConfigDict:
     c.compression.name = "none"  # none | cast | topk | randomk | sign | terngrad | qsgd | powersgd
     c.compression.dtype = "bfloat16"  # cast: the wire dtype (bfloat16 | float16 | float32)
     c.compression.fraction = 0.01  # topk / randomk: fraction of each gradient's entries sent, in (0, 1]
-    c.compression.error_feedback = True  # carry what was not sent into the next step (all but none / cast)
+    c.compression.error_feedback = True  # carry what was not sent into the next step (topk, randomk, sign, powersgd)
     c.compression.momentum = 0.0  # topk: DGC momentum correction (then use optimizer.name=sgd)
     c.compression.clip_norm = 0.0  # topk: DGC local gradient clipping (0: off)
     c.compression.warmup_steps = 0  # topk: DGC sparsity warm-up, from 25% down to fraction
