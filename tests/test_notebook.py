@@ -3,10 +3,8 @@
 import os
 import time
 
-import pytest
-
-nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[test]' installs nbclient")
-import nbformat  # noqa: E402
+import nbclient  # the test extra installs it: pip install -e '.[test]'
+import nbformat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
