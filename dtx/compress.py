@@ -131,7 +131,7 @@ def _index(ctx: CommContext) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- dense
-def none() -> Compressor:
+def none(**_) -> Compressor:
     """No compression: the configured allreduce of the dense gradient."""
 
     def update(grads, state, key, ctx):
@@ -472,6 +472,4 @@ def make_compressor(name: str, **settings) -> Compressor:
     """
     if name not in COMPRESSORS:
         raise CompressionError(f"compression.name={name!r} is unknown; choose one of {sorted(COMPRESSORS)}")
-    if name == "none":
-        return none()
     return COMPRESSORS[name](**settings)
