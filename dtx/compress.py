@@ -95,7 +95,8 @@ class Compressor(NamedTuple):
         (fold in the worker index for private randomness), the result is the
         decoded average over workers, identical on every worker. ``stats`` holds
         ``comm_bytes`` (what this worker sent this step) and ``comm_rounds``
-        (message rounds), as scalars.
+        (message rounds), as scalars; every compressor but ``none`` adds
+        ``payload_ratio`` (see the module docstring).
     """
 
     name: str
