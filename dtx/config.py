@@ -252,6 +252,11 @@ def validate(config: ConfigDict) -> None:
         raise ConfigError(f"grad_accum_steps={config.grad_accum_steps} must be >= 1")
     if config.loss_scale.name not in LOSS_SCALES:
         raise ConfigError(f"loss_scale.name={config.loss_scale.name!r} is unknown; choose one of {list(LOSS_SCALES)}")
+    if config.compression.name == "topk" and config.compression.momentum > 0 and config.optimizer.name != "sgd":
+        raise ConfigError(
+            f"compression.momentum={config.compression.momentum} applies DGC's momentum inside the compressor, "
+            f"so optimizer.name={config.optimizer.name!r} would apply momentum twice; set --config.optimizer.name=sgd "
+            "or compression.momentum=0")
     if "model" not in config or "name" not in config.model:
         raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
 

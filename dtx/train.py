@@ -112,6 +112,11 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
     workers = mesh_lib.data_parallel_size(mesh)
     abstract_state = abstract_train_state(model, tx, example, loss_scaler, strategy, compressor, workers)
+    if loss_scaler.enabled and jax.tree.leaves(abstract_state.worker["compress"]):
+        raise config_lib.ConfigError(
+            f"compression.name={config.compression.name!r} keeps per-worker state (error-feedback residuals, "
+            "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
+            "use compute=bfloat16 (no loss scaling), or compression.error_feedback=False with an unbiased compressor")
     rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
     shardings = parallel.state_shardings(abstract_state, rules, mesh)
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
