@@ -323,3 +323,11 @@ def test_every_experiment_file_loads():
     for name in names:
         config = load(os.path.join(REPO, "experiments", name))
         assert config.is_locked
+
+
+def test_dgc_momentum_refuses_a_momentum_optimizer():
+    base = base_config()
+    with pytest.raises(ConfigError, match="momentum twice.*optimizer.name=sgd"):
+        override(base, **{"compression.name": "topk", "compression.momentum": 0.9})
+    ok = override(base, **{"compression.name": "topk", "compression.momentum": 0.9, "optimizer.name": "sgd"})
+    assert ok.optimizer.name == "sgd"

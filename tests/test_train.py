@@ -125,3 +125,10 @@ def test_dtx_train_command(tmp_path):
     records = metrics.read_metrics(tmp_path)
     assert records[-1]["step"] == 12 and "test_accuracy" in records[-1]
     assert records[0]["num_devices"] == 8  # the experiment's emulated mesh, in a fresh process
+
+
+def test_error_feedback_under_float16_loss_scaling_is_refused_before_compiling(tmp_path):
+    config = tiny_config("--config.compression.name=topk", "--config.precision=p=f32,c=f16,o=f32")
+    with no_compilation(), pytest.raises(config_lib.ConfigError, match="loss-scaled gradients"):
+        train(config, tmp_path)
+    assert not os.path.exists(tmp_path / metrics.METRICS_FILE)
