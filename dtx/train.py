@@ -105,8 +105,6 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
     strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
     check_combination(config.driver, strategy, compressor, loss_scaler)
-    # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
-    lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps))) if optimizer is None else None
 
     # -------------------------------------------------------------- state, steps
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
@@ -118,6 +116,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
             "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
             "use compute=bfloat16 (no loss scaling), or compression.error_feedback=False with an unbiased compressor")
     rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
+    # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
+    lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps))) if optimizer is None else None
     shardings = parallel.state_shardings(abstract_state, rules, mesh)
     train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
                                  accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
