@@ -102,6 +102,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def metadata(self, step: int) -> dict:
+        """The metadata saved with checkpoint ``step`` (config, data digest, ...), read without
+        restoring any array: what a resume checks before it commits to a layout."""
+        self._check_tree(os.path.join(self.directory, str(int(step))))
+        manifest = self._manager.restore(int(step), args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))[
+            "manifest"]
+        return manifest["metadata"]
+
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
         """Restore checkpoint ``step`` into the layout of ``target``.
 

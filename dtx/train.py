@@ -132,10 +132,11 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
                                                    async_save=config.checkpoint.async_save)
     if resuming:
-        state, saved = checkpointer.restore(checkpointer.latest_step(),
-                                        checkpoint_lib.abstract_target(abstract_state, shardings))
+        latest = checkpointer.latest_step()
+        saved = checkpointer.metadata(latest)  # checked before any array is read into a layout
         _check_resumable(saved.get("config", {}), config)
         _check_workers(saved, workers, abstract_state)
+        state, saved = checkpointer.restore(latest, checkpoint_lib.abstract_target(abstract_state, shardings))
     else:
         state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings, strategy, compressor)
     start_step = int(to_host(state.step))

@@ -310,3 +310,15 @@ def test_watchdog_aborts_a_stuck_process_naming_step_and_rank():
     run = subprocess.run([sys.executable, "-c", _STUCK], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert run.returncode == 86 and time.time() - start < 20
     assert "rank 3" in run.stderr and "step 41" in run.stderr
+
+
+def test_per_worker_state_refuses_another_worker_count_before_reading_arrays(tmp_path):
+    """Error-feedback residuals belong to workers: 8 saved cannot become 4; the same count resumes."""
+    topk = RUN + ["--config.num_steps=4", "--config.checkpoint.every_steps=2", "--config.compression.name=topk",
+                  "--config.compression.fraction=0.1"]
+    train(config_lib.load(DEFAULT, topk), tmp_path)
+    four = config_lib.load(DEFAULT, topk + ["--config.num_steps=6", "--config.mesh=(('data', 4), ('model', 2))"])
+    with pytest.raises(config_lib.ConfigError, match="per-worker state for 8 data-parallel workers.*has 4"):
+        train(four, tmp_path)
+    result = train(config_lib.load(DEFAULT, topk + ["--config.num_steps=6"]), tmp_path)
+    assert int(result.state.step) == 6
