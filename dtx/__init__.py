@@ -12,18 +12,20 @@ Quick start (a notebook's first cell, before any JAX computation)::
     result = dtx.train(digits_mlp.get_config(), workdir="runs/quickstart")
 """
 
+from dtx.compress import make_compressor
 from dtx.config import ConfigError, base_config, load, override
 from dtx.mesh import MeshError, emulate_cpu_devices, make_mesh
 from dtx.precision import LossScaler, Policy, parse_policy
 from dtx.state import TrainState, init_train_state
 from dtx.step import make_eval_step, make_train_step
+from dtx.strategies import make_strategy
 
 # Bound after the submodule import on purpose: ``dtx.train`` is the function, not the module.
 from dtx.train import TrainResult, train  # noqa: E402  isort: skip
 
 __all__ = [
     "ConfigError", "LossScaler", "MeshError", "Policy", "TrainResult", "TrainState", "base_config",
-    "emulate_cpu_devices", "init_train_state", "load", "make_eval_step", "make_mesh", "make_train_step",
-    "override", "parse_policy", "train",
+    "emulate_cpu_devices", "init_train_state", "load", "make_compressor", "make_eval_step", "make_mesh",
+    "make_strategy", "make_train_step", "override", "parse_policy", "train",
 ]
 __version__ = "0.1.0"
