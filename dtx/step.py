@@ -35,7 +35,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dtx import collectives, compress, strategies
+from dtx import collectives, compress, costmodel, strategies
 from dtx import mesh as mesh_lib
 from dtx.compress import Compressor
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
@@ -128,7 +128,10 @@ def make_train_step(
         comm = compress.CommContext(axes, shards, allreduce_fn, allreduce, _inner_size(allreduce, axes, mesh))
         if not communicate:
             comm = _silent(comm)
-        body = functools.partial(_train_body, model=_synchronise_norm(model, axes), comm=comm, axes=axes, shards=1,
+        # Synchronous strategies normalise over the global batch; workers with their own
+        # models normalise over their own batch (no collective inside the forward pass).
+        norm_model = model if strategy.local_models else _synchronise_norm(model, axes)
+        body = functools.partial(_train_body, model=norm_model, comm=comm, axes=axes, shards=1,
                                  constrain=lambda x: x, **common)
         # An allreduce built from ppermutes (and the compressed ones) leaves identical values
         # on every device, but JAX types them "varying" and has no free cast back to
@@ -301,6 +304,12 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
     loss, accuracy, model_state = _pmean_if(axes, (loss, accuracy, model_state))
 
     new_state, stats = strategy.apply(state, grads, ctx)
+    if strategy.local_models and axes and jax.tree.leaves(model_state):
+        # Batch-norm running statistics are averaged every step (above) so the evaluated
+        # model has one set; that is communication too, and the accountant counts it.
+        extra = costmodel.dense_allreduce_traffic(model_state, comm.size, "ring")
+        stats = {**stats, "comm_bytes": stats["comm_bytes"] + extra.bytes_sent,
+                 "comm_rounds": stats["comm_rounds"] + extra.messages}
     metrics = {"loss": loss, "accuracy": accuracy, **stats}
     loss_scale = state.loss_scale
     if scaler.enabled:

@@ -333,3 +333,35 @@ def test_diloco_resumes_exactly_from_a_checkpoint(tmp_path):
     assert resumed.metrics == whole.metrics
     last = [metrics.read_metrics(tmp_path / d)[-2] for d in ("whole", "resumed")]
     assert last[0]["comm_bytes_per_step"] == last[1]["comm_bytes_per_step"] > 0
+
+
+def test_local_models_normalise_locally_and_count_the_statistics_they_average(setup):
+    """With batch norm, a local-model worker normalises over its own batch (no collective in its
+    forward pass), and the per-step averaging of the running statistics is counted as traffic."""
+    model = models.build_model("lenet", conv_features=(4, 8), dense_features=(16,))
+    mesh, tx = setup["mesh"], momentum()
+    strategy = make_strategy("local_sgd", period=4)
+    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
+    step = make_train_step(model, tx, mesh, strategy=strategy, donate=False)
+    _, record = step(state, setup["batches"][0])  # step 0 of 4: no parameter averaging
+    stats = costmodel.dense_allreduce_traffic(state.model_state, P, "ring")
+    assert stats.bytes_sent > 0
+    assert int(record["comm_bytes"]) == stats.bytes_sent
+    assert int(record["comm_rounds"]) == stats.messages
+    # Local normalisation: worker 0's loss is what one device computes on worker 0's rows alone.
+    rows = BATCH // P
+    host = jax.device_get(setup["batches"][0])
+    variables = {"params": jax.device_get(state.params), **jax.device_get(state.model_state)}
+    logits, _ = model.apply(variables, host["inputs"][:rows], train=True, mutable=["batch_stats"])
+    local_loss = float(cross_entropy(logits, host["labels"][:rows]).mean())
+    per_worker = jax.jit(jax.shard_map(
+        lambda s, b: jax.lax.all_gather(cross_entropy(model.apply({"params": s.params, **s.model_state},
+                                                                   b["inputs"], train=True,
+                                                                   mutable=["batch_stats"])[0], b["labels"]).mean(),
+                                        "data"),
+        mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("data")),
+        out_specs=jax.sharding.PartitionSpec(), check_vma=False))
+    np.testing.assert_allclose(float(per_worker(state.replace(worker={}), setup["batches"][0])[0]), local_loss,
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(record["loss"]), float(per_worker(state.replace(worker={}),
+                                                                         setup["batches"][0]).mean()), rtol=1e-5)
