@@ -317,9 +317,11 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         if len(verdicts) != 1:
             raise StepError(f"loss scaling needs strategy {strategy.name!r} to reduce gradients once per step")
         finite = verdicts[0]
-        kept = select_tree(finite, (new_state.params, new_state.opt_state, model_state, new_state.worker),
-                           (state.params, state.opt_state, state.model_state, state.worker))
-        new_state = new_state.replace(params=kept[0], opt_state=kept[1], worker=kept[3])
+        # A skipped step leaves everything the update wrote as it was (delay buffers included).
+        kept = select_tree(finite, (new_state.params, new_state.opt_state, model_state, new_state.worker,
+                                    new_state.shared),
+                           (state.params, state.opt_state, state.model_state, state.worker, state.shared))
+        new_state = new_state.replace(params=kept[0], opt_state=kept[1], worker=kept[3], shared=kept[4])
         model_state = kept[2]
         loss_scale = scaler.update(state.loss_scale, finite)
         metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32),
