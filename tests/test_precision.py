@@ -462,3 +462,22 @@ def test_bfloat16_trains_as_well_as_float32(tmp_path):
         accuracy[precision] = result.metrics["test_accuracy"]
     assert accuracy["p=f32,c=f32"] >= 0.9, accuracy  # both really trained, so the comparison means something
     assert abs(accuracy["p=f32,c=bf16"] - accuracy["p=f32,c=f32"]) <= 0.02, accuracy
+
+
+def test_a_skipped_step_leaves_a_strategys_delay_buffer_alone(f16_setup, faulty_batch, digits, mesh8):
+    """Async SGD keeps the last τ parameters in ``state.shared``: a skipped float16 step must not
+    push the (unchanged) parameters into it, or later gradients would see the wrong staleness."""
+    from dtx.strategies import make_strategy
+
+    policy, model, _ = f16_setup
+    strategy = make_strategy("async", staleness=2)
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    state = init_train_state(model, _tx(), example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER, strategy=strategy)
+    state = state.replace(shared=jax.tree.map(lambda x: x + 1.0, state.shared))  # distinct from the params
+    assert jax.tree.leaves(state.shared), "async with staleness 2 keeps a delay buffer"
+    before = jax.device_get(state)
+    step = make_train_step(model, _tx(), mesh8, policy=policy, loss_scaler=FAULT_SCALER, strategy=strategy)
+    after, metrics = jax.device_get(step(state, faulty_batch))
+    assert int(metrics["skipped"]) == 1
+    _assert_bitwise_equal(after.shared, before.shared, "shared")
+    _assert_bitwise_equal(after.params, before.params, "params")
