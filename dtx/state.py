@@ -27,7 +27,8 @@ class TrainState:
       params: the model's trainable parameters (master weights).
       model_state: the model's other variable collections, e.g. ``{"batch_stats": ...}``
         for batch normalisation; ``{}`` for models without any.
-      opt_state: the optax optimizer state.
+      opt_state: the optax optimizer state; empty for strategies whose workers keep their own
+        (``worker["strategy"]["opt_state"]``: local SGD, DiLoCo, EASGD, gossip).
       rng: raw uint32 PRNG key data; each step splits it, so dropout differs per step
         yet a run is reproducible from ``seed``.
       loss_scale: dynamic loss-scale state (scale 1 and inert unless float16 needs it).
@@ -129,6 +130,8 @@ def _init_fn(model, tx, example_inputs, loss_scaler, strategy=None, compressor=N
         opt_state = tx.init(params)
         # (This floor knows strategies and compressors only by their ``init``.)
         strategy_worker, shared = strategy.init(params, opt_state) if strategy else ({}, {})
+        if getattr(strategy, "local_models", False):
+            opt_state = ()  # every worker keeps its own in ``worker``; a global copy would be dead weight
         one_worker = {"compress": compressor.init(params) if compressor else {}, "strategy": strategy_worker}
         # Every worker starts from the same state; the leading axis gives each its own copy.
         worker = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *jnp.shape(x))), one_worker)

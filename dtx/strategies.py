@@ -18,8 +18,8 @@ the parameter server's (async, ssp), the last average (local_sgd), the outer
 parameters (diloco), the center variable (easgd), the workers' mean (gossip).
 ``state.opt_state`` is the optimizer state of that model where one exists (sync,
 async, ssp); strategies with local models keep each worker's optimizer state in
-its worker slice and leave ``state.opt_state`` untouched, and DiLoCo keeps its
-outer optimizer's state in ``state.shared``.
+its worker slice (``dtx.state`` then leaves ``state.opt_state`` empty), and DiLoCo
+keeps its outer optimizer's state in ``state.shared``.
 
 **Communication accounting** (:mod:`dtx.costmodel`'s accountant, as for compression):
 ``comm_bytes`` / ``comm_rounds`` are what one worker sends in one step, the mean
