@@ -230,12 +230,12 @@ def build_steps(config):
     policy)`` where ``steps``/``states`` map ``"full"`` and (``shard_map`` driver only)
     ``"compute"`` to the step and its own state.
     """
-    import models
-    from dtx import compress, datasets, optim, parallel, precision, strategies
+    import math
+
+    from dtx import datasets
     from dtx.data import TrainLoader
-    from dtx.state import abstract_train_state, init_train_state
-    from dtx.step import make_train_step
-    from dtx.train import _loss_scaler, _settings  # the same readings of the config as a run's
+    from dtx.state import init_train_state
+    from dtx.train import build_parts, make_step  # the same readings of the config as a run's
 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
@@ -243,29 +243,16 @@ def build_steps(config):
     mesh_lib.check_batch_size(config.global_batch_size, mesh)
     dataset = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
                                     synthetic=config.dataset.synthetic.to_dict())
-    policy = precision.parse_policy(config.precision)
-    scaler = _loss_scaler(config.loss_scale, policy)
-    model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
-                               param_dtype=policy.params, **{k: v for k, v in config.model.items() if k != "name"})
-    opt = config.optimizer
-    tx = optim.make_optimizer(opt.name, opt.learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay,
-                              exclude=opt.exclude, trust_coefficient=opt.trust_coefficient)
-    compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
-    strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
-    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
-    workers = mesh_lib.data_parallel_size(mesh)
-    abstract = abstract_train_state(model, tx, example, scaler, strategy, compressor, workers)
-    rules = parallel.make_rules(config.parallel.name, mesh, abstract.params, config.parallel.rules)
-    shardings = parallel.state_shardings(abstract, rules, mesh)
+    loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
+    num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
+    parts = build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps)
     kinds = {"full": True, "compute": False} if config.driver == "shard_map" else {"full": True}
-    steps = {kind: make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=scaler,
-                                   accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
-                                   bucket_bytes=config.bucket_bytes, state_shardings=shardings, strategy=strategy,
-                                   compressor=compressor, communicate=communicate)
-             for kind, communicate in kinds.items()}
-    states = {kind: init_train_state(model, tx, example, config.seed, mesh, scaler, shardings, strategy, compressor)
+    steps = {kind: make_step(config, parts, mesh, communicate=communicate) for kind, communicate in kinds.items()}
+    states = {kind: init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
+                                     parts.shardings, parts.strategy, parts.compressor)
               for kind in steps}
-    batch = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed).batch(0)
+    batch = loader.batch(0)
+    policy = parts.policy
     return steps, states, batch, policy
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -85,46 +86,18 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
 
-    # ------------------------------------------------- precision, model, optimizer
-    policy = precision.parse_policy(config.precision)
-    loss_scaler = _loss_scaler(config.loss_scale, policy)
-    if model is None:
-        model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
-        model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
-                                   param_dtype=policy.params, **model_kwargs)
-    opt = config.optimizer
-    peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
-                                         opt.scaling)
-    warmup_steps = opt.warmup_steps or round(opt.warmup_epochs * loader.steps_per_epoch)
-    learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, warmup_steps, power=opt.decay_power,
-                                        boundaries=opt.step_boundaries, factor=opt.step_factor)
-    tx = optimizer if optimizer is not None else optim.make_optimizer(
-        opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay, exclude=opt.exclude,
-        trust_coefficient=opt.trust_coefficient)
-    check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
-    compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
-    strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
-    check_combination(config.driver, strategy, compressor, loss_scaler)
+    # ------------------------------------- precision, model, optimizer, techniques
+    parts = build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model, optimizer=optimizer)
+    policy, loss_scaler, model, tx = parts.policy, parts.loss_scaler, parts.model, parts.tx
+    abstract_state, shardings, workers = parts.abstract_state, parts.shardings, parts.workers
 
     # -------------------------------------------------------------- state, steps
-    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
-    workers = mesh_lib.data_parallel_size(mesh)
-    abstract_state = abstract_train_state(model, tx, example, loss_scaler, strategy, compressor, workers)
-    if loss_scaler.enabled and jax.tree.leaves(abstract_state.worker["compress"]):
-        raise config_lib.ConfigError(
-            f"compression.name={config.compression.name!r} keeps per-worker state (error-feedback residuals, "
-            "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
-            "use compute=bfloat16 (no loss scaling), or compression.error_feedback=False with an unbiased compressor")
-    rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
     # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
-    lr_by_step = np.asarray(jax.jit(jax.vmap(learning_rate))(np.arange(num_steps))) if optimizer is None else None
-    shardings = parallel.state_shardings(abstract_state, rules, mesh)
-    train_step = make_train_step(model, tx, mesh, driver=config.driver, policy=policy, loss_scaler=loss_scaler,
-                                 accum_steps=config.grad_accum_steps, allreduce=config.allreduce,
-                                 bucket_bytes=config.bucket_bytes, state_shardings=shardings, strategy=strategy,
-                                 compressor=compressor, grad_norm=config.log_grad_norm)
+    lr_by_step = (np.asarray(jax.jit(jax.vmap(parts.learning_rate))(np.arange(num_steps)))
+                  if optimizer is None else None)
+    train_step = make_step(config, parts, mesh)
     eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings,
-                               strategy=strategy)
+                               strategy=parts.strategy)
     # The yardstick of every communication figure: a float32 ring allreduce of the gradients.
     reference_bytes = costmodel.dense_allreduce_traffic(abstract_state.params, workers, "ring", "float32").bytes_sent
     checkpointer = None
@@ -138,7 +111,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         _check_workers(saved, workers, abstract_state)
         state, saved = checkpointer.restore(latest, checkpoint_lib.abstract_target(abstract_state, shardings))
     else:
-        state = init_train_state(model, tx, example, config.seed, mesh, loss_scaler, shardings, strategy, compressor)
+        state = init_train_state(model, tx, parts.example, config.seed, mesh, loss_scaler, shardings, parts.strategy,
+                                 parts.compressor)
     start_step = int(to_host(state.step))
     # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
     data_digest = saved.get("data_digest", "") if resuming else ""
@@ -158,7 +132,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     writer = metrics_lib.MetricWriter(workdir, enabled=main_process)
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
                               "precision": str(policy),
-                              **({"peak_learning_rate": peak_lr} if optimizer is None else {}),
+                              **({"peak_learning_rate": parts.peak_learning_rate} if optimizer is None else {}),
                               **flops.header(step_flops, mesh.size, peak_flops),
                               **({"resumed_from": start_step} if resuming else {})})
     every = config.checkpoint.every_steps
@@ -236,6 +210,73 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         final = evaluate(eval_step, state, test_batches)
         writer.write(num_steps, final)
     return TrainResult(state=state, metrics=final, workdir=workdir)
+
+
+class Parts(NamedTuple):
+    """What a run is built from, read from the config in one place (:func:`train`, ``dtx bench step``)."""
+
+    policy: precision.Policy
+    loss_scaler: precision.LossScaler
+    model: nn.Module
+    tx: optax.GradientTransformation
+    learning_rate: optax.Schedule  # of config.optimizer (unused when a custom optimizer is given)
+    peak_learning_rate: float
+    compressor: compress.Compressor
+    strategy: strategies.Strategy
+    example: jax.ShapeDtypeStruct  # the inputs' shape and dtype
+    workers: int  # data-parallel size: the leading axis of per-worker state
+    abstract_state: TrainState
+    shardings: TrainState
+
+
+def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_epoch: int, num_steps: int, *,
+                model: nn.Module | None = None, optimizer: optax.GradientTransformation | None = None) -> Parts:
+    """Precision policy, model, optimizer, compressor, strategy, and the state's shape and layout.
+
+    Everything that can be refused without compiling is refused here (accumulation that
+    does not split, impossible combinations, shape-dependent settings).
+    """
+    policy = precision.parse_policy(config.precision)
+    loss_scaler = _loss_scaler(config.loss_scale, policy)
+    if model is None:
+        model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
+        model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
+                                   param_dtype=policy.params, **model_kwargs)
+    opt = config.optimizer
+    peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
+                                         opt.scaling)
+    warmup_steps = opt.warmup_steps or round(opt.warmup_epochs * steps_per_epoch)
+    learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, warmup_steps, power=opt.decay_power,
+                                        boundaries=opt.step_boundaries, factor=opt.step_factor)
+    tx = optimizer if optimizer is not None else optim.make_optimizer(
+        opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay, exclude=opt.exclude,
+        trust_coefficient=opt.trust_coefficient)
+    check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
+    compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
+    strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
+    check_combination(config.driver, strategy, compressor, loss_scaler)
+
+    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
+    workers = mesh_lib.data_parallel_size(mesh)
+    abstract_state = abstract_train_state(model, tx, example, loss_scaler, strategy, compressor, workers)
+    if loss_scaler.enabled and jax.tree.leaves(abstract_state.worker["compress"]):
+        raise config_lib.ConfigError(
+            f"compression.name={config.compression.name!r} keeps per-worker state (error-feedback residuals, "
+            "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
+            "use compute=bfloat16 (no loss scaling), or compression.error_feedback=False with an unbiased compressor")
+    rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
+    shardings = parallel.state_shardings(abstract_state, rules, mesh)
+    return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
+                 abstract_state, shardings)
+
+
+def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = True):
+    """The run's jitted train step (``communicate=False``: its no-collective twin, for ``dtx bench step``)."""
+    return make_train_step(parts.model, parts.tx, mesh, driver=config.driver, policy=parts.policy,
+                           loss_scaler=parts.loss_scaler, accum_steps=config.grad_accum_steps,
+                           allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
+                           state_shardings=parts.shardings, strategy=parts.strategy, compressor=parts.compressor,
+                           communicate=communicate, grad_norm=config.log_grad_norm)
 
 
 @dataclasses.dataclass
