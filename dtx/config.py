@@ -234,6 +234,10 @@ def validate(config: ConfigDict) -> None:
         )
     if config.eval_every < 0:
         raise ConfigError(f"eval_every={config.eval_every} must be >= 0 (0: evaluate only at the end)")
+    if config.profile_steps < 0:
+        raise ConfigError(f"profile_steps={config.profile_steps} must be >= 0 (steps to trace; 0: no trace)")
+    if config.peak_flops < 0:
+        raise ConfigError(f"peak_flops={config.peak_flops} must be >= 0 (per-device peak FLOP/s; 0: by device kind)")
     if config.emulate_cpu_devices < 0:
         raise ConfigError(f"emulate_cpu_devices={config.emulate_cpu_devices} must be >= 0")
     mesh = config.mesh

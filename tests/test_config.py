@@ -331,3 +331,9 @@ def test_dgc_momentum_refuses_a_momentum_optimizer():
         override(base, **{"compression.name": "topk", "compression.momentum": 0.9})
     ok = override(base, **{"compression.name": "topk", "compression.momentum": 0.9, "optimizer.name": "sgd"})
     assert ok.optimizer.name == "sgd"
+
+
+@pytest.mark.parametrize("key, value", [("profile_steps", -1), ("peak_flops", -1.0)])
+def test_observability_keys_must_not_be_negative(key, value):
+    with pytest.raises(ConfigError, match=f"{key}={value} must be >= 0"):
+        override(base_config(), **{key: value})
