@@ -290,9 +290,10 @@ class CommTotals:
 
     def add(self, metrics: dict) -> None:
         if "comm_bytes" in metrics:
+            sent = to_host((metrics["comm_bytes"], metrics["comm_rounds"]))  # one transfer a step
             self.steps += 1
-            self.bytes += float(to_host(metrics["comm_bytes"]))
-            self.rounds += float(to_host(metrics["comm_rounds"]))
+            self.bytes += float(sent[0])
+            self.rounds += float(sent[1])
 
     def record(self, reference_bytes: int) -> dict:
         """``comm_bytes_per_step`` (mean so far) and ``comm_ratio``: float32 ring allreduce bytes ÷ bytes sent."""

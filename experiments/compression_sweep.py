@@ -23,7 +23,7 @@ on the wire than a float32 ring allreduce over 8 workers after its warm-up (27.7
 run); ``sign`` 31.4× fewer bytes on the wire.
 """
 
-from dtx.config import base_config
+from experiments import digits_mlp
 
 # Per variant: compression settings, optimizer and learning rate (everything else is shared).
 # SGD-momentum at 0.05 unless a method needs otherwise (measured, see docs/compression.md):
@@ -48,10 +48,7 @@ def get_config(variant: str = "topk_dgc"):
     if variant not in VARIANTS:
         raise ValueError(f"compression_sweep: variant {variant!r} must be one of {sorted(VARIANTS)}")
     settings, optimizer, learning_rate = VARIANTS[variant]
-    config = base_config()
-    config.dataset.name = "digits"
-    config.model.features = (256, 256)
-    config.global_batch_size = 128
+    config = digits_mlp.get_config()  # the reference task, longer and with its own optimizer
     config.num_epochs = 60.0  # 660 steps: DGC's 0.1% needs more than the 20 epochs of digits_mlp
     config.optimizer.name = optimizer
     config.optimizer.learning_rate = learning_rate

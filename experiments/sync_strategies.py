@@ -29,7 +29,7 @@ gossip needs 12 message rounds per step instead of 84. async drops to 88.1%: sta
 act as extra momentum on top of Adam's b1 = 0.9; ``--config.optimizer.momentum=0.5`` gives 97.8%.
 """
 
-from dtx.config import base_config
+from experiments import digits_mlp
 
 SETTINGS = {
     "sync": {},
@@ -45,13 +45,7 @@ SETTINGS = {
 def get_config(strategy: str = "sync"):
     if strategy not in SETTINGS:
         raise ValueError(f"sync_strategies: strategy {strategy!r} must be one of {sorted(SETTINGS)}")
-    config = base_config()
-    config.dataset.name = "digits"
-    config.model.features = (256, 256)
-    config.optimizer.name = "adam"
-    config.optimizer.learning_rate = 2e-3
-    config.global_batch_size = 128
-    config.num_epochs = 20.0
+    config = digits_mlp.get_config()  # the reference task, unchanged but for the strategy
     config.log_every = 20
     config.strategy.name = strategy
     for key, value in SETTINGS[strategy].items():
