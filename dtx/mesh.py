@@ -5,10 +5,13 @@ A mesh is described as data — a sequence of ``(axis_name, size)`` pairs such a
 their topology in a config file (DESIGN.md §4.6). One size may be ``-1``: it takes
 whatever devices the other axes leave.
 
-Every axis except ``model`` carries the batch: data parallelism (the Hitchhiker's
-Guide §3.1; Das et al. §2) splits the global batch over all of them. A 2D data mesh
-such as ``[("node", 2), ("local", 4)]`` is thus still pure data parallelism, laid
-out so hierarchical all-reduce can use the two levels.
+Every axis carries the batch: data parallelism (the Hitchhiker's Guide §3.1; Das
+et al. §2) splits the global batch over all of them, so a data-parallel layer sees
+``1/N`` of the batch on each of the ``N`` devices whatever the mesh's shape. A 2D
+data mesh such as ``[("node", 2), ("local", 4)]`` is thus pure data parallelism,
+laid out so hierarchical all-reduce can use the two levels. The ``model`` axis
+means more only to model-parallel layers (:mod:`dtx.parallel`): there it is the
+group of Das et al. §3.3 that gathers a layer's input and splits its weights.
 """
 
 from __future__ import annotations
@@ -110,12 +113,28 @@ def make_mesh(spec: MeshSpec = (("data", -1),), devices: Sequence[jax.Device] | 
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the batch is split over: every axis but ``model``."""
+    """The mesh axes the batch (of data-parallel layers) is split over: every axis.
+
+    Leaving one out would make the devices along it compute the same examples
+    twice: with a ``model`` axis of size ``G``, every convolution ``G`` times over.
+    ``model`` comes last, whatever its place in the mesh: then the ``G`` devices of a
+    model group hold adjacent rows, and gathering them inside the group yields the
+    group's rows in order.
+    """
+    return group_batch_axes(mesh) + ((MODEL_AXIS,) if MODEL_AXIS in mesh.axis_names else ())
+
+
+def group_batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes a model-parallel layer's batch is split over: every axis but ``model``.
+
+    The ``G`` devices of a model group share their examples at such a layer (its
+    input is gathered inside the group) and each computes ``1/G`` of its outputs.
+    """
     return tuple(name for name in mesh.axis_names if name != MODEL_AXIS)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Number of batch shards (product of the batch axes' sizes)."""
+    """Number of batch shards (product of the batch axes' sizes): every device."""
     return math.prod(mesh.shape[name] for name in batch_axes(mesh))
 
 

@@ -10,9 +10,12 @@ hybrid-parallel. This module makes that analysis executable for any flax model:
 1. :func:`analyze` — per-layer FLOPs, weights and activation sizes by abstract
    evaluation (``jax.eval_shape`` + ``nn.intercept_methods``; nothing runs).
    Convention: forward = 2·MACs FLOPs; backward = 2× forward (one GEMM for the input
-   gradient, one for the weight gradient), so a training step is 6·MACs. Only
-   Dense/Conv layers are counted: element-wise layers are ≲1 % of the FLOPs and XLA
-   fuses them into their neighbours.
+   gradient, one for the weight gradient), so a training step is 6·MACs. MACs count
+   only the kernel taps that land inside the (unpadded) input — what a device
+   computes, and what XLA's cost analysis counts; the papers' tables count every tap
+   (:attr:`Layer.macs`), 1–2 % more for VGG-A at 224×224, but 2× more for a 3×3 map
+   padded to 2×2. Only Dense/Conv layers are counted: element-wise layers are ≲1 %
+   of the FLOPs and XLA fuses them into their neighbours.
 2. :func:`compute_time` — a roofline (Williams, Waterman & Patterson, CACM 2009):
    ``max(FLOPs / (peak·efficiency), bytes / memory bandwidth)``, where bytes is the
    compulsory traffic of the three GEMMs, ``3·e·(b·in + b·out/s + W/s)`` for ``b``
@@ -84,7 +87,8 @@ class Layer:
     Attributes:
       name: parameter path of the layer, e.g. ``"fc6"`` or ``"stage2_block1/conv1"``.
       kind: ``"dense"`` or ``"conv"``.
-      macs: forward multiply-accumulates per example (summed over calls if shared).
+      macs: forward multiply-accumulates per example (summed over calls if shared),
+        every kernel tap counted, padding included — the convention of the papers' tables.
       weights: parameters of the layer (kernel + bias).
       in_elements / out_elements: activation elements per example, input and output.
       kernel_shape: the kernel's shape; its last dimension is the output features.
@@ -97,15 +101,21 @@ class Layer:
     in_elements: int
     out_elements: int
     kernel_shape: tuple[int, ...]
+    valid_macs: int = -1  # taps inside the input only (what runs); -1: same as macs
+
+    @property
+    def computed_macs(self) -> int:
+        """Multiply-accumulates a device performs per example: padding taps excluded."""
+        return self.macs if self.valid_macs < 0 else self.valid_macs
 
     @property
     def forward_flops(self) -> int:
-        return 2 * self.macs
+        return 2 * self.computed_macs
 
     @property
     def train_flops(self) -> int:
         """Forward + backward FLOPs per example: 3 × forward (see module docstring)."""
-        return 6 * self.macs
+        return 6 * self.computed_macs
 
 
 def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.float32) -> tuple[Layer, ...]:
@@ -126,11 +136,13 @@ def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
             params = module.variables["params"]
             kernel = tuple(params["kernel"].shape)
             macs = math.prod(out.shape[1:]) * math.prod(kernel[:-1])
+            valid = macs if isinstance(module, nn.Dense) else _valid_conv_macs(module, args[0].shape, out.shape, kernel)
             entry = found.setdefault(name, dict(
-                kind="dense" if isinstance(module, nn.Dense) else "conv", macs=0,
+                kind="dense" if isinstance(module, nn.Dense) else "conv", macs=0, valid_macs=0,
                 weights=sum(math.prod(p.shape) for p in jax.tree.leaves(params)),
                 in_elements=math.prod(args[0].shape[1:]), out_elements=0, kernel_shape=kernel))
             entry["macs"] += macs
+            entry["valid_macs"] += valid
             entry["out_elements"] += math.prod(out.shape[1:])
         return out
 
@@ -140,6 +152,42 @@ def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
     if not found:
         raise PerfModelError(f"{type(model).__name__} has no nn.Dense or nn.Conv layers to model")
     return tuple(Layer(name=name, **entry) for name, entry in found.items())
+
+
+def _valid_conv_macs(conv: nn.Conv, in_shape, out_shape, kernel) -> int:
+    """Forward MACs of one example of ``conv`` counting only taps inside the input.
+
+    Per spatial dimension, each output position sees the kernel taps that fall inside
+    ``[0, in)`` after padding; dimensions are independent, so the count is the product
+    of per-dimension sums times ``C_in/groups · C_out``. Circular padding and input
+    dilation (every tap meaningful, or rarely used) fall back to the full count.
+    """
+    spatial = len(kernel) - 2
+    full = math.prod(out_shape[1:]) * math.prod(kernel[:-1])
+    if conv.padding == "CIRCULAR" or any(d != 1 for d in _per_dim(conv.input_dilation, spatial)):
+        return full
+    strides = _per_dim(conv.strides, spatial)
+    dilation = _per_dim(conv.kernel_dilation, spatial)
+    taps = 1
+    for d in range(spatial):
+        size, k, s, r, out = in_shape[1 + d], kernel[d], strides[d], dilation[d], out_shape[1 + d]
+        if conv.padding == "SAME":
+            low = max((out - 1) * s + (k - 1) * r + 1 - size, 0) // 2
+        elif conv.padding == "VALID":
+            low = 0
+        elif conv.padding == "CAUSAL":
+            low = (k - 1) * r
+        else:
+            pads = conv.padding if not isinstance(conv.padding, int) else [(conv.padding, conv.padding)] * spatial
+            low = pads[d] if isinstance(pads[d], int) else pads[d][0]
+        taps *= sum(1 for o in range(out) for t in range(k) if 0 <= o * s - low + t * r < size)
+    return taps * kernel[-2] * kernel[-1]
+
+
+def _per_dim(value, spatial: int) -> tuple[int, ...]:
+    if value is None:
+        return (1,) * spatial
+    return (value,) * spatial if isinstance(value, int) else tuple(value)
 
 
 def compute_time(layer: Layer, cluster: Cluster, batch: float, shards: int = 1,
@@ -267,14 +315,17 @@ class Plan:
 
         Each model-parallel layer's kernel is split along its output features
         (column split): Dense ``(in, out)`` → ``P(None, "model")``, Conv
-        ``(kh, kw, in, out)`` → ``P(None, None, None, "model")``; biases and every
-        data-parallel layer stay replicated, and the list ends with ``(".*", P())``::
+        ``(kh, kw, in, out)`` → ``P(None, None, None, "model")``, and its bias with
+        them (``P("model")``); every data-parallel layer stays replicated, and the
+        list ends with ``(".*", P())``::
 
-            [("^fc6/kernel$", P(None, "model")), ("^fc7/kernel$", P(None, "model")), (".*", P())]
+            [("^fc6/kernel$", P(None, "model")), ("^fc6/bias$", P("model")), ..., (".*", P())]
         """
         by_name = {layer.name: layer for layer in self.layers}
-        rules = [(f"^{re.escape(name)}/kernel$", P(*[None] * (len(by_name[name].kernel_shape) - 1), "model"))
-                 for name in self.sharded]
+        rules = []
+        for name in self.sharded:
+            rules.append((f"^{re.escape(name)}/kernel$", P(*[None] * (len(by_name[name].kernel_shape) - 1), "model")))
+            rules.append((f"^{re.escape(name)}/bias$", P("model")))
         return rules + [(".*", P())]
 
 

@@ -23,6 +23,7 @@ accumulator, one reduction per step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -71,6 +72,7 @@ def make_train_step(
     compressor: Compressor | None = None,
     communicate: bool = True,
     grad_norm: bool = False,
+    layout: Callable[[], Any] | None = None,
 ) -> TrainStep:
     """Build the jitted ``(state, batch) -> (state, metrics)`` training step.
 
@@ -101,6 +103,10 @@ def make_train_step(
       grad_norm: also report ``grad_norm``, the global L2 norm of the reduced gradient
         (strategies that reduce gradients: sync, async, ssp). Opt-in: it costs ~30% on
         the jit driver of an emulated mesh (BENCHMARKS.md).
+      layout: ``jit`` driver: where activations live, a context manager factory
+        entered around the model's forward pass — :func:`dtx.parallel.activation_layout`
+        of the state's parameter specs for model, hybrid and rules partitionings
+        (model-parallel layers gather their input inside the ``model`` group).
 
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
@@ -117,8 +123,10 @@ def make_train_step(
     axes = mesh_lib.batch_axes(mesh)
     shards = mesh_lib.data_parallel_size(mesh)
     donate_argnums = (0,) if donate else ()
+    if layout is not None and driver != "jit":
+        raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
     common = dict(tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps, strategy=strategy,
-                  compressor=compressor, grad_norm=grad_norm)
+                  compressor=compressor, grad_norm=grad_norm, layout=layout or contextlib.nullcontext)
     if driver == "shard_map":
         if state_shardings is not None and not all(
                 s.is_fully_replicated for s in jax.tree.leaves(state_shardings.replace(worker={}))):
@@ -210,7 +218,8 @@ def _silent(comm: compress.CommContext) -> compress.CommContext:
 
 
 def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", policy: Policy = Policy(),
-                   state_shardings: Any = None, strategy: Strategy | None = None) -> EvalStep:
+                   state_shardings: Any = None, strategy: Strategy | None = None,
+                   layout: Callable[[], Any] | None = None) -> EvalStep:
     """Build the jitted ``(state, batch) -> sums`` evaluation step.
 
     It returns *sums* over the examples whose ``batch["mask"]`` is true —
@@ -218,14 +227,18 @@ def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", p
     batch contributes exactly its real examples and the host's totals are exact.
     The parameters evaluated are the strategy's global model (``strategy.eval_params``:
     the synchronous parameters, the workers' average, the elastic center, ...).
+    ``layout`` is the train step's (``jit`` driver).
     """
     strategy = strategy or strategies.sync()
+    if layout is not None and driver != "jit":
+        raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
+    layout = layout or contextlib.nullcontext
     axes = mesh_lib.batch_axes(mesh)
     if driver == "shard_map":
         comm = compress.CommContext(axes, mesh_lib.data_parallel_size(mesh),
                                     functools.partial(lax.pmean, axis_name=axes))
         body = functools.partial(_eval_body, model, policy, functools.partial(lax.psum, axis_name=axes),
-                                 strategy, comm)
+                                 strategy, comm, layout)
         specs = state_specs(axes)
         per_device = jax.shard_map(
             _per_worker(body), mesh=mesh, in_specs=(specs, PartitionSpec(axes)), out_specs=PartitionSpec(),
@@ -234,7 +247,7 @@ def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", p
         return jax.jit(per_device)
     if driver == "jit":
         comm = compress.CommContext((), mesh_lib.data_parallel_size(mesh), lambda tree: tree)
-        body = functools.partial(_eval_body, model, policy, lambda tree: tree, strategy, comm)
+        body = functools.partial(_eval_body, model, policy, lambda tree: tree, strategy, comm, layout)
         state_sharding = mesh_lib.replicated(mesh) if state_shardings is None else state_shardings
         return jax.jit(body, in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
@@ -258,7 +271,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor,
-                comm, axes, shards, constrain, grad_norm=False) -> tuple[TrainState, Metrics]:
+                comm, axes, shards, constrain, layout, grad_norm=False) -> tuple[TrainState, Metrics]:
     rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
     shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
     index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
@@ -269,7 +282,8 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
     def loss_fn(params, model_state, micro, micro_rng):
         variables = {"params": policy.cast_to_compute(params), **model_state}
         inputs = policy.cast_to_compute(micro["inputs"])
-        out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
+        with layout():
+            out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
         logits, model_state = out if mutable else (out, model_state)
         loss = cross_entropy(policy.cast_to_output(logits), micro["labels"]).mean()
         correct = jnp.mean(jnp.argmax(logits, -1) == micro["labels"])
@@ -367,10 +381,12 @@ def _pmean_if(axes, tree):
 
 
 def _eval_body(model: nn.Module, policy: Policy, reduce_sum, strategy: Strategy, comm: compress.CommContext,
-               state: TrainState, batch: Batch) -> Metrics:
+               layout, state: TrainState, batch: Batch) -> Metrics:
     params = strategy.eval_params(state, comm)
     variables = {"params": policy.cast_to_compute(params), **state.model_state}
-    logits = policy.cast_to_output(model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False))
+    with layout():
+        logits = model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
+    logits = policy.cast_to_output(logits)
     mask = batch["mask"]
     losses = jnp.where(mask, cross_entropy(logits, batch["labels"]), 0.0)
     correct = jnp.logical_and(mask, jnp.argmax(logits, -1) == batch["labels"])

@@ -97,7 +97,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
                   if optimizer is None else None)
     train_step = make_step(config, parts, mesh)
     eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings,
-                               strategy=parts.strategy)
+                               strategy=parts.strategy, layout=parts.layout)
     # The yardstick of every communication figure: a float32 ring allreduce of the gradients.
     reference_bytes = costmodel.dense_allreduce_traffic(abstract_state.params, workers, "ring", "float32").bytes_sent
     checkpointer = None
@@ -227,6 +227,7 @@ class Parts(NamedTuple):
     workers: int  # data-parallel size: the leading axis of per-worker state
     abstract_state: TrainState
     shardings: TrainState
+    layout: parallel.ActivationLayout | None  # where model-parallel layers' activations live (jit driver)
 
 
 def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_epoch: int, num_steps: int, *,
@@ -266,8 +267,13 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
             "use compute=bfloat16 (no loss scaling), or compression.error_feedback=False with an unbiased compressor")
     rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
     shardings = parallel.state_shardings(abstract_state, rules, mesh)
+    layout = parallel.activation_layout(jax.tree.map(lambda s: s.spec, shardings.params), mesh)
+    if layout is not None and config.driver != "jit":
+        raise config_lib.ConfigError(
+            f"parallel.name={config.parallel.name!r} makes layers {', '.join(sorted(layout.kernels))} model-parallel, "
+            "which needs --config.driver=jit (XLA places their activation collectives)")
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
-                 abstract_state, shardings)
+                 abstract_state, shardings, layout)
 
 
 def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = True):
@@ -276,7 +282,7 @@ def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = Tru
                            loss_scaler=parts.loss_scaler, accum_steps=config.grad_accum_steps,
                            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
                            state_shardings=parts.shardings, strategy=parts.strategy, compressor=parts.compressor,
-                           communicate=communicate, grad_norm=config.log_grad_norm)
+                           communicate=communicate, grad_norm=config.log_grad_norm, layout=parts.layout)
 
 
 @dataclasses.dataclass

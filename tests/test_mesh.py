@@ -6,7 +6,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import dtx
 from dtx.mesh import (
-    MeshError, batch_axes, batch_sharding, check_batch_size, data_parallel_size, emulate_cpu_devices,
+    MeshError, batch_axes, batch_sharding, group_batch_axes, check_batch_size, data_parallel_size, emulate_cpu_devices,
     make_mesh, replicated, resolve_axis_sizes,
 )
 
@@ -30,13 +30,16 @@ def test_default_mesh_is_one_data_axis_over_all_devices():
     assert dict(make_mesh().shape) == {"data": 8}
 
 
-def test_data_model_mesh_excludes_model_from_the_batch():
+def test_data_model_mesh_splits_the_batch_over_every_axis():
+    # Das et al. §3.3: data-parallel layers see 1/N of the batch on every one of the N devices;
+    # only model-parallel layers gather their input inside the model group.
     mesh = make_mesh([("data", 4), ("model", 2)])
     assert mesh.axis_names == ("data", "model")
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
-    assert batch_axes(mesh) == ("data",)
-    assert data_parallel_size(mesh) == 4
+    assert batch_axes(mesh) == ("data", "model")
+    assert data_parallel_size(mesh) == 8
+    assert group_batch_axes(mesh) == ("data",)
 
 
 def test_wildcard_takes_the_devices_left_by_fixed_axes():
@@ -77,7 +80,7 @@ def test_subset_of_devices_keeps_their_order():
 
 # --------------------------------------------------------------- shardings
 
-def test_batch_sharding_splits_rows_over_the_batch_axes_only():
+def test_batch_sharding_splits_rows_over_every_axis():
     rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
 
     mesh = make_mesh([("data", -1)])
@@ -86,12 +89,12 @@ def test_batch_sharding_splits_rows_over_the_batch_axes_only():
     assert _shard_rows(x) == [(2 * i, 2 * i + 2) for i in range(8)]
     assert all(s.data.shape == (2, 3) for s in x.addressable_shards)
 
-    # With a model axis the batch is split 4 ways and each piece sits on both model devices.
+    # With a model axis the batch is still split 8 ways: no two devices hold the same rows.
     mesh = make_mesh([("data", 4), ("model", 2)])
-    assert batch_sharding(mesh).spec == P(("data",))
+    assert batch_sharding(mesh).spec == P(("data", "model"))
     x = jax.device_put(rows, batch_sharding(mesh))
-    assert _shard_rows(x) == sorted([(4 * i, 4 * i + 4) for i in range(4)] * 2)
-    assert all(s.data.shape == (4, 3) for s in x.addressable_shards)
+    assert _shard_rows(x) == [(2 * i, 2 * i + 2) for i in range(8)]
+    assert all(s.data.shape == (2, 3) for s in x.addressable_shards)
     np.testing.assert_array_equal(np.asarray(x), rows)
 
 
@@ -161,16 +164,15 @@ def test_check_batch_size_smaller_than_the_mesh_suggests_the_mesh_size():
         assert "0 or" not in message
 
 
-def test_model_axis_reduces_the_data_parallel_size():
+def test_model_axis_splits_the_batch_too():
     mesh = make_mesh([("data", 4), ("model", 2)])
-    check_batch_size(12, mesh)  # 12 = 3 per data shard, though not a multiple of 8 devices
-    check_batch_size(4, mesh)
-    with pytest.raises(MeshError, match=r"global_batch_size=6\b") as e:
-        check_batch_size(6, mesh)
+    check_batch_size(16, mesh)
+    with pytest.raises(MeshError, match=r"global_batch_size=12\b") as e:
+        check_batch_size(12, mesh)  # 3 per data shard would leave the two model devices sharing rows
     message = str(e.value)
-    assert "data-parallel size 4" in message
-    assert "data=4" in message and "model" not in message.split("(mesh axes")[1].split(")")[0]
-    assert "4 or 8" in message
+    assert "data-parallel size 8" in message
+    assert "data=4 x model=2" in message
+    assert "8 or 16" in message
 
 
 def test_check_batch_size_names_the_key_it_was_given():

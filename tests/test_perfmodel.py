@@ -1,4 +1,5 @@
 """Tests for the analytic performance model, the planner and ``dtx simulate`` (Das et al., arXiv 1602.06709)."""
+import math
 import json
 import os
 import re
@@ -61,8 +62,12 @@ def test_per_layer_flops_and_params_match_the_layer_tables(name, table, macs_tot
     model = build_model(name)
     layers = perfmodel.analyze(model, type(model).default_input_shape)
     assert [(l.name, l.macs, l.weights) for l in layers] == table
-    assert all(l.forward_flops == 2 * l.macs and l.train_flops == 6 * l.macs for l in layers)
+    assert all(l.forward_flops == 2 * l.computed_macs and l.train_flops == 6 * l.computed_macs for l in layers)
     assert sum(l.macs for l in layers) == macs_total
+    # What runs skips the taps that fall on padding: fewer MACs for padded convolutions only.
+    assert all(l.computed_macs == l.macs for l in layers if l.kind == "dense")
+    assert all(l.computed_macs <= l.macs for l in layers)
+    assert 0.9 * macs_total < sum(l.computed_macs for l in layers) < macs_total
     fc6 = layers[-3]
     assert (fc6.kind, fc6.in_elements, fc6.out_elements) == ("dense", fc6.kernel_shape[0], fc6.kernel_shape[1])
 
@@ -210,7 +215,8 @@ def test_plan_rules_run_as_partitioning_that_matches_the_unsharded_model():
     assert plan.mesh_spec == [("data", 4), ("model", 2)]
     rules = plan.rules()
     assert rules[-1] == (".*", P())
-    assert rules[:-1] == [(f"^{name}/kernel$", P(None, "model")) for name in ("fc1", "fc2", "fc3")]
+    assert rules[:-1] == [rule for name in ("fc1", "fc2", "fc3")
+                          for rule in ((f"^{name}/kernel$", P(None, "model")), (f"^{name}/bias$", P("model")))]
     mesh = make_mesh(plan.mesh_spec)
     x = np.random.default_rng(0).normal(size=(64, 24)).astype(np.float32)
     params = model.init(jax.random.key(0), x)["params"]
@@ -417,3 +423,26 @@ def test_the_trainer_runs_the_planners_rules(tmp_path):
     assert not kernel.sharding.is_fully_replicated  # the plan's layout is what ran
     for a, b in zip(jax.tree.leaves(planned.state.params), jax.tree.leaves(data.state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("padding, size, kernel, stride", [
+    ("SAME", 8, 3, 1), ("VALID", 8, 3, 1), ("SAME", 2, 3, 1), (((1, 1), (1, 1)), 5, 3, 1), ("SAME", 9, 4, 2),
+    ((2, 0), 7, 5, 2), ("CAUSAL", 6, 3, 1),
+])
+def test_conv_flops_are_what_xla_counts(padding, size, kernel, stride):
+    """Forward FLOPs of a convolution == XLA's cost analysis of it (which counts only in-bounds taps),
+    less the bias additions (one per output element), which the model leaves out."""
+
+    class OneConv(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Conv(16, (kernel,) if padding == "CAUSAL" else (kernel, kernel), strides=stride,
+                           padding=padding)(x)
+
+    shape = (size, 8) if padding == "CAUSAL" else (size, size, 8)
+    model, x = OneConv(), jnp.zeros((1, *shape))
+    params = model.init(jax.random.key(0), x)
+    out = jax.eval_shape(model.apply, params, x)
+    xla = jax.jit(model.apply).lower(params, x).compile().cost_analysis()["flops"]
+    (layer,) = perfmodel.analyze(model, shape)
+    assert layer.forward_flops + math.prod(out.shape) == xla
