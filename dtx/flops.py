@@ -1,11 +1,22 @@
-"""FLOPs of a compiled step, peak FLOP/s per device kind, and model FLOPs utilisation (MFU).
+"""FLOPs of a compiled step, peak FLOP/s per device kind, and utilisation (MFU and HFU).
 
-MFU is the fraction of the hardware's peak arithmetic rate a run achieves:
-``flops_per_step / (step_seconds * peak_flops)`` (Chowdhery et al., *PaLM*, arXiv
-2204.02311, App. B). The FLOPs come from XLA's own cost analysis of the compiled
-step (``jitted.lower(*args).compile().cost_analysis()``), so they count every
-operation the program runs — forward, backward, optimizer — without a per-model
-formula.
+Two utilisations, as Chowdhery et al. (*PaLM*, arXiv 2204.02311, App. B) define them:
+
+* **MFU, model FLOPs utilisation**: the *useful* work — forward + backward of the
+  model on the global batch, counted analytically per Dense/Conv layer as
+  :mod:`dtx.perfmodel` counts it (6 × multiply-accumulates per example) — over the
+  whole mesh's peak: ``model_flops / (step_seconds · peak · num_devices)``. Redundant
+  work (a layer computed twice, recomputation) does not raise it.
+* **HFU, hardware FLOPs utilisation**: what the devices actually execute, from
+  XLA's own cost analysis of the compiled step
+  (``jitted.lower(*args).compile().cost_analysis()``) — forward, backward, optimizer,
+  element-wise layers, and any redundant work — over one device's peak:
+  ``compiled_flops_per_device / (step_seconds · peak)``.
+
+HFU above MFU means work the model does not need — or work the analytic count does
+not see: only Dense/Conv layers are counted, so attention score products written as
+``einsum`` are missing from MFU. HFU can also sit a little below MFU: by convention
+the model counts the first layer's input gradient, which no program computes.
 
 What XLA reports, checked on jax 0.10 (``tests/test_flops.py``):
 
@@ -138,28 +149,32 @@ def device_peak_flops(dtype: Any = "float32", override: float = 0.0, device: Any
 
 
 def mfu(flops_per_step: float | None, step_seconds: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: ``flops_per_step / step_seconds / peak`` (all per device).
+    """Utilisation: ``flops_per_step / step_seconds / peak`` (``None`` when any input is unknown or not positive).
 
-    ``None`` when any input is unknown or not positive.
+    With the model's FLOPs on the whole mesh and the mesh's peak it is MFU; with the
+    compiled FLOPs of one device and one device's peak, HFU (module docstring).
     """
     if not flops_per_step or not peak or step_seconds <= 0:
         return None
     return flops_per_step / step_seconds / peak
 
 
-def header(flops_per_step: float | None, num_devices: int, peak: float | None) -> dict[str, float]:
-    """A run's first-record fields: ``model_flops_per_step`` (the whole mesh),
-    ``model_flops_per_step_per_device`` and ``peak_flops_per_device``, as far as known."""
+def header(model_flops: float | None, compiled_per_device: float | None, peak: float | None) -> dict[str, float]:
+    """A run's first-record fields, as far as known: ``model_flops_per_step`` (analytic, global
+    batch), ``compiled_flops_per_step_per_device`` (XLA) and ``peak_flops_per_device``."""
     fields = {}
-    if flops_per_step:
-        fields["model_flops_per_step"] = flops_per_step * num_devices
-        fields["model_flops_per_step_per_device"] = flops_per_step
+    if model_flops:
+        fields["model_flops_per_step"] = model_flops
+    if compiled_per_device:
+        fields["compiled_flops_per_step_per_device"] = compiled_per_device
     if peak:
         fields["peak_flops_per_device"] = peak
     return fields
 
 
-def utilisation(flops_per_step: float | None, step_seconds: float, peak: float | None) -> dict[str, float]:
-    """A step record's ``{"mfu": ...}`` when FLOPs and peak are known, else ``{}``."""
-    value = mfu(flops_per_step, step_seconds, peak)
-    return {} if value is None else {"mfu": value}
+def utilisation(model_flops: float | None, compiled_per_device: float | None, num_devices: int,
+                step_seconds: float, peak: float | None) -> dict[str, float]:
+    """A step record's ``{"mfu": ..., "hfu": ...}``, each where its FLOPs and the peak are known."""
+    values = {"mfu": mfu(model_flops, step_seconds, peak and peak * num_devices),
+              "hfu": mfu(compiled_per_device, step_seconds, peak)}
+    return {k: v for k, v in values.items() if v is not None}

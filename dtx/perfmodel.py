@@ -148,7 +148,7 @@ def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
 
     x = jax.ShapeDtypeStruct((1, *map(int, input_shape)), dtype)
     with nn.intercept_methods(record):
-        jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0), x)
+        jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), x)  # the key too: nothing runs
     if not found:
         raise PerfModelError(f"{type(model).__name__} has no nn.Dense or nn.Conv layers to model")
     return tuple(Layer(name=name, **entry) for name, entry in found.items())
@@ -220,11 +220,11 @@ def layer_cost(layer: Layer, cluster: Cluster, nodes: int, global_batch: int, gr
                per_example: Mapping[str, float] | None = None) -> LayerCost:
     """Cost of ``layer`` data-parallel (``sharded=False``) or model-parallel in groups of ``group``."""
     e = cluster.bytes_per_element
+    activation_bytes, gradient_bytes = layer_bytes(layer, nodes, global_batch, group, sharded, e, algorithm)
     if not sharded or group == 1:
         grad = layer.weights * e
         return LayerCost(compute_time(layer, cluster, global_batch / nodes, 1, per_example), 0.0,
-                         cluster.allreduce_time(grad, nodes, cluster.local_size, algorithm), 0.0,
-                         costmodel.cost_terms(algorithm, grad, nodes).path_bytes)
+                         cluster.allreduce_time(grad, nodes, cluster.local_size, algorithm), 0.0, gradient_bytes)
     group_batch = global_batch * group / nodes
     act, grad, groups = group_batch * layer.in_elements * e, layer.weights * e / group, nodes // group
     return LayerCost(
@@ -232,9 +232,26 @@ def layer_cost(layer: Layer, cluster: Cluster, nodes: int, global_batch: int, gr
         # The model axis is the inner mesh axis: a group of G lies within one machine when G <= local_size.
         cluster.allreduce_time(act, group, group, algorithm),
         cluster.allreduce_time(grad, groups, max(1, cluster.local_size // group), algorithm),
-        costmodel.cost_terms(algorithm, act, group).path_bytes,
-        costmodel.cost_terms(algorithm, grad, groups).path_bytes,
+        activation_bytes, gradient_bytes,
     )
+
+
+def layer_bytes(layer: Layer, nodes: int, global_batch: int, group: int = 1, sharded: bool = False,
+                bytes_per_element: int = 4, algorithm: str = "ring") -> tuple[float, float]:
+    """``(activation bytes, weight-gradient bytes)`` one node sends for ``layer`` per iteration.
+
+    The bytes of :func:`layer_cost`, which need no cluster: data parallel sends the
+    ``W·e`` gradient allreduce over ``nodes``; model parallel in groups of ``group``
+    exchanges the group's input activations (all-gather + reduce-scatter, one
+    allreduce's bytes over the group) and allreduces its ``W·e/G`` slice over the
+    ``nodes/G`` groups.
+    """
+    e = bytes_per_element
+    if not sharded or group == 1:
+        return 0.0, costmodel.cost_terms(algorithm, layer.weights * e, nodes).path_bytes
+    act = global_batch * group / nodes * layer.in_elements * e
+    return (costmodel.cost_terms(algorithm, act, group).path_bytes,
+            costmodel.cost_terms(algorithm, layer.weights * e / group, nodes // group).path_bytes)
 
 
 def iteration_times(costs: Sequence[LayerCost]) -> dict[str, float]:

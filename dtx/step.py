@@ -110,8 +110,9 @@ def make_train_step(
 
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
-      ``loss``, ``accuracy``, ``comm_bytes`` and ``comm_rounds`` (what each worker sent
-      this step, :mod:`dtx.costmodel`'s accountant), the strategy's own metrics, and
+      ``loss``, ``accuracy``, ``comm_bytes`` and ``comm_rounds`` (``shard_map`` driver: what
+      each worker sent this step, :mod:`dtx.costmodel`'s accountant; under ``jit`` they are
+      read from the compiled program, :func:`dtx.hlo.total`), the strategy's own metrics, and
       with loss scaling ``loss_scale`` (the scale this step used), ``skipped`` (1 when
       this step was skipped) and ``skipped_steps``.
     """
@@ -166,9 +167,20 @@ def make_train_step(
         )
         replicated, sharded = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
         state_sharding = replicated if state_shardings is None else state_shardings
-        return jax.jit(body, in_shardings=(state_sharding, sharded), out_shardings=(state_sharding, replicated),
-                       donate_argnums=donate_argnums)
+        return jax.jit(_without_comm(body), in_shardings=(state_sharding, sharded),
+                       out_shardings=(state_sharding, replicated), donate_argnums=donate_argnums)
     raise StepError(f"unknown driver {driver!r}; choose one of {list(DRIVERS)}")
+
+
+def _without_comm(body):
+    """Under ``jit`` XLA places the collectives, so the step cannot count them while tracing:
+    their bytes are read from the compiled program instead (:mod:`dtx.hlo`; ``dtx train`` records them)."""
+
+    def step(state, batch):
+        new_state, metrics = body(state, batch)
+        return new_state, {k: v for k, v in metrics.items() if k not in ("comm_bytes", "comm_rounds")}
+
+    return step
 
 
 def check_combination(driver: str, strategy: Strategy, compressor: Compressor, loss_scaler: LossScaler) -> None:

@@ -26,7 +26,7 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import compress, costmodel, flops, optim, parallel, precision, strategies
+from dtx import compress, costmodel, flops, hlo, optim, parallel, perfmodel, precision, strategies
 from dtx.data import TrainLoader, eval_batches
 from dtx.metrics import to_host
 from dtx.state import TrainState, abstract_train_state, init_train_state, num_params
@@ -118,10 +118,16 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     data_digest = saved.get("data_digest", "") if resuming else ""
     comm = CommTotals(**saved.get("comm", {})) if resuming else CommTotals()
     test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
-    # FLOPs per device from XLA's cost analysis of the compiled step (the loop's first call
-    # reuses this compilation); unknown under accumulation, whose loop XLA counts once.
-    step_flops = None if config.grad_accum_steps > 1 else flops.step_flops(train_step, state, loader.batch(start_step))
+    # What the compiled step does, read once from the program the loop's first call reuses:
+    # FLOPs per device (XLA's cost analysis; unknown under accumulation, whose loop XLA
+    # counts once) and the bytes its collectives send (dtx.hlo). Beside them, what the
+    # model predicts: the useful FLOPs and, for Dense/Conv layouts, the bytes (dtx.perfmodel).
+    compiled = _compiled_step(train_step, state, loader.batch(start_step))
+    step_flops = None if compiled is None or config.grad_accum_steps > 1 else flops.compiled_flops(compiled)
+    program = {} if compiled is None else program_figures(compiled, model, parts, mesh, config.global_batch_size)
     peak_flops = flops.device_peak_flops(policy.compute, config.peak_flops)
+    if config.driver == "jit":  # XLA placed the collectives: their bytes are the compiled program's
+        comm.fixed = (program.get("comm_bytes_compiled_per_step", 0.0), program.get("comm_rounds_compiled_per_step", 0.0))
 
     # --------------------------------------------------------------------- loop
     main_process = jax.process_index() == 0
@@ -133,7 +139,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
                               "precision": str(policy),
                               **({"peak_learning_rate": parts.peak_learning_rate} if optimizer is None else {}),
-                              **flops.header(step_flops, mesh.size, peak_flops),
+                              **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
+                              **{k: v for k, v in program.items() if k != "model_flops_per_step"},
                               **({"resumed_from": start_step} if resuming else {})})
     every = config.checkpoint.every_steps
     bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process)
@@ -171,11 +178,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
                     if lr_by_step is not None:
                         record["learning_rate"] = float(lr_by_step[done - 1])
                     record.update(previous[2])
+                    record.update(comm.step_record())
                     record.update(comm.record(reference_bytes))
                     writer.write(done, {**record, "examples_per_sec": rate,
                                         "examples_per_sec_per_device": rate / mesh.size,
                                         "step_time_ms": 1e3 * step_seconds,
-                                        **flops.utilisation(step_flops, step_seconds, peak_flops),
+                                        **flops.utilisation(program.get("model_flops_per_step"), step_flops,
+                                                            mesh.size, step_seconds, peak_flops),
                                         "elapsed_s": time.perf_counter() - run_start})
                     bar.update(done, record["loss"], rate)
                     window_start, window_steps = time.perf_counter(), 1
@@ -193,6 +202,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         if previous is not None:
             comm.add(previous[1])
             record = {k: float(v) for k, v in to_host(previous[1]).items()}
+            record.update(comm.step_record())
             record.update(comm.record(reference_bytes))
             if loss_scaler.enabled:
                 _check_loss_scale(previous[0], record, loss_scaler)
@@ -293,10 +303,12 @@ class CommTotals:
     steps: int = 0
     bytes: float = 0.0
     rounds: float = 0.0
+    # (bytes, rounds) of every step when they are the compiled program's (jit driver), not the step's
+    fixed: tuple[float, float] | None = dataclasses.field(default=None, compare=False)
 
     def add(self, metrics: dict) -> None:
-        if "comm_bytes" in metrics:
-            sent = to_host((metrics["comm_bytes"], metrics["comm_rounds"]))  # one transfer a step
+        if self.fixed is not None or "comm_bytes" in metrics:
+            sent = self.fixed or to_host((metrics["comm_bytes"], metrics["comm_rounds"]))  # one transfer a step
             self.steps += 1
             self.bytes += float(sent[0])
             self.rounds += float(sent[1])
@@ -317,7 +329,54 @@ class CommTotals:
         totals = dataclasses.replace(self)
         if pending is not None:
             totals.add(pending)
-        return dataclasses.asdict(totals)
+        return {"steps": totals.steps, "bytes": totals.bytes, "rounds": totals.rounds}
+
+    def step_record(self) -> dict:
+        """``comm_bytes``/``comm_rounds`` of each step when they are the compiled program's."""
+        return {} if self.fixed is None else {"comm_bytes": self.fixed[0], "comm_rounds": self.fixed[1]}
+
+
+def _compiled_step(train_step, state: TrainState, batch):
+    """The step's executable; lowering and compiling here fills the cache its first call uses."""
+    return train_step.lower(state, batch).compile()
+
+
+def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch: int) -> dict:
+    """The first record's view of the step: compiled and modelled communication, model FLOPs.
+
+    ``comm_bytes_compiled_per_step`` / ``comm_rounds_compiled_per_step``: what the compiled
+    program's collectives send per device per step (:mod:`dtx.hlo`; a collective in a
+    conditional branch counts as if taken, one in a loop once). ``model_flops_per_step``:
+    forward + backward of the model's Dense/Conv layers on the global batch, and
+    ``comm_bytes_modelled_per_step``: the bytes :mod:`dtx.perfmodel` predicts for this
+    layout (data, model, hybrid or rules over Dense/Conv kernels; synchronous SGD without
+    compression), for models it can analyse.
+    """
+    sent = hlo.total(compiled)
+    out = {"comm_bytes_compiled_per_step": float(sent.bytes_sent), "comm_rounds_compiled_per_step": float(sent.rounds)}
+    try:
+        layers = perfmodel.analyze(model, parts.example.shape[1:], dtype=parts.policy.compute)
+    except (perfmodel.PerfModelError, TypeError, ValueError):  # no Dense/Conv, or a model analyze cannot trace
+        return out
+    out["model_flops_per_step"] = float(sum(layer.train_flops for layer in layers) * global_batch)
+    # The perf model covers synchronous SGD over data-parallel and column-split (model-parallel) layers.
+    kernels = dict(parts.layout.kernels) if parts.layout is not None else {}
+    split = {path.rsplit("/", 1)[0] for path, sharding in _shardings_by_path(parts.shardings.params)
+             if not sharding.is_fully_replicated}
+    columns = all(tuple(spec)[-1:] == (mesh_lib.MODEL_AXIS,) and not any(tuple(spec)[:-1]) for spec in kernels.values())
+    if (parts.strategy.name == "sync" and parts.compressor.name == "none" and split <= set(kernels) and columns
+            and set(kernels) <= {layer.name for layer in layers}):
+        group = mesh.shape[mesh_lib.MODEL_AXIS] if kernels else 1
+        e = np.dtype(parts.policy.reduce).itemsize
+        out["comm_bytes_modelled_per_step"] = float(sum(
+            sum(perfmodel.layer_bytes(layer, mesh.size, global_batch, group, layer.name in kernels, e))
+            for layer in layers))
+    return out
+
+
+def _shardings_by_path(params) -> list:
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), sharding)
+            for path, sharding in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:

@@ -101,10 +101,13 @@ def test_peak_override_and_mfu():
     assert flops.device_peak_flops("float32", override=2e9) == 2e9
     assert flops.mfu(1e9, 0.5, 4e9) == pytest.approx(0.5)
     assert flops.mfu(None, 0.5, 4e9) is None and flops.mfu(1e9, 0.5, None) is None and flops.mfu(1e9, 0, 1) is None
-    assert flops.utilisation(1e9, 0.5, None) == {} and flops.utilisation(1e9, 0.5, 4e9) == {"mfu": 0.5}
-    assert flops.header(None, 8, None) == {}
-    assert flops.header(10.0, 8, 3.0) == {"model_flops_per_step": 80.0, "model_flops_per_step_per_device": 10.0,
-                                          "peak_flops_per_device": 3.0}
+    # MFU: the model's FLOPs on the whole mesh over the mesh's peak; HFU: one device's compiled FLOPs over its peak.
+    assert flops.utilisation(8e9, 1e9, 8, 0.5, None) == {}
+    assert flops.utilisation(8e9, 1.5e9, 8, 0.5, 4e9) == {"mfu": pytest.approx(0.5), "hfu": pytest.approx(0.75)}
+    assert flops.utilisation(None, 1.5e9, 8, 0.5, 4e9) == {"hfu": pytest.approx(0.75)}
+    assert flops.header(None, None, None) == {}
+    assert flops.header(80.0, 12.0, 3.0) == {"model_flops_per_step": 80.0, "compiled_flops_per_step_per_device": 12.0,
+                                             "peak_flops_per_device": 3.0}
 
 
 def test_records_carry_mfu_when_a_peak_is_set_and_start_up_compiles_nothing_more(tmp_path, monkeypatch):
@@ -114,25 +117,35 @@ def test_records_carry_mfu_when_a_peak_is_set_and_start_up_compiles_nothing_more
     with_flops = len(_compiles) - before
     records = metrics.read_metrics(tmp_path / "mfu")
     header = records[0]
-    per_device = header["model_flops_per_step_per_device"]
-    assert header["model_flops_per_step"] == pytest.approx(8 * per_device)
+    per_device = header["compiled_flops_per_step_per_device"]
+    # Model FLOPs: forward + backward (3 x 2 x MACs) of the MLP 64-32-10 on the global batch of 128.
+    assert header["model_flops_per_step"] == 6 * (64 * 32 + 32 * 10) * 128
     assert header["peak_flops_per_device"] == peak
-    # MLP 64-32-10 on 16 examples per device: forward + weight gradients >= 2 x the forward matmuls.
-    assert per_device > 2 * 2 * 16 * (64 * 32 + 32 * 10)
+    # What runs also holds the bias and activation arithmetic and the optimizer, but not the first layer's
+    # input gradient (nobody needs it), which the model's convention counts.
+    first_input_gradient = 2 * 64 * 32 * 16
+    assert header["model_flops_per_step"] / 8 - first_input_gradient < per_device < header["model_flops_per_step"] / 8
     timed = [r for r in records if "step_time_ms" in r]
-    assert timed and all(r["mfu"] == pytest.approx(per_device / (r["step_time_ms"] / 1e3) / peak) for r in timed)
+    assert timed and all(r["hfu"] == pytest.approx(per_device / (r["step_time_ms"] / 1e3) / peak) for r in timed)
+    assert all(r["mfu"] == pytest.approx(header["model_flops_per_step"] / (r["step_time_ms"] / 1e3) / (8 * peak))
+               for r in timed)
     assert all(r["elapsed_s"] > 0 for r in timed)
 
-    # The same run without the cost analysis compiles exactly as many programs.
-    monkeypatch.setattr(flops, "step_flops", lambda *args: None)
+    # The same run without compiling the step ahead of the loop compiles exactly as many programs.
+    import sys
+
+    monkeypatch.setattr(sys.modules["dtx.train"], "_compiled_step", lambda *args: None)  # dtx.train: the function
     before = len(_compiles)
     train(config_lib.load(DEFAULT, TINY), tmp_path / "plain")
     assert len(_compiles) - before == with_flops > 0
     records = metrics.read_metrics(tmp_path / "plain")
-    assert not any("mfu" in r or "model_flops_per_step" in r for r in records)
+    assert not any("mfu" in r or "hfu" in r or "model_flops_per_step" in r for r in records)
 
 
-def test_no_mfu_without_a_peak_or_under_accumulation(tmp_path):
+def test_accumulation_has_mfu_but_no_hfu(tmp_path):
     train(config_lib.load(DEFAULT, TINY + ("--config.grad_accum_steps=2", "--config.peak_flops=1e11")), tmp_path)
     records = metrics.read_metrics(tmp_path)
-    assert "model_flops_per_step" not in records[0] and not any("mfu" in r for r in records)
+    # XLA counts the accumulation loop once: no compiled FLOPs, no HFU; the model's count needs no compiler.
+    assert "compiled_flops_per_step_per_device" not in records[0] and not any("hfu" in r for r in records)
+    assert records[0]["model_flops_per_step"] == 6 * (64 * 32 + 32 * 10) * 128
+    assert any("mfu" in r for r in records)
