@@ -58,7 +58,6 @@ composition of per-layer costs into a step, not the cluster presets.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -217,40 +216,50 @@ class LayerCost(NamedTuple):
 
 def layer_cost(layer: Layer, cluster: Cluster, nodes: int, global_batch: int, group: int = 1,
                sharded: bool = False, algorithm: str = "ring",
-               per_example: Mapping[str, float] | None = None) -> LayerCost:
-    """Cost of ``layer`` data-parallel (``sharded=False``) or model-parallel in groups of ``group``."""
+               per_example: Mapping[str, float] | None = None, last: bool = False) -> LayerCost:
+    """Cost of ``layer`` data-parallel (``sharded=False``) or model-parallel in groups of ``group``.
+
+    ``last``: the network's output layer, whose split outputs a model-parallel plan must
+    bring together for the loss (see :func:`layer_bytes`).
+    """
     e = cluster.bytes_per_element
-    activation_bytes, gradient_bytes = layer_bytes(layer, nodes, global_batch, group, sharded, e, algorithm)
+    activation_bytes, gradient_bytes = layer_bytes(layer, nodes, global_batch, group, sharded, e, algorithm, last)
     if not sharded or group == 1:
         grad = layer.weights * e
         return LayerCost(compute_time(layer, cluster, global_batch / nodes, 1, per_example), 0.0,
                          cluster.allreduce_time(grad, nodes, cluster.local_size, algorithm), 0.0, gradient_bytes)
     group_batch = global_batch * group / nodes
     act, grad, groups = group_batch * layer.in_elements * e, layer.weights * e / group, nodes // group
+    # An all-to-all costs what the reduce-scatter half of a ring allreduce of the same bytes costs.
+    output = cluster.allreduce_time(group_batch * layer.out_elements * e / group, group, group, algorithm) / 2
     return LayerCost(
         compute_time(layer, cluster, group_batch, group, per_example),
         # The model axis is the inner mesh axis: a group of G lies within one machine when G <= local_size.
-        cluster.allreduce_time(act, group, group, algorithm),
+        cluster.allreduce_time(act, group, group, algorithm) + (output if last else 0.0),
         cluster.allreduce_time(grad, groups, max(1, cluster.local_size // group), algorithm),
         activation_bytes, gradient_bytes,
     )
 
 
 def layer_bytes(layer: Layer, nodes: int, global_batch: int, group: int = 1, sharded: bool = False,
-                bytes_per_element: int = 4, algorithm: str = "ring") -> tuple[float, float]:
+                bytes_per_element: int = 4, algorithm: str = "ring", last: bool = False) -> tuple[float, float]:
     """``(activation bytes, weight-gradient bytes)`` one node sends for ``layer`` per iteration.
 
     The bytes of :func:`layer_cost`, which need no cluster: data parallel sends the
     ``W·e`` gradient allreduce over ``nodes``; model parallel in groups of ``group``
     exchanges the group's input activations (all-gather + reduce-scatter, one
     allreduce's bytes over the group) and allreduces its ``W·e/G`` slice over the
-    ``nodes/G`` groups.
+    ``nodes/G`` groups. A model-parallel output layer (``last``) also hands its split
+    outputs to the loss, which needs whole rows: an all-to-all inside the group of
+    ``(G−1)/G`` of the node's ``B·G/N × out/G`` slice.
     """
     e = bytes_per_element
     if not sharded or group == 1:
         return 0.0, costmodel.cost_terms(algorithm, layer.weights * e, nodes).path_bytes
-    act = global_batch * group / nodes * layer.in_elements * e
-    return (costmodel.cost_terms(algorithm, act, group).path_bytes,
+    group_batch = global_batch * group / nodes
+    act = group_batch * layer.in_elements * e
+    output = (group - 1) / group * group_batch * layer.out_elements * e / group if last else 0.0
+    return (costmodel.cost_terms(algorithm, act, group).path_bytes + output,
             costmodel.cost_terms(algorithm, layer.weights * e / group, nodes // group).path_bytes)
 
 
@@ -407,10 +416,11 @@ def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batc
     best = None
     for g in candidates:
         costs, sharded = [], []
-        for layer in layers:
+        for i, layer in enumerate(layers):
             data = layer_cost(layer, cluster, nodes, global_batch, 1, False, algorithm, per_example)
             split = layer.kernel_shape[-1] % g == 0 and g > 1 and (mode == "auto" or layer.kind == "dense")
-            model = layer_cost(layer, cluster, nodes, global_batch, g, True, algorithm, per_example) if split else None
+            model = layer_cost(layer, cluster, nodes, global_batch, g, True, algorithm, per_example,
+                               last=i == len(layers) - 1) if split else None
             if model is not None and (mode == "hybrid" or sum(model[:3]) < sum(data[:3])):
                 costs.append(model)
                 sharded.append(layer.name)
@@ -469,11 +479,12 @@ def layer_report(plan: Plan, cluster: Cluster, algorithm: str = "ring") -> list[
     """Per layer of ``plan``: FLOPs, weights, compute, the three parallelisms' bytes, balance, choice."""
     n, b, g = plan.nodes, plan.global_batch, plan.group_size
     rows = []
-    for layer, cost in zip(plan.layers, plan.costs):
+    for i, (layer, cost) in enumerate(zip(plan.layers, plan.costs)):
+        last = i == len(plan.layers) - 1
         volume = {
             "data": layer_cost(layer, cluster, n, b, 1, False, algorithm).gradient_bytes,
-            "model": sum(layer_cost(layer, cluster, n, b, n, True, algorithm)[3:]),
-            "hybrid": sum(layer_cost(layer, cluster, n, b, g, True, algorithm)[3:]) if g > 1 else None,
+            "model": sum(layer_cost(layer, cluster, n, b, n, True, algorithm, last=last)[3:]),
+            "hybrid": sum(layer_cost(layer, cluster, n, b, g, True, algorithm, last=last)[3:]) if g > 1 else None,
         }
         bal = balance(layer, cluster, n, b // n, algorithm)
         rows.append(dict(

@@ -9,7 +9,11 @@ runs), plans each node count (:func:`dtx.perfmodel.make_plan`), prints a table o
 iteration time under both overlap bounds, speedup, efficiency and the per-layer plan,
 then the per-layer analysis (Das et al., arXiv 1602.06709 §3) at the largest node
 count, and writes a PNG speedup plot into ``--out``. ``--json`` prints the same as
-JSON instead of tables. Bad input exits with status 2 and a message naming the fix.
+JSON instead of tables. ``--verify`` then compiles every plan of 2 to
+``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
+group and for the whole training step, the predicted and the compiled per-device
+FLOPs and bytes with their ratio (:mod:`dtx.verify`); it exits with status 1 when
+one is more than 10 % off. Bad input exits with status 2 and a message naming the fix.
 """
 
 from __future__ import annotations
@@ -90,6 +94,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=_positive(int), help="fix the model-parallel group size G")
     p.add_argument("--out", default=".", help="folder for the PNG plot (default: current folder)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    p.add_argument("--verify", action="store_true",
+                   help="compile each printed plan of up to --verify-devices nodes on emulated CPU devices and print "
+                        "per layer the predicted and the compiled per-device FLOPs and bytes (dtx.verify)")
+    p.add_argument("--verify-devices", type=_positive(int), default=8,
+                   help="CPU devices to emulate for --verify (default 8): plans of more nodes are not compiled")
     return p
 
 
@@ -194,6 +203,14 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if args.global_batch is None and args.per_node_batch is None:
         args.global_batch = 512
+    if args.verify:  # before anything starts JAX: the devices the plans are compiled for
+        from dtx import mesh as mesh_lib
+
+        try:
+            mesh_lib.emulate_cpu_devices(args.verify_devices)
+        except mesh_lib.MeshError as e:
+            print(f"dtx simulate: error: {e}", file=sys.stderr)
+            return 2
     try:
         cluster = build_cluster(args)
         layers = _analyze(args.model, args.input_shape)
@@ -220,16 +237,78 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     plot = line_plot(series, os.path.join(args.out, f"simulate_{args.model}_{cluster.name}.png"),
                      title=f"{args.model} on {cluster.name}", xlabel="nodes", ylabel="speedup", logx=True)
 
+    verified = _verify(args, cluster, points) if args.verify else []
     if args.json:
         print(json.dumps(dict(
             model=args.model, cluster=_finite(dataclasses.asdict(cluster)),
             scaling="strong" if strong else "weak", global_batch=args.global_batch,
             per_node_batch=args.per_node_batch, algorithm=args.algorithm, overlap=args.overlap, plan=args.plan,
             speedup={str(p.nodes): p.speedup for p in points}, points=[_point_json(p) for p in points],
-            layers=report, plot=plot), indent=1, default=float))
+            layers=report, plot=plot, **({"verify": verified} if args.verify else {})), indent=1, default=float))
     else:
         _print_tables(args, cluster, points, report, plot)
-    return 0
+        if args.verify:
+            _print_verify(verified)
+    outside = [row for plan in verified for row in plan["checks"] if not row["within"]]
+    return 1 if outside else 0
+
+
+VERIFY_TOLERANCE = 0.10  # the goal: compiled within 10 % of predicted, per layer, per group and for the step
+
+
+def _verify(args, cluster: Cluster, points) -> list[dict]:
+    """Compile each plan that fits the emulated devices; predicted against compiled (:mod:`dtx.verify`)."""
+    import jax
+
+    from dtx import verify
+    from models import build_model
+
+    if cluster.bytes_per_element == 2 and jax.default_backend() == "cpu":
+        # XLA:CPU runs bfloat16 collectives in float32: compile and predict at 4 bytes, a uniform factor.
+        cluster = cluster.replace(bytes_per_element=4)
+        print("verify: XLA:CPU sends bfloat16 collectives as float32, so plans are compiled and predicted at 4 bytes "
+              "per element; the 2-byte communication figures of the scaling tables are half of these", file=sys.stderr)
+    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}.get(cluster.bytes_per_element, "float32")
+    model = build_model(args.model, dtype=dtype, param_dtype=dtype)  # the bytes per element the model assumes
+    shape = args.input_shape or type(model).default_input_shape
+    devices = jax.devices()
+    out = []
+    for point in points:
+        if point.nodes > len(devices) or point.nodes < 2:
+            continue
+        layers = verify.verify_layers(model, shape, point.plan, cluster, algorithm=args.algorithm, devices=devices)
+        checks = layers + verify.group_totals(layers) + [verify.verify_step(model, shape, point.plan, cluster,
+                                                                           devices=devices)]
+        out.append(dict(nodes=point.nodes, group_size=point.plan.group_size, plan=_plan_text(point.plan),
+                        checks=[_check_json(c) for c in checks]))
+    return out
+
+
+def _check_json(check) -> dict:
+    ratios = (check.flops_ratio, check.bytes_ratio)
+    within = all(r is not None and abs(r - 1) <= VERIFY_TOLERANCE for r in ratios)
+    return dict(name=check.name, choice=check.choice, predicted_flops=check.predicted_flops,
+                compiled_flops=check.compiled_flops, flops_ratio=check.flops_ratio,
+                predicted_bytes=check.predicted_bytes, compiled_bytes=check.compiled_bytes,
+                bytes_ratio=check.bytes_ratio, within=within)
+
+
+def _print_verify(verified: list[dict]) -> None:
+    print("\nverify: each plan compiled on emulated CPU devices (nothing runs); per device per iteration; "
+          "predicted = dtx.perfmodel, compiled = XLA's cost analysis (FLOPs) and the HLO's collectives (bytes, "
+          "ring convention)")
+    if not verified:
+        print("  no plan of 2..--verify-devices nodes to compile; add such node counts to --nodes")
+    for plan in verified:
+        print(f"\n{plan['nodes']} nodes, {plan['plan']}:")
+        print(f"{'layer':>20} {'choice':>12} {'GFLOP model':>12} {'GFLOP XLA':>10} {'ratio':>6} "
+              f"{'MB model':>10} {'MB XLA':>10} {'ratio':>6}")
+        for row in plan["checks"]:
+            ratio = ["-" if r is None else f"{r:.3f}" for r in (row["flops_ratio"], row["bytes_ratio"])]
+            flag = "" if row["within"] else f"  outside {VERIFY_TOLERANCE:.0%}"
+            print(f"{row['name']:>20} {row['choice']:>12} {row['predicted_flops'] / 1e9:>12.4f} "
+                  f"{row['compiled_flops'] / 1e9:>10.4f} {ratio[0]:>6} {row['predicted_bytes'] / 1e6:>10.3f} "
+                  f"{row['compiled_bytes'] / 1e6:>10.3f} {ratio[1]:>6}{flag}")
 
 
 if __name__ == "__main__":

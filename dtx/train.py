@@ -369,7 +369,8 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
         group = mesh.shape[mesh_lib.MODEL_AXIS] if kernels else 1
         e = np.dtype(parts.policy.reduce).itemsize
         out["comm_bytes_modelled_per_step"] = float(sum(
-            sum(perfmodel.layer_bytes(layer, mesh.size, global_batch, group, layer.name in kernels, e))
+            sum(perfmodel.layer_bytes(layer, mesh.size, global_batch, group, layer.name in kernels, e,
+                                      last=layer is layers[-1]))
             for layer in layers))
     return out
 
