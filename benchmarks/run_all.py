@@ -38,6 +38,8 @@ BENCHMARKS = {
     "large_batch_sweep": (["large_batch_sweep.py"], "large_batch", 4, "accuracy vs global batch: SGD, LARS, LAMB"),
     "compression_sweep": (["compression_sweep.py"], "compression", 15,
                           "compressors: bytes sent vs accuracy (docs/compression.md)"),
+    "perfmodel_verify": (["perfmodel_verify.py"], "perfmodel_verify", 2,
+                         "dtx simulate --verify: predicted vs compiled FLOPs and bytes of the planner's plans"),
     "strategies_sweep": (["strategies_sweep.py"], "strategies", 15,
                          "sync/async/local SGD/...: accuracy, time and bytes (docs/strategies.md)"),
 }

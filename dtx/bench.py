@@ -21,7 +21,9 @@ so measured times show the software cost of each schedule, not a network
 with ``communicate=False`` (every collective of the gradient path removed, each
 worker applying its own gradient): *compute* is the second, *communication* the
 difference. It also reports the bytes each worker sends per step (the accountant
-of :mod:`dtx.costmodel`) and MFU when the device's peak is known (:mod:`dtx.flops`).
+of :mod:`dtx.costmodel` under ``shard_map``; the compiled program's collectives,
+:mod:`dtx.hlo`, under ``jit``) and HFU — XLA's FLOPs of the step over the
+device's peak — when the peak is known (:mod:`dtx.flops`).
 ``--vary allreduce=psum,ring`` measures one row per value.
 """
 
@@ -219,7 +221,7 @@ def collectives_main(argv: list[str]) -> int:
 # ------------------------------------------------------------------ dtx bench step
 
 STEP_HEADER = ("| setting | step (ms) | compute (ms) | communication (ms) | comm share | comm bytes/step/worker "
-               "| MFU |\n|---|---|---|---|---|---|---|")
+               "| HFU |\n|---|---|---|---|---|---|---|")
 
 
 def build_steps(config):
@@ -257,7 +259,7 @@ def build_steps(config):
 
 
 def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
-    """Median seconds per step with and without the gradient collectives, bytes per step, MFU.
+    """Median seconds per step with and without the gradient collectives, bytes per step, HFU.
 
     Each round times ``steps`` calls of each step in turn (interleaved, so machine
     noise hits both alike), every call waiting on the previous one's output (lag-1:
@@ -266,8 +268,11 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
     from dtx import flops
 
     step_fns, states, batch, policy = build_steps(config)
-    per_device_flops = None if config.grad_accum_steps > 1 else flops.step_flops(step_fns["full"], states["full"],
-                                                                                  batch)
+    from dtx import hlo
+
+    compiled = step_fns["full"].lower(states["full"], batch).compile()  # the first call reuses it
+    per_device_flops = None if config.grad_accum_steps > 1 else flops.compiled_flops(compiled)
+    program_bytes = float(hlo.total(compiled).bytes_sent)  # under jit the step cannot count what XLA places
     times = {kind: [] for kind in step_fns}
     comm_bytes = []
 
@@ -296,8 +301,8 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
     peak = flops.device_peak_flops(policy.compute, config.peak_flops)
     return {
         "step_s": step_s, "compute_s": compute_s, "comm_s": None if compute_s is None else step_s - compute_s,
-        "comm_bytes_per_step": statistics.fmean(sent) if sent else None,
-        "flops_per_device": per_device_flops, "peak_flops": peak, "mfu": flops.mfu(per_device_flops, step_s, peak),
+        "comm_bytes_per_step": statistics.fmean(sent) if sent else program_bytes,
+        "flops_per_device": per_device_flops, "peak_flops": peak, "hfu": flops.mfu(per_device_flops, step_s, peak),
         "devices": jax.device_count(), "platform": jax.devices()[0].platform,
     }
 
@@ -315,9 +320,9 @@ def step_row(name: str, result: dict) -> str:
 
     share = "n/a" if result["comm_s"] is None else f"{100 * result['comm_s'] / result['step_s']:.0f}%"
     sent = result["comm_bytes_per_step"]
-    mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.2f}%"
+    hfu = "n/a" if result["hfu"] is None else f"{100 * result['hfu']:.2f}%"
     return (f"| {name} | {ms(result['step_s'])} | {ms(result['compute_s'])} | {ms(result['comm_s'])} | {share} "
-            f"| {'n/a' if sent is None else f'{sent:,.0f}'} | {mfu} |")
+            f"| {'n/a' if sent is None else f'{sent:,.0f}'} | {hfu} |")
 
 
 def _top_level_split(text: str) -> list[str]:
@@ -378,7 +383,7 @@ def step_main(argv: list[str]) -> int:
     if config.driver != "shard_map":
         print("(compute/communication split needs --config.driver=shard_map: under jit XLA places the collectives)")
     if result["peak_flops"] is None:
-        print(f"(MFU: no peak FLOP/s known for device kind {jax.devices()[0].device_kind!r}; "
+        print(f"(HFU: no peak FLOP/s known for device kind {jax.devices()[0].device_kind!r}; "
               "set --config.peak_flops)")
     return 0
 

@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
 TINY = ["--config.model.features=(32,)", "--steps", "2", "--rounds", "1"]
 ROW = re.compile(r"^\| (?P<name>[^|]+) \| (?P<step>[\d.]+) \| (?P<compute>[\d.]+|n/a) \| (?P<comm>-?[\d.]+|n/a) "
-                 r"\| (?P<share>-?\d+%|n/a) \| (?P<bytes>[\d,]+|n/a) \| (?P<mfu>[\d.]+%|n/a) \|$")
+                 r"\| (?P<share>-?\d+%|n/a) \| (?P<bytes>[\d,]+|n/a) \| (?P<hfu>[\d.]+%|n/a) \|$")
 
 
 def _rows(text):
@@ -33,7 +33,7 @@ def test_bench_step_splits_compute_from_communication(capsys):
               "w2": jax.ShapeDtypeStruct((32, 10), "float32"), "b2": jax.ShapeDtypeStruct((10,), "float32")}
     expected = costmodel.dense_allreduce_traffic(params, 8, "ring", "float32").bytes_sent
     assert int(row["bytes"].replace(",", "")) == expected
-    assert row["mfu"] != "n/a" and "no peak" not in out
+    assert row["hfu"] != "n/a" and "no peak" not in out
 
 
 def test_bench_step_varies_a_key_and_says_what_it_cannot_know(capsys):
@@ -43,7 +43,7 @@ def test_bench_step_varies_a_key_and_says_what_it_cannot_know(capsys):
     assert (split["name"], whole["name"]) == ("driver=shard_map", "driver=jit")
     assert float(split["compute"]) > 0 and float(whole["step"]) > 0 and whole["compute"] == whole["comm"] == "n/a"
     assert "needs --config.driver=shard_map" in out  # under jit XLA places the collectives
-    assert split["mfu"] == whole["mfu"] == "n/a" and "set --config.peak_flops" in out  # no peak for CPUs
+    assert split["hfu"] == whole["hfu"] == "n/a" and "set --config.peak_flops" in out  # no peak for CPUs
 
 
 def test_bench_step_errors(capsys):

@@ -6,6 +6,7 @@ the process was killed, the save failed), then that nothing committed was lost.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -317,8 +318,11 @@ def test_per_worker_state_refuses_another_worker_count_before_reading_arrays(tmp
     topk = RUN + ["--config.num_steps=4", "--config.checkpoint.every_steps=2", "--config.compression.name=topk",
                   "--config.compression.fraction=0.1"]
     train(config_lib.load(DEFAULT, topk), tmp_path)
-    four = config_lib.load(DEFAULT, topk + ["--config.num_steps=6", "--config.mesh=(('data', 4), ('model', 2))"])
-    with pytest.raises(config_lib.ConfigError, match="per-worker state for 8 data-parallel workers.*has 4"):
-        train(four, tmp_path)
+    # Every device is a worker (the batch splits over every mesh axis): 4 workers take a 4-device process.
+    four = subprocess.run(_dtx("train", DEFAULT, "--workdir", str(tmp_path), *topk, "--config.num_steps=6",
+                               "--config.emulate_cpu_devices=4"),
+                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert four.returncode == 2
+    assert re.search("per-worker state for 8 data-parallel workers.*has 4", four.stderr), four.stderr
     result = train(config_lib.load(DEFAULT, topk + ["--config.num_steps=6"]), tmp_path)
     assert int(result.state.step) == 6
