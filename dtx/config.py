@@ -69,7 +69,7 @@ def base_config() -> ConfigDict:
     c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), >= 0, summing to 1
 
     c.parallel = ConfigDict()
-    c.parallel.name = "data"  # data | model | hybrid | fsdp | rules (model/hybrid/fsdp/rules need driver=jit)
+    c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
 
     # Data.

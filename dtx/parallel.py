@@ -14,9 +14,16 @@ collectives); the ``shard_map`` driver runs ``data``.
 * ``hybrid`` — Das et al. §3.3: convolutions data-parallel (their weights are
   small against their activations), fully connected layers model-parallel inside
   groups of ``G`` devices (the ``model`` axis) and data-parallel across groups.
-* ``fsdp`` — ZeRO-3 style (Rajbhandari et al. 2020): every parameter and its
-  optimizer state split over the batch axes along its largest divisible
-  dimension; gathered for use, reduce-scattered for the update.
+* ``fsdp`` — ZeRO-3 style (Rajbhandari et al. 2020, arXiv 1910.02054): every
+  parameter and its optimizer state split over the batch axes along its largest
+  divisible dimension; gathered for use, reduce-scattered for the update.
+* ``zero1`` / ``zero2`` — ZeRO stages 1 and 2: parameters replicated, the
+  optimizer state split like ``fsdp`` (:func:`optimizer_rules`). The gradients are
+  reduce-scattered to the optimizer state's layout, each device updates its
+  ``1/N`` of every tensor, and the new parameters are all-gathered. Stage 2 also
+  keeps the gradients split while they are accumulated over micro-batches (one
+  reduce-scatter per micro-batch into a ``1/N`` accumulator); stage 1 accumulates
+  full gradients and reduce-scatters once per step.
 * ``rules`` — explicit rules, e.g. the per-layer plan of :mod:`dtx.perfmodel`.
 
 Where activations live (Das et al. §3.3). The batch of every data-parallel layer
@@ -62,7 +69,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
 
-PARALLELISMS = ("data", "model", "hybrid", "fsdp", "rules")
+PARALLELISMS = ("data", "model", "hybrid", "fsdp", "zero1", "zero2", "rules")
+ZERO_STAGES = {"zero1": 1, "zero2": 2}
 Rules = Sequence[tuple[str, PartitionSpec]]
 
 # Kernels of convolutions are rank 4 (H, W, C_in, C_out); of dense layers rank 2 (C_in, C_out).
@@ -94,7 +102,7 @@ def make_rules(name: str, mesh: Mesh, abstract_params: Any = None, explicit: Seq
             f"parallel.name={name!r} needs a {mesh_lib.MODEL_AXIS!r} mesh axis (the model-parallel group), e.g. "
             f"--config.mesh='((\"data\", -1), (\"model\", 2))'; the mesh has axes {mesh.axis_names}"
         )
-    if name == "data":
+    if name in ("data", *ZERO_STAGES):  # ZeRO keeps the parameters whole; see optimizer_rules
         return [(".*", PartitionSpec())]
     if name == "rules":
         rules = [(str(regex), _as_spec(spec)) for regex, spec in explicit]
@@ -139,13 +147,30 @@ def param_specs(rules: Rules, abstract_params: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(spec_of, abstract_params)
 
 
-def state_shardings(abstract_state: Any, rules: Rules, mesh: Mesh) -> Any:
+def optimizer_rules(name: str, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
+    """The rules the optimizer state (and, for ZeRO, the reduced gradients) is laid out by.
+
+    For ``zero1``/``zero2`` the ``fsdp`` split of every tensor over the batch axes;
+    for every other partitioning the parameters' own rules.
+    """
+    return make_rules("fsdp" if name in ZERO_STAGES else name, mesh, abstract_params, explicit)
+
+
+def gradient_shardings(abstract_params: Any, rules: Rules, mesh: Mesh) -> Any:
+    """A NamedSharding per parameter-shaped gradient, laid out by ``rules`` (ZeRO: :func:`optimizer_rules`)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(rules, abstract_params, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def state_shardings(abstract_state: Any, rules: Rules, mesh: Mesh, opt_rules: Rules | None = None) -> Any:
     """NamedShardings for a whole TrainState: params by the rules, optimizer state like its
-    parameter (matched by path suffix and shape), everything else replicated."""
+    parameter (matched by path suffix and shape) or by ``opt_rules`` when given (ZeRO),
+    everything else replicated."""
     by_path = {}
     specs = param_specs(rules, abstract_state.params, mesh)
+    opt_specs = specs if opt_rules is None else param_specs(opt_rules, abstract_state.params, mesh)
     for (path, leaf), spec in zip(_paths_and_leaves(abstract_state.params), jax.tree.leaves(
-            specs, is_leaf=lambda x: isinstance(x, PartitionSpec))):
+            opt_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))):
         by_path[path] = (tuple(leaf.shape), spec)
 
     def follow(path, leaf):

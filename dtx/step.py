@@ -73,6 +73,8 @@ def make_train_step(
     communicate: bool = True,
     grad_norm: bool = False,
     layout: Callable[[], Any] | None = None,
+    gradient_shardings: Any = None,
+    shard_accumulator: bool = False,
 ) -> TrainStep:
     """Build the jitted ``(state, batch) -> (state, metrics)`` training step.
 
@@ -107,6 +109,13 @@ def make_train_step(
         entered around the model's forward pass — :func:`dtx.parallel.activation_layout`
         of the state's parameter specs for model, hybrid and rules partitionings
         (model-parallel layers gather their input inside the ``model`` group).
+      gradient_shardings: ``jit`` driver: where the reduced gradients live, a tree of
+        ``NamedSharding`` like the parameters. ZeRO (:func:`dtx.parallel.gradient_shardings`
+        of :func:`dtx.parallel.optimizer_rules`): split like the optimizer state, so XLA
+        reduce-scatters the gradients instead of all-reducing them.
+      shard_accumulator: ``jit`` driver with ``gradient_shardings``: also keep each
+        micro-batch's gradient split while accumulating (ZeRO-2: a ``1/N`` accumulator,
+        one reduce-scatter per micro-batch); otherwise the full accumulator is split once.
 
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
@@ -126,13 +135,19 @@ def make_train_step(
     donate_argnums = (0,) if donate else ()
     if layout is not None and driver != "jit":
         raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
-    common = dict(tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps, strategy=strategy,
+    if (gradient_shardings is not None or shard_accumulator) and driver != "jit":
+        raise StepError("gradient_shardings / shard_accumulator (ZeRO) need driver='jit'")
+    split_grads = (functools.partial(lax.with_sharding_constraint, shardings=gradient_shardings)
+                   if gradient_shardings is not None else _identity)
+    common = dict(split_grads=split_grads, split_micro=split_grads if shard_accumulator else _identity,
+                  tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps, strategy=strategy,
                   compressor=compressor, grad_norm=grad_norm, layout=layout or contextlib.nullcontext)
     if driver == "shard_map":
         if state_shardings is not None and not all(
                 s.is_fully_replicated for s in jax.tree.leaves(state_shardings.replace(worker={}))):
-            raise StepError("the shard_map driver runs data parallelism (replicated parameters); for model, "
-                            "hybrid or fsdp partitioning use --config.driver=jit")
+            raise StepError("the shard_map driver runs data parallelism (replicated state); for model, "
+                            "hybrid, fsdp, zero1/zero2 or rules partitioning use --config.driver=jit "
+                            "(make_train_step(..., driver='jit'))")
         allreduce_fn = collectives.make_allreduce(allreduce, axes, mean=True, bucket_bytes=bucket_bytes)
         comm = compress.CommContext(axes, shards, allreduce_fn, allreduce, _inner_size(allreduce, axes, mesh))
         if not communicate:
@@ -283,7 +298,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor,
-                comm, axes, shards, constrain, layout, grad_norm=False) -> tuple[TrainState, Metrics]:
+                comm, axes, shards, constrain, layout, split_grads, split_micro,
+                grad_norm=False) -> tuple[TrainState, Metrics]:
     rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
     shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
     index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
@@ -326,7 +342,8 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         (_, (loss, accuracy, model_state)), grads = grad_fn(params, state.model_state, batch, step_rng)
     else:
         grads, loss, accuracy, model_state = _accumulate(grad_fn, params, state.model_state, batch, step_rng,
-                                                         accum_steps, shards, constrain, axes)
+                                                         accum_steps, shards, constrain, axes, split_micro)
+    grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
     loss, accuracy, model_state = _pmean_if(axes, (loss, accuracy, model_state))
 
     new_state, stats = strategy.apply(state, grads, ctx)
@@ -357,7 +374,7 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
     return new_state, metrics
 
 
-def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, axes):
+def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None):
     """Sum gradients over ``k`` micro-batches with one accumulator (no k-fold copies).
 
     Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice, so each
@@ -377,15 +394,20 @@ def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, 
         grads_sum, loss_sum, accuracy_sum, model_state = carry
         micro, index = inputs
         (_, (loss, accuracy, model_state)), grads = grad_fn(params, model_state, micro, jax.random.fold_in(rng, index))
-        grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+        grads_sum = jax.tree.map(jnp.add, grads_sum, split_micro(grads))
         return (grads_sum, loss_sum + loss, accuracy_sum + accuracy, model_state), None
 
     zero = jnp.zeros((), jnp.float32)
     if axes:  # the running sums hold per-device values: type them so for shard_map's checker
         zero = lax.pcast(zero, axes, to="varying")
-    init = (jax.tree.map(jnp.zeros_like, params), zero, zero, model_state)
+    split_micro = split_micro or _identity
+    init = (split_micro(jax.tree.map(jnp.zeros_like, params)), zero, zero, model_state)
     (grads, loss, accuracy, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
     return jax.tree.map(lambda g: g / k, grads), loss / k, accuracy / k, model_state
+
+
+def _identity(tree):
+    return tree
 
 
 def _pmean_if(axes, tree):

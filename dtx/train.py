@@ -238,6 +238,7 @@ class Parts(NamedTuple):
     abstract_state: TrainState
     shardings: TrainState
     layout: parallel.ActivationLayout | None  # where model-parallel layers' activations live (jit driver)
+    gradient_shardings: object  # ZeRO: the reduced gradients split like the optimizer state (else None)
 
 
 def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_epoch: int, num_steps: int, *,
@@ -276,14 +277,22 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
             "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
             "use compute=bfloat16 (no loss scaling), or compression.error_feedback=False with an unbiased compressor")
     rules = parallel.make_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
-    shardings = parallel.state_shardings(abstract_state, rules, mesh)
+    opt_rules = parallel.optimizer_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
+    shardings = parallel.state_shardings(abstract_state, rules, mesh, opt_rules)
+    zero = config.parallel.name in parallel.ZERO_STAGES
+    if zero and config.driver != "jit":
+        raise config_lib.ConfigError(
+            f"parallel.name={config.parallel.name!r} shards the optimizer state, which needs --config.driver=jit "
+            "(XLA places ZeRO's gradient reduction and parameter all-gather; the shard_map driver runs "
+            "replicated state)")
+    gradient_shardings = parallel.gradient_shardings(abstract_state.params, opt_rules, mesh) if zero else None
     layout = parallel.activation_layout(jax.tree.map(lambda s: s.spec, shardings.params), mesh)
     if layout is not None and config.driver != "jit":
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r} makes layers {', '.join(sorted(layout.kernels))} model-parallel, "
             "which needs --config.driver=jit (XLA places their activation collectives)")
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
-                 abstract_state, shardings, layout)
+                 abstract_state, shardings, layout, gradient_shardings)
 
 
 def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = True):
@@ -292,7 +301,9 @@ def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = Tru
                            loss_scaler=parts.loss_scaler, accum_steps=config.grad_accum_steps,
                            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
                            state_shardings=parts.shardings, strategy=parts.strategy, compressor=parts.compressor,
-                           communicate=communicate, grad_norm=config.log_grad_norm, layout=parts.layout)
+                           communicate=communicate, grad_norm=config.log_grad_norm, layout=parts.layout,
+                           gradient_shardings=parts.gradient_shardings,
+                           shard_accumulator=parallel.ZERO_STAGES.get(config.parallel.name) == 2)
 
 
 @dataclasses.dataclass
