@@ -76,6 +76,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         # Bad input found before training started: say what and how to fix it, no traceback.
         print(f"dtx: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the run diverged: the message names the step and what to change
+        print(f"dtx: diverged: {e}", file=sys.stderr)
+        return 3
     if result.preempted:
         print(f"preempted: checkpoint saved at step {int(result.state.step)}; run the same command to resume")
         return 0

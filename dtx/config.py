@@ -13,6 +13,7 @@ The config never enters jitted code: ``train`` reads it and builds collaborators
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -67,6 +68,7 @@ def base_config() -> ConfigDict:
     c.strategy.moving_rate = 0.5  # easgd: beta in [0, 1], the fraction of mean(x_i - center) the center moves
     c.strategy.topology = "ring"  # gossip: ring | complete (uniform 1/p) | exponential (one peer 2^k away)
     c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), >= 0, summing to 1
+    c.strategy.consensus_every = 0  # gossip: steps between global averages of the workers (0: never in the step)
 
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)
@@ -150,6 +152,7 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     file_part = path.split(":", 1)[0]
     if not os.path.isfile(file_part):
         raise ConfigError(f"experiment file {file_part!r} not found (expected a Python file with get_config())")
+    _check_experiment_source(file_part)
     # First the file alone, so its own mistakes are reported against it ...
     config = _parse(path, [], blame=file_part)
     if not isinstance(config, ConfigDict):
@@ -165,6 +168,34 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
         config = _parse(path, flags_, blame="override")
     validate(config)
     return config
+
+
+def _check_experiment_source(file_part: str) -> None:
+    """A file that does not parse, or defines no ``get_config``, is named with the fix before ml_collections
+    turns it into a long traceback or a misleading 'unknown key' (it reads a missing get_config as a key)."""
+    import ast
+
+    with open(file_part, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        tree = ast.parse(source, filename=file_part)
+    except SyntaxError as e:
+        raise ConfigError(f"{file_part}, line {e.lineno}: {e.msg} (the experiment file is not valid Python): "
+                          f"{(e.text or '').strip()!r}") from None
+    if not any(isinstance(node, (ast.FunctionDef, ast.Assign, ast.ImportFrom, ast.Import)) and _defines(node)
+               for node in tree.body):
+        raise ConfigError(f"{file_part} defines no get_config(); an experiment file must define "
+                          "def get_config(): returning dtx.config.base_config() with its changes")
+
+
+def _defines(node) -> bool:
+    import ast
+
+    if isinstance(node, ast.FunctionDef):
+        return node.name == "get_config"
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == "get_config" for t in node.targets)
+    return any((alias.asname or alias.name) == "get_config" for alias in node.names)
 
 
 def _parse(path: str, flags_: list[str], blame: str) -> ConfigDict:
@@ -263,6 +294,59 @@ def validate(config: ConfigDict) -> None:
             "or compression.momentum=0")
     if "model" not in config or "name" not in config.model:
         raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
+    _check_numbers(config)
+
+
+# Hyper-parameters that must be positive / non-negative, and fractions in [0, 1): a sign error or a
+# NaN here would silently train nonsense, so it is refused before anything runs.
+_POSITIVE = ("optimizer.trust_coefficient", "optimizer.decay_power", "optimizer.step_factor",
+             "optimizer.base_batch_size", "loss_scale.initial", "loss_scale.min_scale", "loss_scale.growth_interval")
+_NON_NEGATIVE = ("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.warmup_steps",
+                 "optimizer.warmup_epochs", "watchdog_seconds", "num_epochs", "seed")
+_FRACTIONS = ("optimizer.momentum", "loss_scale.backoff")
+
+
+def _check_numbers(config: ConfigDict) -> None:
+    """No NaN or infinity anywhere; signs and ranges where a value has one meaning."""
+    for key, value in _leaves(config):
+        for number in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ConfigError(f"{key}={value!r} is not a finite number; set --config.{key} to a real value")
+    for key in _POSITIVE + _NON_NEGATIVE + _FRACTIONS:
+        value = _get(config, key)
+        if value is None or isinstance(value, bool):
+            continue
+        if key in _POSITIVE and not value > 0:
+            raise ConfigError(f"{key}={value!r} must be > 0; set --config.{key}=<positive value>")
+        if key in _NON_NEGATIVE and value < 0:
+            raise ConfigError(f"{key}={value!r} must be >= 0; set --config.{key}=<value >= 0>")
+        if key in _FRACTIONS and not 0 <= value < 1:
+            raise ConfigError(f"{key}={value!r} must be in [0, 1); set --config.{key}, e.g. 0.9")
+    # Model sizes: every integer of the model block is a width, count or size, so >= 1.
+    for key, value in _leaves(config.model, "model"):
+        for number in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(number, int) and not isinstance(number, bool) and number < 1:
+                raise ConfigError(f"{key}={value!r}: widths and sizes must be >= 1; fix --config.{key}")
+            if isinstance(number, float) and number < 0:
+                raise ConfigError(f"{key}={value!r} must be >= 0; fix --config.{key}")
+
+
+def _leaves(node: ConfigDict, prefix: str = ""):
+    for key, value in node.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, ConfigDict):
+            yield from _leaves(value, name)
+        else:
+            yield name, value
+
+
+def _get(config: ConfigDict, key: str):
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def _as_flag(arg: str) -> str:

@@ -6,14 +6,20 @@ Each process runs ``dtx train`` with the same arguments; they meet at a
 coordinator on 127.0.0.1 and their CPU collectives go over gloo — the same code
 path as a multi-host cluster, on one machine. Output of process ``i`` goes to
 ``WORKDIR/logs/process_<i>.log``. If one process fails, the others are stopped
-and the launcher exits non-zero naming the first failed rank; SIGTERM is
-forwarded to every process (each then saves at the same step and exits 0).
+and the launcher exits non-zero naming the first failed rank — or, when a rank
+stopped responding and a healthy peer aborted on noticing it (JAX's coordination
+service reports missing heartbeats), the stuck rank. SIGTERM is forwarded to
+every process (each then saves at the same step and exits 0). The processes also
+die with the launcher: on Linux the kernel kills them when it dies, even by
+SIGKILL, so none trains on as an orphan (the run resumes from its last checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,7 +56,8 @@ def launch_main(argv: list[str]) -> int:
         env = {**os.environ, mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{port}",
                mesh_lib.ENV_NUM_PROCESSES: str(args.processes), mesh_lib.ENV_PROCESS_ID: str(rank)}
         log = open(os.path.join(logs, f"process_{rank}.log"), "w")
-        processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           preexec_fn=_die_with(os.getpid())), log))
     print(f"launched {args.processes} processes x {args.devices_per_process} devices; logs in {logs}", flush=True)
 
     def forward(signum, _frame):
@@ -67,6 +74,46 @@ def launch_main(argv: list[str]) -> int:
             if process.poll() is None:
                 process.kill()
             log.close()
+
+
+# JAX's coordination service, in the log of the process that noticed, e.g. "The following tasks are
+# unhealthy (stopped sending heartbeats): /job:jax_worker/replica:0/task:1" (the form varies by release).
+_UNHEALTHY = re.compile(r"unhealthy[^\n]*?heartbeat[^\n]*(?:\n[^\n]*){0,4}", re.I)
+_TASK = re.compile(r"task[:_ ](\d+)|:\s*(\d+(?:\s*,\s*\d+)*)\s*$", re.M)
+
+
+def stuck_ranks(logs: str, processes: int, detector: int) -> list[int]:
+    """Ranks a peer's log names as having stopped sending heartbeats (never the detector itself)."""
+    try:
+        with open(os.path.join(logs, f"process_{detector}.log"), errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    ranks = set()
+    for block in _UNHEALTHY.findall(text):
+        for task, listed in _TASK.findall(block):
+            for value in ([task] if task else re.split(r"\s*,\s*", listed)):
+                if value.isdigit() and int(value) < processes and int(value) != detector:
+                    ranks.add(int(value))
+    return sorted(ranks)
+
+
+def _die_with(launcher_pid: int):
+    """A ``preexec_fn`` for the workers: the kernel kills them when the launcher dies (Linux
+    ``PR_SET_PDEATHSIG``), so a killed launcher leaves no orphans; elsewhere a no-op. SIGKILL, not
+    SIGTERM: without checkpoints a multi-process worker's SIGTERM only marks a preemption point
+    nobody saves at, and the worker would train on."""
+
+    def set_parent_death_signal() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
+            return
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def _supervise(processes, logs: str) -> int:
@@ -107,7 +154,13 @@ def _supervise(processes, logs: str) -> int:
     print(f"dtx launch: exit codes in order of exit: {summary}", file=sys.stderr)
     if first_failure is not None:
         rank, code = first_failure
-        print(f"dtx launch: failed; first failed rank: {rank} (exit code {code})", file=sys.stderr)
+        stuck = stuck_ranks(logs, len(processes), rank)
+        if stuck:
+            print(f"dtx launch: failed; rank {', '.join(map(str, stuck))} is stuck (stopped sending heartbeats); "
+                  f"rank {rank} noticed and aborted (exit code {code}). See "
+                  f"{os.path.join(logs, f'process_{stuck[0]}.log')}", file=sys.stderr)
+        else:
+            print(f"dtx launch: failed; first failed rank: {rank} (exit code {code})", file=sys.stderr)
         return 1
     with open(os.path.join(logs, "process_0.log")) as f:
         print("\n".join(f.read().strip().splitlines()[-2:]))  # rank 0's summary line

@@ -63,6 +63,10 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     run_start = time.perf_counter()
     workdir = os.fspath(workdir)
     checkpoint_dir = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
+    for what, path in (("--workdir (train(..., workdir=))", workdir), ("checkpoint.dir", checkpoint_dir)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise config_lib.ConfigError(f"{what} {path!r} is a file, not a directory; name a directory "
+                                         "(it is created if missing)")
 
     # ------------------------------------------------------------------ devices
     if config.emulate_cpu_devices:
@@ -175,6 +179,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
                     rate = (window_steps - 1) * config.global_batch_size / max(elapsed, 1e-9)
                     step_seconds = elapsed / max(window_steps - 1, 1)
                     record = {k: float(v) for k, v in to_host(previous[1]).items()}
+                    _check_finite_loss(done, record, loss_scaler, parts.peak_learning_rate if optimizer is None else None)
                     if lr_by_step is not None:
                         record["learning_rate"] = float(lr_by_step[done - 1])
                     record.update(previous[2])
@@ -202,6 +207,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         if previous is not None:
             comm.add(previous[1])
             record = {k: float(v) for k, v in to_host(previous[1]).items()}
+            _check_finite_loss(previous[0], record, loss_scaler, parts.peak_learning_rate if optimizer is None else None)
             record.update(comm.step_record())
             record.update(comm.record(reference_bytes))
             if loss_scaler.enabled:
@@ -249,6 +255,11 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     does not split, impossible combinations, shape-dependent settings).
     """
     policy = precision.parse_policy(config.precision)
+    if np.dtype(policy.params) == np.float16:
+        raise config_lib.ConfigError(
+            f"precision={config.precision!r}: float16 master weights overflow and lose small updates (a probe "
+            "had every parameter non-finite after one step); keep params=float32 and compute in float16 "
+            "(p=f32,c=f16: dynamic loss scaling turns on by itself), or use bfloat16")
     loss_scaler = _loss_scaler(config.loss_scale, policy)
     if model is None:
         model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
@@ -266,6 +277,12 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
     compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
     strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
+    if config.parallel.name != "data" and (config.strategy.name != "sync" or config.compression.name != "none"):
+        raise config_lib.ConfigError(
+            f"parallel.name={config.parallel.name!r} with strategy.name={config.strategy.name!r} / "
+            f"compression.name={config.compression.name!r}: strategies and compression run on the shard_map "
+            "driver, which runs data parallelism only, while a partitioned model needs the jit driver; use "
+            "parallel.name=data with them, or strategy.name=sync and compression.name=none with this partitioning")
     check_combination(config.driver, strategy, compressor, loss_scaler)
 
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
@@ -419,6 +436,19 @@ def _loss_scaler(settings: ConfigDict, policy: precision.Policy) -> precision.Lo
     return precision.LossScaler(enabled=enabled, initial_scale=settings.initial,
                                 growth_interval=settings.growth_interval, backoff=settings.backoff,
                                 min_scale=settings.min_scale)
+
+
+def _check_finite_loss(step: int, record: dict, scaler: precision.LossScaler, peak_lr) -> None:
+    """A non-finite loss without loss scaling is divergence: stop now, naming the step, rather than train
+    NaNs to the end (with loss scaling such a step is skipped and the scale backs off instead)."""
+    loss = record.get("loss")
+    if scaler.enabled or loss is None or math.isfinite(loss):
+        return
+    rate = f" (the peak rate is {peak_lr:g})" if peak_lr is not None else ""
+    raise FloatingPointError(
+        f"step {step}: the training loss is {loss} — the run diverged. Lower optimizer.learning_rate{rate}, add "
+        "warmup (optimizer.warmup_steps) or gradient clipping, or check the inputs for NaN/inf. Checkpoints "
+        "already committed are kept; this run's state is not saved.")
 
 
 def _check_loss_scale(step: int, metrics: dict, scaler: precision.LossScaler) -> None:

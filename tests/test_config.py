@@ -337,3 +337,29 @@ def test_dgc_momentum_refuses_a_momentum_optimizer():
 def test_observability_keys_must_not_be_negative(key, value):
     with pytest.raises(ConfigError, match=f"{key}={value} must be >= 0"):
         override(base_config(), **{key: value})
+
+
+# ---------------------------------------------------------------- bad input found by a probe (66 inputs)
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.optimizer.learning_rate=nan", r"optimizer\.learning_rate=nan is not a finite number"),
+    ("--config.optimizer.learning_rate=-0.1", r"optimizer\.learning_rate=-0\.1 must be >= 0"),
+    ("--config.watchdog_seconds=-1", r"watchdog_seconds=-1\.0 must be >= 0"),
+    ("--config.model.features=(256, -4)", r"model\.features=\(256, -4\): widths and sizes must be >= 1"),
+    ("--config.optimizer.momentum=1.5", r"optimizer\.momentum=1\.5 must be in \[0, 1\)"),
+    ("--config.loss_scale.backoff=inf", r"loss_scale\.backoff=inf is not a finite number"),
+])
+def test_non_finite_negative_and_out_of_range_numbers_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load(DIGITS, [override])
+
+
+def test_a_broken_experiment_file_is_named_with_the_fix(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(:\n    pass\n")
+    with pytest.raises(ConfigError, match=r"broken\.py, line 1: invalid syntax .*not valid Python"):
+        load(str(broken))
+    empty = tmp_path / "empty.py"
+    empty.write_text("CONFIG = 1\n")
+    with pytest.raises(ConfigError, match=r"empty\.py defines no get_config\(\)"):
+        load(str(empty))

@@ -116,3 +116,70 @@ def _restore_in_one_process_on_one_device(directory, step):
                                     jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32))
     state, _ = Checkpointer(directory).restore(step, abstract_target(abstract, replicated_shardings(abstract, mesh)))
     assert int(state.step) == step
+
+
+def _rank_pids(tmp_path, launcher_pid):
+    """{rank: pid} of the training processes of the launch writing into ``tmp_path``."""
+    found = subprocess.run(["pgrep", "-f", f"workdir {tmp_path}"], capture_output=True, text=True)
+    ranks = {}
+    for pid in (int(p) for p in found.stdout.split()):
+        if pid == launcher_pid:
+            continue
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="ignore").split("\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith("DTX_PROCESS_ID="):
+                ranks[int(entry.split("=", 1)[1])] = pid
+    return ranks
+
+
+def _start_training_launch(tmp_path):
+    command = _dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT, "--workdir",
+                   str(tmp_path), *TINY, "--config.num_steps=100000", "--config.checkpoint.every_steps=0")
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) > 5):
+        time.sleep(0.1)
+    assert len(_losses(tmp_path)) > 5, "the job must be training before the fault"
+    ranks = _rank_pids(tmp_path, launcher.pid)
+    assert sorted(ranks) == [0, 1], ranks
+    return launcher, ranks
+
+
+def test_a_stuck_rank_is_named_not_the_rank_that_noticed(tmp_path):
+    """SIGSTOP rank 1: rank 0 aborts when rank 1's heartbeats stop. The launcher blames rank 1, the stuck
+    one (the probe found it blaming rank 0, the healthy detector)."""
+    launcher, ranks = _start_training_launch(tmp_path)
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        _, stderr = launcher.communicate(timeout=150)
+    finally:
+        if os.path.exists(f"/proc/{ranks[1]}"):
+            os.kill(ranks[1], signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert "rank 1 is stuck" in stderr, stderr
+    assert "first failed rank: 0" not in stderr
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL to `dtx launch` (it cannot forward anything): its workers stop too instead of training on
+    as orphans (the kernel kills them as their parent dies; the run resumes from its last checkpoint)."""
+    launcher, ranks = _start_training_launch(tmp_path)
+    launcher.kill()
+    launcher.communicate(timeout=30)
+    deadline = time.time() + 60
+    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks.values()):
+        time.sleep(0.2)
+    survivors = [rank for rank, pid in ranks.items() if os.path.exists(f"/proc/{pid}") and _alive(pid)]
+    for rank in survivors:
+        os.kill(ranks[rank], signal.SIGKILL)
+    assert not survivors, f"ranks {survivors} outlived the launcher"
+
+
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False

@@ -132,3 +132,32 @@ def test_error_feedback_under_float16_loss_scaling_is_refused_before_compiling(t
     with no_compilation(), pytest.raises(config_lib.ConfigError, match="loss-scaled gradients"):
         train(config, tmp_path)
     assert not os.path.exists(tmp_path / metrics.METRICS_FILE)
+
+
+def test_divergence_without_checkpoints_stops_within_log_every_naming_the_step(tmp_path, capsys):
+    """The probe: learning_rate 1e6, no checkpoints — NaN from step 10 to the end and exit 0. Now the run
+    stops at the first record with a non-finite loss, naming the step, and the CLI exits 3."""
+    argv = ["train", DEFAULT, "--workdir", str(tmp_path), "--config.num_steps=60", "--config.progress=False",
+            "--config.optimizer.name=sgd", "--config.optimizer.learning_rate=1e6", "--config.log_every=4"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "diverged" in err and "optimizer.learning_rate" in err
+    step = int(err.split("step ")[1].split(":")[0])
+    assert step % 4 == 0 and step < 60
+    assert max(r["step"] for r in metrics.read_metrics(tmp_path)) < step  # nothing recorded past the halt
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("--config.precision=p=f16,c=f16",), r"float16 master weights"),
+    (("--config.driver=jit", "--config.parallel.name=fsdp", "--config.compression.name=topk"),
+     r"parallel\.name='fsdp' with .*compression\.name='topk'.*use parallel\.name=data with them"),
+])
+def test_impossible_settings_are_refused_with_one_fix(tmp_path, overrides, message):
+    with no_compilation(), pytest.raises(config_lib.ConfigError, match=message):
+        train(tiny_config(*overrides), tmp_path)
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "taken").write_text("")
+    with no_compilation(), pytest.raises(config_lib.ConfigError, match=r"'.*taken' is a file, not a directory"):
+        train(tiny_config(), tmp_path / "taken")
