@@ -40,6 +40,9 @@ BENCHMARKS = {
                           "compressors: bytes sent vs accuracy (docs/compression.md)"),
     "perfmodel_verify": (["perfmodel_verify.py"], "perfmodel_verify", 2,
                          "dtx simulate --verify: predicted vs compiled FLOPs and bytes of the planner's plans"),
+    "checkpoint_memory": (["checkpoint_memory.py"], "checkpoint_memory", 1,
+                          "checkpoint save: host memory and blocking time vs local shard bytes, 1 and 2 processes"),
+    "chaos": (["chaos.py"], "chaos", 20, "SIGKILL/SIGTERM at random moments, resumed, compared bit for bit"),
     "strategies_sweep": (["strategies_sweep.py"], "strategies", 15,
                          "sync/async/local SGD/...: accuracy, time and bytes (docs/strategies.md)"),
 }

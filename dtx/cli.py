@@ -68,6 +68,7 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         stem = os.path.splitext(os.path.basename(experiment.split(":")[0]))[0]
         workdir = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
+    from dtx.checkpoint import CheckpointError
     from dtx.train import train
 
     try:
@@ -79,6 +80,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
     except FloatingPointError as e:  # the run diverged: the message names the step and what to change
         print(f"dtx: diverged: {e}", file=sys.stderr)
         return 3
+    except CheckpointError as e:  # a checkpoint that cannot be written or must not be restored: says why
+        print(f"dtx: checkpoint error: {e}", file=sys.stderr)
+        return 4
     if result.preempted:
         print(f"preempted: checkpoint saved at step {int(result.state.step)}; run the same command to resume")
         return 0

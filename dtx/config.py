@@ -122,6 +122,8 @@ def base_config() -> ConfigDict:
     c.checkpoint.resume = "auto"  # auto (resume if a checkpoint exists) | must | never
     c.checkpoint.async_save = True
     c.checkpoint.dir = ""  # default WORKDIR/checkpoints
+    c.checkpoint.resume_step = 0  # > 0: resume exactly this step; 0: the newest step that verifies
+    c.checkpoint.hmac_key_env = ""  # name of an environment variable holding an HMAC key for manifests ("": none)
 
     # Evaluation and logging.
     c.eval_batch_size = 256
@@ -281,6 +283,16 @@ def validate(config: ConfigDict) -> None:
         raise ConfigError(f"checkpoint.resume={config.checkpoint.resume!r}; choose one of {list(RESUME_MODES)}")
     if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1")
+    if config.checkpoint.resume_step < 0:
+        raise ConfigError(f"checkpoint.resume_step={config.checkpoint.resume_step} must be >= 0 "
+                          "(a step to resume exactly; 0: the newest step that verifies)")
+    if config.checkpoint.resume_step and config.checkpoint.resume == "never":
+        raise ConfigError(f"checkpoint.resume_step={config.checkpoint.resume_step} asks to resume but "
+                          "checkpoint.resume='never' forbids it; set one of them differently")
+    key_env = config.checkpoint.hmac_key_env
+    if key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+        raise ConfigError(f"checkpoint.hmac_key_env={key_env!r} is not an environment "
+                          "variable name; give the variable's name (e.g. DTX_CHECKPOINT_KEY), never the key itself")
     if config.distributed not in ("auto", "off"):
         raise ConfigError(f"distributed={config.distributed!r}; choose 'auto' or 'off'")
     if config.grad_accum_steps < 1:

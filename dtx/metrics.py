@@ -19,23 +19,33 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records a resume took out of METRICS_FILE
 
 
 class MetricWriter:
-    """Appends ``{"step": s, **metrics}`` lines to ``WORKDIR/metrics.jsonl`` and scalars to TensorBoard."""
+    """Appends ``{"step": s, **metrics}`` lines to ``WORKDIR/metrics.jsonl`` and scalars to TensorBoard.
 
-    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True):
+    ``resumed_from=N`` (a run resumed from checkpoint step N) first moves the records of
+    steps after N to ``metrics.superseded.jsonl`` — they describe training the resumed run
+    redoes — and tells TensorBoard to hide its events past N, so every step has one history.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True,
+                 resumed_from: int | None = None):
         self.workdir = os.fspath(workdir)
         self.enabled = enabled  # in a multi-process job only process 0 writes
         self._jsonl = self._tb = None
         if not enabled:
             return
         os.makedirs(self.workdir, exist_ok=True)
+        if resumed_from is not None:
+            truncate_after(self.workdir, resumed_from)
         self._jsonl = open(os.path.join(self.workdir, METRICS_FILE), "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=self.workdir, flush_secs=10)
+            self._tb = SummaryWriter(logdir=self.workdir, flush_secs=10,
+                                     purge_step=None if resumed_from is None else resumed_from + 1)
 
     def write(self, step: int, metrics: Mapping[str, float | int | str]) -> None:
         if not self.enabled:
@@ -59,6 +69,30 @@ class MetricWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def truncate_after(workdir: str | os.PathLike, step: int) -> int:
+    """Move the records of steps after ``step`` (and a line torn by a killed process) from
+    ``metrics.jsonl`` to ``metrics.superseded.jsonl``; returns how many moved. Nothing is lost:
+    the moved lines are appended there before ``metrics.jsonl`` is replaced in one rename."""
+    path = os.path.join(os.fspath(workdir), METRICS_FILE)
+    if not os.path.exists(path):
+        return 0
+    keep, moved = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in filter(str.strip, f):
+            try:
+                kept = int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                kept = False
+            (keep if kept else moved).append(line if line.endswith("\n") else line + "\n")
+    if moved:
+        with open(os.path.join(os.fspath(workdir), SUPERSEDED_FILE), "a", encoding="utf-8") as f:
+            f.writelines(moved)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+    return len(moved)
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:

@@ -6,11 +6,13 @@ values and built collaborators (DESIGN.md §4.1, §4.8).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import sys
 import time
 from typing import NamedTuple
 
@@ -77,7 +79,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
     if multi_process:
         _check_same_config(config)
-    resuming = _decide_resume(config.checkpoint.resume, checkpoint_dir, workdir)
+    resuming = _decide_resume(config.checkpoint.resume, checkpoint_dir, workdir, config.checkpoint.resume_step)
+    hmac_key = _hmac_key(config.checkpoint.hmac_key_env)
     _barrier("dtx: every process has checked the workdir")  # before anyone writes to it
     if multi_process and (config.checkpoint.every_steps or resuming):
         _check_shared_directory(checkpoint_dir)
@@ -107,17 +110,19 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     checkpointer = None
     if config.checkpoint.every_steps or resuming:
         checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
-                                                   async_save=config.checkpoint.async_save)
-    if resuming:
-        latest = checkpointer.latest_step()
-        saved = checkpointer.metadata(latest)  # checked before any array is read into a layout
-        _check_resumable(saved.get("config", {}), config)
-        _check_workers(saved, workers, abstract_state)
-        state, saved = checkpointer.restore(latest, checkpoint_lib.abstract_target(abstract_state, shardings))
+                                                   async_save=config.checkpoint.async_save, hmac_key=hmac_key)
+    if resuming:  # the newest step that verifies (or checkpoint.resume_step), its config checked before any array
+        resumed = checkpointer.resume(
+            checkpoint_lib.abstract_target(abstract_state, shardings), step=config.checkpoint.resume_step or None,
+            check=lambda saved: (_check_resumable(saved.get("config", {}), config),
+                                 _check_workers(saved, workers, abstract_state)))
+        state, saved = resumed.state, resumed.metadata
     else:
         state = init_train_state(model, tx, parts.example, config.seed, mesh, loss_scaler, shardings, parts.strategy,
                                  parts.compressor)
     start_step = int(to_host(state.step))
+    if resuming and jax.process_index() == 0:
+        print(f"dtx: resumed from step {start_step} ({checkpoint_dir})", file=sys.stderr, flush=True)
     # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
     data_digest = saved.get("data_digest", "") if resuming else ""
     comm = CommTotals(**saved.get("comm", {})) if resuming else CommTotals()
@@ -139,13 +144,16 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             f.write(config.to_json(indent=2))
-    writer = metrics_lib.MetricWriter(workdir, enabled=main_process)
+    # A resume drops the records past its step (a killed run's abandoned future): one history per step.
+    writer = metrics_lib.MetricWriter(workdir, enabled=main_process, resumed_from=start_step if resuming else None)
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
                               "precision": str(policy),
                               **({"peak_learning_rate": parts.peak_learning_rate} if optimizer is None else {}),
                               **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
                               **{k: v for k, v in program.items() if k != "model_flops_per_step"},
-                              **({"resumed_from": start_step} if resuming else {})})
+                              **({"resumed_from": start_step} if resuming else {}),
+                              **({"resume_skipped": [{"step": s, "reason": why} for s, why in resumed.skipped]}
+                                 if resuming and resumed.skipped else {})})
     every = config.checkpoint.every_steps
     bar = metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process)
     watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index())
@@ -154,7 +162,9 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
     preemption = checkpoint_lib.PreemptionWatcher(enabled=checkpointer is not None)
-    with writer, bar, preemption, watchdog, trace, jax.transfer_guard("disallow"):
+    # Leaving on an error, the checkpointer still lets its pending save commit (after the watchdog stopped).
+    with writer, checkpointer or contextlib.nullcontext(), bar, preemption, watchdog, trace, \
+            jax.transfer_guard("disallow"):
         previous = None  # (step, metrics, batch record) of the step before: read once the next is dispatched
         window_start, window_steps, rate = time.perf_counter(), 0, 0.0
         preempted = False
@@ -462,21 +472,64 @@ def _check_loss_scale(step: int, metrics: dict, scaler: precision.LossScaler) ->
         )
 
 
-def _decide_resume(mode: str, checkpoint_dir: str, workdir: str) -> bool:
+def _decide_resume(mode: str, checkpoint_dir: str, workdir: str, step: int = 0) -> bool:
     """Whether to resume; refuses anything that would overwrite or mix runs, before any work."""
-    has_checkpoint = os.path.isdir(checkpoint_dir) and any(n.isdigit() for n in os.listdir(checkpoint_dir))
+    steps = sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()) if os.path.isdir(checkpoint_dir) else []
+    has_checkpoint = bool(steps)
+    if step and step not in steps:
+        raise FileNotFoundError(f"checkpoint.resume_step={step} but {checkpoint_dir} holds no step {step} "
+                                f"(it holds {steps or 'none'}); choose one of them, or 0 for the newest that verifies")
     if mode == "must" and not has_checkpoint:
         raise FileNotFoundError(f"checkpoint.resume=must but {checkpoint_dir} holds no checkpoint")
     if mode == "never" and has_checkpoint:
         raise FileExistsError(f"checkpoint.resume=never but {checkpoint_dir} already holds checkpoints; "
                               "choose another --workdir (dtx never overwrites a run)")
     resuming = has_checkpoint and mode != "never"
+    if not resuming and mode != "must" and _interrupted_before_first_commit(checkpoint_dir, workdir):
+        return False
     if not resuming and os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)):
         raise FileExistsError(
             f"workdir {workdir!r} already holds a run ({metrics_lib.METRICS_FILE}) and no checkpoint to resume; "
             "choose another --workdir or move that run away (dtx never overwrites records)"
         )
     return resuming
+
+
+def _interrupted_before_first_commit(checkpoint_dir: str, workdir: str) -> bool:
+    """A checkpointing run stopped before its first checkpoint committed left records but nothing to resume.
+
+    Its checkpoint directory exists (created before training starts) but holds no committed step. Nothing of
+    it can be resumed, so the run starts over; its records are moved into ``WORKDIR/interrupted-<n>/``,
+    never deleted. A workdir whose run never checkpointed is still refused (that run may have finished).
+    """
+    records = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    if not (os.path.exists(records) and os.path.isdir(checkpoint_dir)):
+        return False
+    if any(n.isdigit() for n in os.listdir(checkpoint_dir)):
+        return False
+    if jax.process_index() == 0:
+        n = 1 + sum(1 for name in os.listdir(workdir) if name.startswith("interrupted-"))
+        aside = os.path.join(workdir, f"interrupted-{n}")
+        os.makedirs(aside)
+        for name in os.listdir(workdir):
+            if name == metrics_lib.METRICS_FILE or name == "config.json" or name.startswith("events.out.tfevents"):
+                os.replace(os.path.join(workdir, name), os.path.join(aside, name))
+        print(f"dtx: {workdir} holds a run interrupted before its first checkpoint committed; starting over "
+              f"(its records are in {aside})", file=sys.stderr)
+    return True
+
+
+def _hmac_key(variable: str) -> bytes | None:
+    """The manifests' HMAC key, from the environment variable ``checkpoint.hmac_key_env`` names (never the config,
+    which is saved in every checkpoint and config.json)."""
+    if not variable:
+        return None
+    value = os.environ.get(variable, "")
+    if not value:
+        raise config_lib.ConfigError(
+            f"checkpoint.hmac_key_env={variable!r} but the environment variable {variable} is unset or empty; "
+            f"export it in every process (e.g. {variable}=$(openssl rand -hex 32)) or set checkpoint.hmac_key_env=''")
+    return value.encode()
 
 
 def _barrier(name: str) -> None:

@@ -38,11 +38,14 @@ def _dtx(*args):
 
 
 def _losses(workdir):
-    """Per-step loss bits and batch hashes; a resumed run may log a step twice — the later record wins.
+    """Per-step loss bits and batch hashes; a step logged twice is an error (a resume drops the records
+    past its step, so every step has one history).
 
     ``data_digest`` chains every batch's hash since step 0: equal digests mean no batch was repeated
     or skipped across the restart."""
-    by_step = {r["step"]: r for r in metrics.read_metrics(workdir) if "loss" in r}
+    records = [r for r in metrics.read_metrics(workdir) if "loss" in r]
+    by_step = {r["step"]: r for r in records}
+    assert len(by_step) == len(records), sorted(r["step"] for r in records)
     return {step: (np.float32(r["loss"]).tobytes(), r["batch_hash"], r["data_digest"]) for step, r in by_step.items()}
 
 
@@ -142,9 +145,9 @@ def test_structure_mismatch_is_refused(saved):
                                                    mesh_lib.make_mesh([("data", 8)])))
 
 
-def _data_files(directory):
+def _data_files(directory, step=7):
     """The array data files restore reads (ocdbt's merged store), largest first."""
-    data = directory / "7" / "state" / "d"
+    data = directory / str(step) / "state" / "d"
     return sorted((str(data / name) for name in os.listdir(data)), key=os.path.getsize, reverse=True)
 
 
@@ -326,3 +329,107 @@ def test_per_worker_state_refuses_another_worker_count_before_reading_arrays(tmp
     assert re.search("per-worker state for 8 data-parallel workers.*has 4", four.stderr), four.stderr
     result = train(config_lib.load(DEFAULT, topk + ["--config.num_steps=6"]), tmp_path)
     assert int(result.state.step) == 6
+
+
+# ------------------------------------------------------------------ divergence, fallback, resume_step
+DIVERGE = ["--config.checkpoint.every_steps=5", "--config.optimizer.name=sgd", "--config.optimizer.learning_rate=300",
+           "--config.num_steps=20", "--config.progress=False"]
+
+
+def _committed(directory):
+    """Step directories and orbax temporaries (a save that never committed) in ``directory``."""
+    names = os.listdir(directory)
+    return sorted(int(n) for n in names if n.isdigit()), [n for n in names if "tmp" in n]
+
+
+def test_refused_save_lets_the_pending_save_commit(tmp_path):
+    """A non-finite state is refused only after the save in flight has committed: the moment the error
+    is raised, the last good step is on disk, committed and restorable. (64 MB of random data keep the
+    earlier save writing while the refused one is checked.)"""
+    mesh = mesh_lib.make_mesh([("data", 8)])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    weights = jax.device_put(np.random.default_rng(0).standard_normal((4096, 4096), np.float32), sharding)
+    checkpointer = Checkpointer(tmp_path, keep=1)
+    checkpointer.save(5, {"w": weights * 0.5})
+    checkpointer.wait()
+    checkpointer.save(10, {"w": weights})  # still writing in the background ...
+    with pytest.raises(CheckpointError, match=r"not saving step 15: 'w' has non-finite values.*\(step 10\) is kept"):
+        checkpointer.save(15, {"w": weights * np.inf})
+    assert _committed(tmp_path) == ([10], [])  # ... and committed before the error left save()
+    target = {"w": jax.ShapeDtypeStruct(weights.shape, weights.dtype, sharding=sharding)}
+    restored, _ = Checkpointer(tmp_path).restore(10, target)
+    assert state_digest(restored) == state_digest({"w": weights})
+
+
+def test_divergence_keeps_the_last_good_checkpoint_cli_and_api(tmp_path):
+    """The probe of the issue: training at lr=300 diverges after step 5. `dtx train` exits non-zero and
+    train() raises; either way step 5 — still being written when the run stopped — is committed the
+    moment the error is out (nothing is left to commit, or delete steps, after the caller saw it) and
+    restores bit-identical to the state after 5 steps."""
+    run = subprocess.run(_dtx("train", DEFAULT, "--workdir", str(tmp_path / "cli"), *DIVERGE), capture_output=True,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert run.returncode != 0
+    assert "not saving step 10" in run.stderr or "diverged" in run.stderr, run.stderr[-2000:]
+    assert "cannot schedule new futures" not in run.stderr and "Failed to run" not in run.stderr, run.stderr[-3000:]
+    assert _committed(tmp_path / "cli" / "checkpoints") == ([5], [])
+
+    # Logging every step, the non-finite loss stops the run before step 10 is even saved: any error
+    # leaving the loop lets the pending save commit, not only a refused save.
+    config = config_lib.load(DEFAULT, DIVERGE + ["--config.log_every=1"])
+    with pytest.raises((CheckpointError, FloatingPointError), match="non-finite|diverged"):
+        train(config, tmp_path / "api")
+    assert _committed(tmp_path / "api" / "checkpoints") == ([5], [])
+
+    five = train(config_lib.override(config, num_steps=5, **{"checkpoint.every_steps": 0}), tmp_path / "five").state
+    for workdir in ("cli", "api"):
+        restored, _ = Checkpointer(tmp_path / workdir / "checkpoints").restore(5, _target_like(five))
+        assert state_digest(restored) == state_digest(five), workdir
+
+
+def test_resume_falls_back_past_a_damaged_step_and_resume_step_is_exact(tmp_path, capfd):
+    """Steps 2, 4, 6 saved; 6 damaged. resume_step=3 (absent) and resume_step=6 (damaged) are refused
+    by name; resume=auto skips 6 loudly (stderr and a record field), resumes 4, moves 6 aside (kept),
+    and the records past step 4 are truncated: one record per step, and the redone steps 5-6 equal
+    the first run's bit for bit."""
+    base = RUN + ["--config.checkpoint.every_steps=2", "--config.checkpoint.async_save=False"]
+    train(config_lib.load(DEFAULT, base + ["--config.num_steps=6"]), tmp_path)
+    victim = _data_files(tmp_path / "checkpoints", step=6)[0]
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(victim, "wb").write(bytes(data))
+    first = {r["step"]: r["loss"] for r in metrics.read_metrics(tmp_path) if "loss" in r}
+    assert sorted(first) == [1, 2, 3, 4, 5, 6]
+
+    longer = config_lib.load(DEFAULT, base + ["--config.num_steps=8"])
+    with pytest.raises(FileNotFoundError, match=r"resume_step=3 .*holds no step 3 \(it holds \[2, 4, 6\]\)"):
+        train(config_lib.override(longer, **{"checkpoint.resume_step": 3}), tmp_path)
+    with pytest.raises(CheckpointError, match=r"resume_step=6: checkpoint .*/6.*(SHA-256|unreadable)"):
+        train(config_lib.override(longer, **{"checkpoint.resume_step": 6}), tmp_path)
+    capfd.readouterr()
+    result = train(longer, tmp_path)
+    err = capfd.readouterr().err
+    assert re.search(r"not resuming from checkpoint step 6: checkpoint .*/6", err), err
+    assert "resumed from step 4" in err
+    assert int(result.state.step) == 8
+    records = metrics.read_metrics(tmp_path)
+    header = next(r for r in records if r.get("resumed_from") == 4)
+    assert [(s["step"], "/6" in s["reason"]) for s in header["resume_skipped"]] == [(6, True)]
+    losses = [r for r in records if "loss" in r]
+    assert [r["step"] for r in losses] == list(range(1, 9))  # steps 5 and 6 once, from the resumed run
+    assert all(np.float32(r["loss"]) == np.float32(first[r["step"]]) for r in losses if r["step"] <= 6)
+    superseded = [json.loads(line) for line in open(tmp_path / metrics.SUPERSEDED_FILE)]
+    assert sorted(r["step"] for r in superseded if "loss" in r) == [5, 6]
+    assert [n.split(".")[0] for n in os.listdir(tmp_path / "checkpoints" / "superseded")] == ["6"]
+    assert _committed(tmp_path / "checkpoints")[0] == [4, 6, 8]  # 6 saved anew by the resumed run
+
+
+def test_checkpoint_keys_are_checked_at_load_time():
+    """The new keys fail when the config is loaded, naming the key and the fix, like every other key."""
+    for overrides, message in ((["--config.checkpoint.resume_step=-1"], "resume_step=-1 must be >= 0"),
+                               (["--config.checkpoint.resume_step=4", "--config.checkpoint.resume=never"],
+                                "resume_step=4 asks to resume but checkpoint.resume='never'"),
+                               (["--config.checkpoint.hmac_key_env=my secret"], "is not an environment variable name"),
+                               (["--config.checkpoint.resume_step=four"], "checkpoint.resume_step.*wrong type")):
+        with pytest.raises(config_lib.ConfigError, match=message):
+            config_lib.load(DEFAULT, overrides)
+    assert config_lib.load(DEFAULT, ["--config.checkpoint.hmac_key_env=DTX_KEY"]).checkpoint.hmac_key_env == "DTX_KEY"

@@ -161,3 +161,31 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "taken").write_text("")
     with no_compilation(), pytest.raises(config_lib.ConfigError, match=r"'.*taken' is a file, not a directory"):
         train(tiny_config(), tmp_path / "taken")
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
+    """The probe (F1): SIGKILL after the first records but before any checkpoint commits left a workdir the
+    same command refused ("already holds a run ... no checkpoint to resume"). Now it starts over and keeps
+    the interrupted records aside."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "dtx.cli", "train", DEFAULT, "--workdir", str(tmp_path), *TINY,
+               "--config.num_steps=100000", "--config.log_every=1", "--config.checkpoint.every_steps=100000"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+            (tmp_path / "metrics.jsonl").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) > 3):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert not any(n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))  # nothing committed
+    interrupted = (tmp_path / "metrics.jsonl").read_text()
+    command[command.index("--config.num_steps=100000")] = "--config.num_steps=8"
+    rerun = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "interrupted before its first checkpoint committed; starting over" in rerun.stderr
+    assert (tmp_path / "interrupted-1" / "metrics.jsonl").read_text() == interrupted  # kept, not lost
+    records = metrics.read_metrics(tmp_path)
+    assert records[0]["step"] == 0 and "test_accuracy" in records[-1]
