@@ -25,7 +25,7 @@ The sweep over strategies and settings, table and plot: ``python benchmarks/stra
 (BENCHMARKS.md, docs/strategies.md). Expected (one seed, 360 test digits; ~5–10 s a run):
 sync 98.6% test accuracy; local_sgd 98.1, diloco 98.1, easgd 98.3, gossip 98.3, ssp 97.8 —
 while local_sgd and diloco send 17× fewer bytes per step than sync, easgd 4×, ssp 1.7×, and
-gossip needs 12 message rounds per step instead of 84. async drops to 88.1%: stale gradients
+gossip sends only to its neighbours (no global all-reduce in its step). async drops to 88.1%: stale gradients
 act as extra momentum on top of Adam's b1 = 0.9; ``--config.optimizer.momentum=0.5`` gives 97.8%.
 """
 
