@@ -9,12 +9,15 @@ model: a dual-socket server in Das et al. (arXiv 1602.06709 §5), one GPU in the
 NVLink preset (whose ``local_size`` GPUs share a faster intra-node link).
 
 Every number below is a data-sheet or link-rate figure with its source in a comment,
-never a value fitted to a measured speedup. The one assumption is **kernel
+never a value fitted to a measured speedup. The one assumption of the time model is **kernel
 efficiency** (fraction of peak FLOP/s a well-tuned convolution or matrix-multiply
 sustains on large operands): ``DEFAULT_EFFICIENCY = 0.7`` for both layer types, the
 lower end of what vendor-tuned SGEMM/convolution libraries reach on large problems
 (MKL on Haswell, cuBLAS/cuDNN on Hopper). It is an explicit, named input: override it
 (``dtx simulate --efficiency conv=0.8,dense=0.6``) rather than read it as measured.
+Each preset also carries one node's memory (``device_memory``: HBM of a GPU, DRAM
+of a server), against which :mod:`dtx.memory` checks plans; the Haswell node's
+128 GiB is an assumed configuration, marked as such below.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class Cluster:
       efficiency: fraction of ``node_flops`` each layer kind sustains ("conv", "dense").
       bytes_per_element: bytes of one activation / weight / gradient element.
       description: what the preset is, for tables and plots.
+      device_memory: memory of one node (GPU: its HBM; server: its DRAM), bytes; ``inf`` = unknown,
+        no limit (:mod:`dtx.memory` checks plans against it).
     """
 
     name: str
@@ -62,9 +67,10 @@ class Cluster:
         default_factory=lambda: {kind: DEFAULT_EFFICIENCY for kind in LAYER_KINDS})
     bytes_per_element: int = 4
     description: str = ""
+    device_memory: float = math.inf
 
     def __post_init__(self):
-        for field in ("node_flops", "memory_bandwidth", "bandwidth", "local_bandwidth"):
+        for field in ("node_flops", "memory_bandwidth", "bandwidth", "local_bandwidth", "device_memory"):
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ClusterError(f"cluster {self.name!r}: {field} must be a positive number, got {value!r}")
@@ -120,6 +126,10 @@ HASWELL_FDR = Cluster(
     bandwidth=6.8e9,
     # MPI point-to-point latency over FDR incl. software, ~1-2 µs (Mellanox ConnectX-3 data sheet: < 1 µs hardware).
     latency=2e-6,
+    # 128 GiB DDR4 per node: 8 × 16 GiB DDR4-2133 RDIMMs, one per channel. An assumption: a common
+    # 2015-16 configuration of this board class (Intel ARK: up to 768 GB per socket); Das et al. do not
+    # state the node memory of their cluster.
+    device_memory=128 * 2**30,
     description="2016 dual-socket Xeon E5-2697 v3 (Haswell) + FDR InfiniBand, fp32",
 )
 
@@ -135,13 +145,16 @@ CLOUD_10GBE = Cluster(
     bandwidth=1.25e9,
     # TCP/IP through a virtualised NIC: tens of µs per message (EC2 enhanced networking, 2015-16 era).
     latency=50e-6,
+    # 60 GiB per instance (AWS EC2 c4.8xlarge specification).
+    device_memory=60 * 2**30,
     description="10 GbE cloud cluster, c4.8xlarge-class Haswell nodes, fp32",
 )
 
 
-def _hopper(name: str, hbm_bandwidth: float, memory: str) -> Cluster:
+def _hopper(name: str, hbm_bandwidth: float, memory: str, hbm_bytes: float) -> Cluster:
     return Cluster(
         name=name,
+        device_memory=hbm_bytes,
         # Dense BF16 tensor-core peak of an H100/H200 SXM: 989 TFLOP/s (NVIDIA H100 data sheet,
         # 1,979 "with sparsity"; the H200 has the same GH100 compute).
         node_flops=989e12,
@@ -166,10 +179,10 @@ PRESETS: dict[str, Cluster] = {
     for c in (
         HASWELL_FDR,
         CLOUD_10GBE,
-        # H100 SXM5: 3.35 TB/s HBM3 (NVIDIA H100 data sheet).
-        _hopper("h100_nvlink_ndr", 3.35e12, "H100"),
-        # H200 SXM: 4.8 TB/s HBM3e (NVIDIA H200 data sheet).
-        _hopper("h200_nvlink_ndr", 4.8e12, "H200"),
+        # H100 SXM5: 80 GB HBM3 at 3.35 TB/s (NVIDIA H100 data sheet).
+        _hopper("h100_nvlink_ndr", 3.35e12, "H100", 80e9),
+        # H200 SXM: 141 GB HBM3e at 4.8 TB/s (NVIDIA H200 data sheet).
+        _hopper("h200_nvlink_ndr", 4.8e12, "H200", 141e9),
     )
 }
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -374,7 +374,8 @@ def _divisors(n: int) -> list[int]:
 
 def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: int, *, mode: str = "auto",
               group_size: int | None = None, overlap: str = "none", algorithm: str = "ring",
-              per_example: Mapping[str, float] | None = None) -> Plan:
+              per_example: Mapping[str, float] | None = None,
+              memory: Callable[[Plan], float] | None = None) -> Plan:
     """Choose per layer data or model parallelism and the group size that minimise iteration time.
 
     Args:
@@ -389,6 +390,8 @@ def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batc
       overlap: which bound (:data:`OVERLAPS`) the plan minimises.
       algorithm: allreduce algorithm of :mod:`dtx.costmodel`.
       per_example: measured seconds per example by layer name (see :func:`compute_time`).
+      memory: per-device bytes of a plan (e.g. ``dtx.memory.estimate_plan(plan, ...).total``);
+        a group size whose plan needs more than ``cluster.device_memory`` is not chosen.
 
     A layer can be split only if ``G`` divides its output features (else it stays
     data-parallel, as in :mod:`dtx.parallel`). Ties go to the smaller ``G``.
@@ -413,7 +416,7 @@ def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batc
     else:
         candidates = [g for g in _divisors(nodes) if g > 1 or mode == "auto" or nodes == 1]
     layers = tuple(layers)
-    best = None
+    best, smallest = None, math.inf
     for g in candidates:
         costs, sharded = [], []
         for i, layer in enumerate(layers):
@@ -427,8 +430,17 @@ def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batc
             else:
                 costs.append(data)
         plan = Plan(nodes, global_batch, g, tuple(sharded), layers, tuple(costs), iteration_times(costs))
+        need = memory(plan) if memory is not None else 0.0
+        if need > cluster.device_memory:  # it would not fit: never the plan, however fast
+            smallest = min(smallest, need)
+            continue
         if best is None or plan.times[overlap] < best.times[overlap] * (1 - 1e-12):
             best = plan
+    if best is None:
+        raise PerfModelError(
+            f"no plan of {nodes} nodes at global batch {global_batch} fits the {cluster.device_memory / 2**30:.1f} "
+            f"GiB of a {cluster.name} node: the smallest needs {smallest / 2**30:.1f} GiB per node; use more nodes, "
+            "a smaller batch, or another layout (dtx simulate --memory)")
     return best
 
 
@@ -446,13 +458,15 @@ class ScalingPoint(NamedTuple):
 
 def scaling(layers: Sequence[Layer], cluster: Cluster, node_counts: Sequence[int], *,
             global_batch: int | None = None, per_node_batch: int | None = None, mode: str = "auto",
-            overlap: str = "none", algorithm: str = "ring", group_size: int | None = None) -> list[ScalingPoint]:
+            overlap: str = "none", algorithm: str = "ring", group_size: int | None = None,
+            memory: Callable[[Plan], float] | None = None) -> list[ScalingPoint]:
     """Predicted iteration time, speedup and efficiency per node count.
 
     Strong scaling (``global_batch`` fixed): speedup ``T(1)/T(N)``, efficiency
     ``speedup/N``. Weak scaling (``per_node_batch`` fixed, global batch ``b·N``):
     speedup is the throughput ratio ``N·T(1)/T(N)``, efficiency ``T(1)/T(N)``.
-    ``T(1)`` is one node with the same (strong) or per-node (weak) batch.
+    ``T(1)`` is one node with the same (strong) or per-node (weak) batch, a reference
+    whether or not it fits; ``memory`` (see :func:`make_plan`) applies to the node counts.
     """
     if (global_batch is None) == (per_node_batch is None):
         raise PerfModelError("give exactly one of global_batch (strong scaling) or per_node_batch (weak scaling)")
@@ -468,7 +482,7 @@ def scaling(layers: Sequence[Layer], cluster: Cluster, node_counts: Sequence[int
     for n in node_counts:
         batch = global_batch if strong else per_node_batch * n
         g = group_size if group_size is not None and n > 1 else None
-        plan = make_plan(layers, cluster, n, batch, group_size=g, **kwargs)
+        plan = make_plan(layers, cluster, n, batch, group_size=g, memory=memory, **kwargs)
         t = plan.times[overlap]
         speedup = base / t if strong else n * base / t
         points.append(ScalingPoint(n, batch / n, batch, t, speedup, speedup / n, plan))

@@ -13,7 +13,11 @@ JSON instead of tables. ``--verify`` then compiles every plan of 2 to
 ``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
 group and for the whole training step, the predicted and the compiled per-device
 FLOPs and bytes with their ratio (:mod:`dtx.verify`); it exits with status 1 when
-one is more than 10 % off. Bad input exits with status 2 and a message naming the fix.
+one is more than 10 % off. ``--memory`` prints, per node count and layout (data,
+ZeRO-1/2, FSDP, model, hybrid and the planner's plan), the per-device bytes of
+:mod:`dtx.memory` and whether they fit the node (``Cluster.device_memory``); the
+planner then picks, per node count, the fastest plan that fits (a node count where
+none does is reported as refused). Bad input exits with status 2 and a message naming the fix.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ import sys
 from collections.abc import Sequence
 
 from dtx import costmodel, perfmodel
+from dtx import memory as memory_lib
 from dtx.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
 
 _PHYSICAL = ("node_flops", "memory_bandwidth", "bandwidth", "latency")
+MEMORY_LAYOUTS = ("data", "zero1", "zero2", "fsdp", "model", "hybrid")
 
 
 def _positive(kind):
@@ -97,6 +103,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="compile each printed plan of up to --verify-devices nodes on emulated CPU devices and print "
                         "per layer the predicted and the compiled per-device FLOPs and bytes (dtx.verify)")
+    p.add_argument("--memory", action="store_true",
+                   help="print per-device memory (params, grads, optimizer, activations, buffers) per layout and "
+                        "node count, and whether it fits the cluster's device memory (dtx.memory)")
+    p.add_argument("--optimizer", default="adam", choices=sorted(memory_lib.SLOTS),
+                   help="optimizer whose state the memory model counts (default adam)")
+    p.add_argument("--precision", help="dtx precision policy for the memory model, e.g. p=f32,c=bf16 "
+                                       "(default: float32, or p=f32,c=bf16,r=bf16 on a 2-byte cluster)")
+    p.add_argument("--memory-backend", default="xla_cpu", choices=memory_lib.BACKENDS,
+                   help="buffers as XLA:CPU compiles the step (checked, default) or without its CPU-only copies "
+                        "and with a true reduce-scatter (gpu, unchecked)")
+    p.add_argument("--device-memory", type=_positive(float), help="memory per node, bytes (overrides the preset)")
     p.add_argument("--verify-devices", type=_positive(int), default=8,
                    help="CPU devices to emulate for --verify (default 8): plans of more nodes are not compiled")
     return p
@@ -117,6 +134,8 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
         cluster = cluster.replace(efficiency={**cluster.efficiency, **args.efficiency})
     if args.bytes_per_element is not None:
         cluster = cluster.replace(bytes_per_element=args.bytes_per_element)
+    if getattr(args, "device_memory", None) is not None:
+        cluster = cluster.replace(device_memory=args.device_memory)
     return cluster
 
 
@@ -129,6 +148,59 @@ def _analyze(name: str, input_shape: Sequence[int] | None) -> tuple[perfmodel.La
         raise perfmodel.PerfModelError(f"model {name!r} has no default input shape; pass --input-shape, "
                                        "e.g. --input-shape 28,28,1")
     return perfmodel.analyze(model, shape)
+
+
+def _memory_setup(args, cluster: Cluster):
+    """``estimate(layers, layout, nodes=, global_batch=, ...)`` for the model, its terms traced once."""
+    from dtx.precision import parse_policy
+    from models import build_model
+
+    model = build_model(args.model)
+    shape = args.input_shape or type(model).default_input_shape
+    default = "p=f32,c=bf16,r=bf16" if cluster.bytes_per_element == 2 else "p=f32"
+    common = dict(memory_lib.model_terms(model, shape), optimizer=args.optimizer,
+                  policy=parse_policy(args.precision or default), backend=args.memory_backend)
+    return lambda layers, layout, **kw: memory_lib.estimate(layers, layout, **common, **kw)
+
+
+def _memory_rows(estimate, layers, points) -> list[dict]:
+    """Per node count: each layout of :data:`MEMORY_LAYOUTS` and the planner's plan, per-device bytes."""
+    rows = []
+    for point in points:
+        n, batch, plan = point.nodes, point.global_batch, point.plan
+        hybrid = plan.group_size if plan.group_size > 1 else 2
+        for layout in MEMORY_LAYOUTS + ("plan",):
+            g = {"model": n, "hybrid": hybrid}.get(layout, 1)
+            split = [layer for layer in layers if layout == "model" or (layout == "hybrid" and layer.kind == "dense")]
+            if layout in ("model", "hybrid") and (n % g or g == 1 or any(x.kernel_shape[-1] % g for x in split)):
+                continue  # dtx.parallel refuses a split that does not divide (or there is no group)
+            if layout == "plan":
+                e = estimate(layers, "rules", nodes=n, global_batch=batch, group_size=plan.group_size,
+                             sharded=plan.sharded)
+            else:
+                e = estimate(layers, layout, nodes=n, global_batch=batch, group_size=g)
+            rows.append(dict(nodes=n, layout=layout if layout != "plan" else f"plan ({_plan_text(plan)})",
+                             group_size=plan.group_size if layout == "plan" else g, params=e.params,
+                             grads=e.grads, optimizer=e.optimizer, activations=e.activations, buffers=e.buffers,
+                             total=e.total))
+    return rows
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _print_memory(rows: list[dict], cluster: Cluster, args) -> None:
+    capacity = "unknown" if cluster.device_memory == float("inf") else _size(cluster.device_memory)
+    print(f"\nmemory per device (dtx.memory, {args.memory_backend} buffers; {args.optimizer}; total = the step's peak: "
+          f"state + the largest of forward, backward, update), node memory {capacity}:")
+    print(f"{'nodes':>6} {'layout':<28} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
+          f"{'buffers':>10} {'total':>10}  fits")
+    for r in rows:
+        fits = "-" if cluster.device_memory == float("inf") else "yes" if r["total"] <= cluster.device_memory else "no"
+        print(f"{r['nodes']:>6} {r['layout'][:28]:<28} {_size(r['params']):>10} {_size(r['grads']):>10} "
+              f"{_size(r['optimizer']):>10} {_size(r['activations']):>11} {_size(r['buffers']):>10} "
+              f"{_size(r['total']):>10}  {fits}")
 
 
 def _plan_text(plan: perfmodel.Plan) -> str:
@@ -214,9 +286,25 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster = build_cluster(args)
         layers = _analyze(args.model, args.input_shape)
-        points = perfmodel.scaling(
-            layers, cluster, args.nodes, global_batch=args.global_batch, per_node_batch=args.per_node_batch,
-            mode=args.plan, overlap=args.overlap, algorithm=args.algorithm, group_size=args.group_size)
+        setting = dict(global_batch=args.global_batch, per_node_batch=args.per_node_batch, mode=args.plan,
+                       overlap=args.overlap, algorithm=args.algorithm, group_size=args.group_size)
+        points = perfmodel.scaling(layers, cluster, args.nodes, **setting)
+        memory_rows, refused = [], {}
+        if args.memory:  # the planner then picks, per node count, the fastest plan that fits
+            estimate = _memory_setup(args, cluster)
+            fitted = []
+            for point in points:
+                try:
+                    fitted += perfmodel.scaling(layers, cluster, [point.nodes], **setting, memory=lambda plan: estimate(
+                        plan.layers, "rules", nodes=plan.nodes, global_batch=plan.global_batch,
+                        group_size=plan.group_size, sharded=plan.sharded).total)
+                except perfmodel.PerfModelError as e:
+                    refused[point.nodes] = str(e)
+            chosen = {point.nodes: point for point in fitted}
+            memory_rows = _memory_rows(estimate, layers, [chosen.get(point.nodes, point) for point in points])
+            if not fitted:
+                raise perfmodel.PerfModelError(" ".join(refused.values()))
+            points = fitted
     except ValueError as e:  # ModelConfigError, ClusterError, PerfModelError, CollectiveError
         print(f"dtx simulate: error: {e}", file=sys.stderr)
         return 2
@@ -244,9 +332,15 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             scaling="strong" if strong else "weak", global_batch=args.global_batch,
             per_node_batch=args.per_node_batch, algorithm=args.algorithm, overlap=args.overlap, plan=args.plan,
             speedup={str(p.nodes): p.speedup for p in points}, points=[_point_json(p) for p in points],
-            layers=report, plot=plot, **({"verify": verified} if args.verify else {})), indent=1, default=float))
+            layers=report, plot=plot, **({"verify": verified} if args.verify else {}),
+            **({"memory": memory_rows, "refused": {str(n): m for n, m in refused.items()}} if args.memory else {})),
+            indent=1, default=float))
     else:
         _print_tables(args, cluster, points, report, plot)
+        if args.memory:
+            _print_memory(memory_rows, cluster, args)
+            for message in refused.values():
+                print(f"refused: {message}")
         if args.verify:
             _print_verify(verified)
     outside = [row for plan in verified for row in plan["checks"] if not row["within"]]

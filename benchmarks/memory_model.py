@@ -1,0 +1,137 @@
+"""The memory model against XLA's memory analysis of the compiled training step.
+
+    python benchmarks/memory_model.py              # ~8 min on 2 cores; rewrites its BENCHMARKS.md section
+    python benchmarks/memory_model.py --no-write   # print only
+
+For every model of ``models/`` (scaled down so a compile takes seconds) and every
+layout of ``dtx.parallel`` (``data``, ``zero1``, ``zero2``, ``fsdp``, ``model``,
+``hybrid``; ZeRO when ``dtx.parallel.PARALLELISMS`` has it) plus the planner's plans,
+the ``jit`` train step (Adam, float32, donated state) is compiled on 8 emulated CPU
+devices from shapes only (``dtx.memory.compile_step``; nothing runs). Per device:
+``dtx.memory``'s peak against XLA's, ``argument + output − alias + temp`` of
+``compiled.memory_analysis()``. A second table leaves the reference setting (other
+batches, gradient accumulation, bfloat16) to show where the model stops holding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
+from dtx import memory, parallel, perfmodel  # noqa: E402
+from dtx.clusters import get_cluster  # noqa: E402
+from dtx.precision import parse_policy  # noqa: E402
+from models import build_model  # noqa: E402
+
+COMMAND = "python benchmarks/memory_model.py"
+TOLERANCE = 0.15
+# name: (settings, input shape, global batch): compile in seconds, every layer splits over 2, 4 and 8.
+MODELS = {
+    "mlp": (dict(features=(256, 256), num_classes=16), (64,), 256),
+    "lenet": (dict(conv_features=(8, 16), dense_features=(128, 64), num_classes=16), (28, 28, 1), 128),
+    "vgg_a": (dict(width=0.125, fc_features=512, num_classes=16), (32, 32, 3), 64),
+    "overfeat_fast": (dict(width=0.125, fc_features=(512, 512), num_classes=16), (64, 64, 3), 64),
+    "speech_dnn": (dict(hidden=(512,) * 3, num_classes=1024), (440,), 256),
+    "resnet18": (dict(num_classes=16), (32, 32, 3), 64),
+    "resnet50": (dict(width=16, num_classes=16), (32, 32, 3), 64),
+}
+MESHES = {"model": [("data", 4), ("model", 2)], "hybrid": [("data", 2), ("model", 4)]}
+LAYOUTS = [name for name in ("data", "zero1", "zero2", "fsdp", "model", "hybrid") if name in parallel.PARALLELISMS]
+# Beyond the reference setting: (model, layout, global batch, accumulation steps, precision).
+EXTRA = [("vgg_a", "fsdp", 32, 1, "p=f32"), ("vgg_a", "fsdp", 256, 1, "p=f32"),
+         ("overfeat_fast", "fsdp", 256, 1, "p=f32"), ("lenet", "hybrid", 256, 1, "p=f32"),
+         ("speech_dnn", "zero1", 256, 2, "p=f32"), ("speech_dnn", "zero2", 256, 2, "p=f32"),
+         ("speech_dnn", "fsdp", 256, 2, "p=f32"), ("mlp", "hybrid", 256, 1, "p=f32,c=bf16"),
+         ("vgg_a", "data", 64, 1, "p=f32,c=bf16"), ("vgg_a", "fsdp", 64, 1, "p=f32,c=bf16")]
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.2f}"
+
+
+def row(name: str, layout: str, batch: int, accum: int = 1, precision: str = "p=f32", plan=None) -> tuple[str, float]:
+    settings, shape, _ = MODELS[name]
+    policy = parse_policy(precision)
+    model = build_model(name, **settings, dtype=policy.compute, param_dtype=policy.params)
+    mesh = plan.mesh_spec if plan is not None else MESHES.get(layout, [("data", 8)])
+    group = dict(mesh).get("model", 1)
+    kwargs = dict(nodes=8, global_batch=batch, group_size=group, policy=policy, accum_steps=accum)
+    if plan is not None:
+        estimate = memory.estimate_model(model, shape, "rules", sharded=plan.sharded, **kwargs)
+        rules = [(regex, tuple(spec)) for regex, spec in plan.rules()[:-1]]
+    else:
+        estimate, rules = memory.estimate_model(model, shape, layout, **kwargs), ()
+    start = time.perf_counter()
+    compiled = memory.compile_step(model, shape, "rules" if plan else layout, mesh, batch, policy=policy,
+                                   accum_steps=accum, rules=rules)
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    peak = memory.compiled_peak(compiled)
+    ratio = estimate.total / peak
+    label = f"plan G={plan.group_size}: {', '.join(plan.sharded) or 'none'}" if plan else layout
+    mesh_text = "×".join(str(size) for _, size in mesh)
+    text = (f"| {name} | {label} | {mesh_text} | {batch} | {_mb(estimate.params)} | {_mb(estimate.grads)} "
+            f"| {_mb(estimate.optimizer)} | {_mb(estimate.activations)} | {_mb(estimate.buffers)} | {estimate.phase} "
+            f"| {_mb(estimate.total)} | {_mb(m.argument_size_in_bytes)} / {_mb(m.output_size_in_bytes)} / "
+            f"{_mb(m.alias_size_in_bytes)} / {_mb(m.temp_size_in_bytes)} | {_mb(peak)} | {ratio:.3f} |")
+    print(text, f"({seconds:.0f} s compile)", flush=True)
+    return text, ratio
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-write", action="store_true", help="print the tables only, leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    header = ("| model | layout | mesh | batch | params | grads | optimizer | activations | buffers | peak in "
+              "| model peak | XLA arg / out / alias / temp | XLA peak | model / XLA |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows, ratios = [], []
+    for name, (_, shape, batch) in MODELS.items():
+        for layout in LAYOUTS:
+            text, ratio = row(name, layout, batch)
+            rows.append(text)
+            ratios.append((abs(ratio - 1), f"{name} {layout}", ratio))
+    cluster = get_cluster("haswell_fdr")
+    for name in ("vgg_a", "speech_dnn"):
+        settings, shape, batch = MODELS[name]
+        layers = perfmodel.analyze(build_model(name, **settings), shape)
+        for group in (None, 2):
+            plan = perfmodel.make_plan(layers, cluster, 8, batch, mode="hybrid" if group else "auto", group_size=group)
+            text, ratio = row(name, "rules", batch, plan=plan)
+            rows.append(text)
+            ratios.append((abs(ratio - 1), f"{name} plan G={plan.group_size}", ratio))
+    extra = []
+    for name, layout, batch, accum, precision in EXTRA:
+        text, ratio = row(name, layout, batch, accum, precision)
+        extra.append(text.replace(f"| {batch} |", f"| {batch}, k={accum}, {precision} |", 1))
+    worst = max(ratios)
+    within = sum(d <= TOLERANCE for d, _, _ in ratios)
+    preamble = (
+        f"`{COMMAND}` on {report.machine()}; {time.perf_counter() - start:.0f} s. Per device, MB (10^6 bytes), "
+        "Adam, float32, donated state, 8 emulated CPU devices, compiled from shapes (nothing runs). Model: "
+        "`dtx.memory.estimate_model` (peak = parameters + optimizer + batch + the largest of its forward, backward "
+        "and update phases; the category columns are not additive). XLA: `compiled.memory_analysis()`, peak = "
+        "argument + output − alias + temp. Goal: model / XLA within 15 %; "
+        f"{within} of {len(ratios)} rows are, the largest deviation is {worst[1]} ({worst[2]:.3f}).")
+    body = header + "\n" + "\n".join(rows)
+    body += ("\n\nBeyond the reference setting (batch, accumulation steps k, precision): where the model stops "
+             "holding; docs/memory.md explains each row.\n\n" + header.replace("| batch |", "| setting |") + "\n"
+             + "\n".join(extra))
+    if not args.no_write:
+        report.write("memory_model", preamble, body)
+    print(preamble)
+    return 0 if worst[0] <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
