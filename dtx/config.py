@@ -39,6 +39,7 @@ def base_config() -> ConfigDict:
     c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
     c.distributed = "auto"  # join a multi-process job when launched as one (dtx launch, SLURM, ...); "off"
     c.watchdog_seconds = 300.0  # abort when no step completes for this long (0: off)
+    c.memory_limit = 0.0  # bytes per device a run may use (0: what an accelerator reports; none on CPU)
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
     c.allreduce = "psum"  # shard_map driver: psum | ring | halving_doubling | recursive_doubling | tree | hierarchical
     c.bucket_bytes = 0  # gradient fusion buckets (bytes) per allreduce; 0: one per leaf
@@ -313,7 +314,7 @@ def validate(config: ConfigDict) -> None:
 _POSITIVE = ("optimizer.trust_coefficient", "optimizer.decay_power", "optimizer.step_factor",
              "optimizer.base_batch_size", "loss_scale.initial", "loss_scale.min_scale", "loss_scale.growth_interval")
 _NON_NEGATIVE = ("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.warmup_steps",
-                 "optimizer.warmup_epochs", "watchdog_seconds", "num_epochs", "seed")
+                 "optimizer.warmup_epochs", "watchdog_seconds", "num_epochs", "seed", "memory_limit")
 _FRACTIONS = ("optimizer.momentum", "loss_scale.backoff")
 
 

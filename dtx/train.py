@@ -318,8 +318,72 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r} makes layers {', '.join(sorted(layout.kernels))} model-parallel, "
             "which needs --config.driver=jit (XLA places their activation collectives)")
+    check_memory(config, model, example, policy, mesh, layout)
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
                  abstract_state, shardings, layout, gradient_shardings)
+
+
+# Layouts by what they cost in communication: the first that fits is the one to suggest.
+_CHEAPEST_FIRST = ("data", "zero1", "zero2", "hybrid", "model", "fsdp")
+
+
+def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, layout) -> None:
+    """Refuse, before compiling, a run whose estimated per-device peak (:mod:`dtx.memory`) exceeds the device's
+    memory (``memory_limit``, or what an accelerator reports), naming the biggest consumers and the cheapest
+    layout that would fit."""
+    from dtx import memory
+
+    capacity = config.memory_limit or _device_memory()
+    if not capacity:
+        return
+    name = config.parallel.name
+    sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
+    group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
+    common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
+                  policy=policy, accum_steps=config.grad_accum_steps,
+                  backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu")
+
+    def estimate(layout_name: str):
+        kind = "rules" if layout_name == "rules" or (layout_name in ("model", "hybrid") and sharded) else layout_name
+        return memory.estimate_model(model, example.shape[1:], kind, group_size=group if kind != "data" else 1,
+                                     sharded=sharded if kind == "rules" else (), **common)
+
+    try:
+        mine = estimate(name)
+    except (ValueError, TypeError):  # a model the memory model cannot analyse: nothing to refuse on
+        return
+    if mine.fits(capacity):
+        return
+    parts = sorted(((mine.params, "parameters"), (mine.grads, "gradients"), (mine.optimizer, "optimizer state"),
+                    (mine.activations, "activations"), (mine.buffers, "communication buffers")), reverse=True)
+    biggest = ", ".join(f"{what} {_gib(value)}" for value, what in parts[:3])
+    fits = []
+    for other in _CHEAPEST_FIRST:
+        if other == name or (other in ("model", "hybrid") and group == 1):
+            continue
+        try:
+            alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **common)
+        except (ValueError, TypeError):
+            continue
+        if alternative.fits(capacity):
+            fits.append(f"--config.driver=jit --config.parallel.name={other} fits: {_gib(alternative.total)} of "
+                        f"{_gib(capacity)}")
+            break
+    hint = fits[0] if fits else ("no layout fits on this mesh: lower global_batch_size, raise grad_accum_steps, "
+                                 "or use more devices")
+    raise config_lib.ConfigError(
+        f"this run needs about {_gib(mine.total)} per device (dtx.memory's estimate, peak in the {mine.phase} phase) "
+        f"but a device has {_gib(capacity)} (memory_limit or the accelerator's): biggest are {biggest}. {hint}")
+
+
+def _device_memory() -> float:
+    """Bytes an accelerator reports for one device (0 on CPU, which reports none)."""
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    return float((stats or {}).get("bytes_limit", 0))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = True):

@@ -189,3 +189,17 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
     assert (tmp_path / "interrupted-1" / "metrics.jsonl").read_text() == interrupted  # kept, not lost
     records = metrics.read_metrics(tmp_path)
     assert records[0]["step"] == 0 and "test_accuracy" in records[-1]
+
+
+def test_a_run_that_cannot_fit_is_refused_before_compiling_with_the_layout_that_would(tmp_path):
+    """memory_limit (what an accelerator reports by itself): the estimate of dtx.memory against it."""
+    with no_compilation(), pytest.raises(config_lib.ConfigError) as refused:
+        wide = ("--config.num_steps=12", "--config.progress=False", "--config.model.features=(256,)")
+        train(config_lib.load(DEFAULT, wide + ("--config.memory_limit=320000",)), tmp_path / "small")
+    message = str(refused.value)
+    assert "needs about" in message and "biggest are optimizer state" in message
+    assert "--config.parallel.name=zero1 fits" in message
+    with no_compilation(), pytest.raises(config_lib.ConfigError, match="no layout fits on this mesh"):
+        train(tiny_config("--config.memory_limit=1000"), tmp_path / "tiny")
+    result = train(tiny_config("--config.memory_limit=1e9"), tmp_path / "ample")
+    assert result.metrics["test_examples"] == 360
