@@ -45,7 +45,6 @@ the payload ratio, because each device forwards every other device's payload.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -54,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dtx import costmodel, quantize, sparsify
+from dtx import costmodel, lowrank, quantize, sparsify
 
 PyTree = Any
 Stats = dict[str, jax.Array]
@@ -73,8 +72,9 @@ class CommContext(NamedTuple):
       size: number of workers ``p``.
       allreduce: ``tree -> mean over the workers`` with the configured algorithm
         (the identity when ``axes == ()``).
-      algorithm: that algorithm's name, for the accountant (``psum`` is modelled as ring).
+      algorithm: that algorithm's name, for the accountant (``psum``: :func:`psum_traffic`).
       inner: inner-axis size for the ``hierarchical`` algorithm, else ``None``.
+      bucket_bytes: the allreduce's bucket size (0: leaf by leaf), for the accountant.
     """
 
     axes: tuple[str, ...]
@@ -82,6 +82,7 @@ class CommContext(NamedTuple):
     allreduce: Callable[[PyTree], PyTree]
     algorithm: str = "psum"
     inner: int | None = None
+    bucket_bytes: int = 0
 
 
 class Compressor(NamedTuple):
@@ -118,6 +119,25 @@ def _modelled(algorithm: str) -> str:
     return "ring" if algorithm == "psum" else algorithm
 
 
+def psum_traffic(traffic: costmodel.Traffic, p: int) -> costmodel.Traffic:
+    """``lax.psum``/``pmean`` of a tree in one call, counted as XLA compiles it.
+
+    The bytes are the ring's for every leaf (or bucket): XLA's schedule is not ours to
+    see. XLA's all-reduce combiner merges the independent psums of one call into one
+    all-reduce, so one ``2(p−1)``-round schedule is counted per call, not one per leaf
+    (XLA:CPU merges up to 256 operands into one op: larger trees take more rounds than
+    counted; docs/compression.md).
+    """
+    return costmodel.Traffic(2 * (p - 1), traffic.bytes_sent) if traffic.bytes_sent else traffic
+
+
+def allreduce_traffic(tree: PyTree, ctx: CommContext, dtype: Any = None) -> costmodel.Traffic:
+    """What ``ctx.allreduce(tree)`` sends: leaf by leaf or bucket by bucket, ``psum`` as one op."""
+    traffic = costmodel.dense_allreduce_traffic(tree, ctx.size, _modelled(ctx.algorithm), dtype, ctx.inner,
+                                                ctx.bucket_bytes)
+    return psum_traffic(traffic, ctx.size) if ctx.algorithm == "psum" else traffic
+
+
 def _stats(traffic: costmodel.Traffic, payload_bytes: int, grads: PyTree) -> Stats:
     dense = costmodel.tree_nbytes(grads, "float32")
     return {**traffic_stats(traffic), "payload_ratio": jnp.asarray(dense / payload_bytes, jnp.float32)}
@@ -137,8 +157,7 @@ def none(**_) -> Compressor:
 
     def update(grads, state, key, ctx):
         del key
-        traffic = costmodel.dense_allreduce_traffic(grads, ctx.size, _modelled(ctx.algorithm), inner=ctx.inner)
-        return ctx.allreduce(grads), state, traffic_stats(traffic)
+        return ctx.allreduce(grads), state, traffic_stats(allreduce_traffic(grads, ctx))
 
     return Compressor("none", lambda params: {}, update)
 
@@ -159,7 +178,7 @@ def cast(dtype: str = "bfloat16", **_) -> Compressor:
         del key
         wire = jax.tree.map(lambda g: g.astype(dtype), grads)
         mean = jax.tree.map(lambda m, g: m.astype(g.dtype), ctx.allreduce(wire), grads)
-        traffic = costmodel.dense_allreduce_traffic(grads, ctx.size, _modelled(ctx.algorithm), dtype, ctx.inner)
+        traffic = allreduce_traffic(grads, ctx, dtype)
         return mean, state, _stats(traffic, costmodel.tree_nbytes(grads, dtype), grads)
 
     return Compressor("cast", lambda params: {}, update)
@@ -175,32 +194,6 @@ def _check_sparse(fraction: float, error_feedback: bool, momentum: float, clip_n
                                "error-feedback residual; set compression.error_feedback=True or momentum=0")
     if clip_norm < 0:
         raise CompressionError(f"compression.clip_norm={clip_norm} must be >= 0 (0: off)")
-
-
-def _sparse_init(params, error_feedback: bool, momentum: float) -> dict:
-    state = {"residual": _zeros32(params)} if error_feedback else {}
-    if momentum:
-        state["momentum"] = _zeros32(params)
-    return state
-
-
-def _accumulate(grads, state, p, error_feedback, momentum, clip_norm):
-    """:func:`dtx.sparsify.dgc_accumulate` on this worker's gradient and state: flat ``(u, v)``."""
-    g = [x.astype(jnp.float32).reshape(-1) for x in jax.tree.leaves(grads)]
-    flat = lambda tree: [x.reshape(-1) for x in jax.tree.leaves(tree)]  # noqa: E731
-    return sparsify.dgc_accumulate(g, flat(state["momentum"]) if momentum else None,
-                                   flat(state["residual"]) if error_feedback else None, p, momentum, clip_norm)
-
-
-def _after_sending(grads, masks, u, v, error_feedback, momentum) -> dict:
-    """The residual keeps what was not sent; momentum factor masking stops what was."""
-    leaves, treedef = jax.tree.flatten(grads)
-    unsent = lambda xs: treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)  # noqa: E731
-                                           for m, x, l in zip(masks, xs, leaves)])
-    state = {"residual": unsent(v)} if error_feedback else {}
-    if momentum:
-        state["momentum"] = unsent(u)
-    return state
 
 
 def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 0.0, clip_norm: float = 0.0,
@@ -236,14 +229,14 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
     schedule = sparsify.dgc_fractions(fraction, warmup_steps)
 
     def init(params):
-        state = _sparse_init(params, error_feedback, momentum)
+        state = sparsify.sparse_state(params, error_feedback, momentum)
         if len(schedule) > 1:
             state["step"] = jnp.zeros((), jnp.int32)
         return state
 
     def update(grads, state, key, ctx):
         del key
-        u, v = _accumulate(grads, state, ctx.size, error_feedback, momentum, clip_norm)
+        u, v = sparsify.accumulate(grads, state, ctx.size, momentum, clip_norm)
         sizes = [x.size for x in v]
         plans = [[math.ceil(f * n) for n in sizes] for f in schedule]
         layouts = [sparsify.payload_layout(sizes, ks) for ks in plans]
@@ -254,7 +247,7 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
             stage = jnp.minimum(state["step"] * (len(schedule) - 1) // warmup_steps, len(schedule) - 1)
             means, masks = lax.switch(stage, [lambda v, ks=ks: sparsify.topk_exchange(v, ks, ctx.axes)
                                                 for ks in plans], v)
-        new_state = _after_sending(grads, masks, u, v, error_feedback, momentum)
+        new_state = sparsify.after_sending(grads, masks, u, v, error_feedback, momentum)
         if len(schedule) > 1:
             new_state["step"] = state["step"] + 1
         traffics = [costmodel.all_gather_traffic(lay.nbytes, ctx.size) for lay in layouts]
@@ -283,24 +276,16 @@ def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compres
     _check_fraction(fraction)
 
     def update(grads, state, key, ctx):
-        _, v = _accumulate(grads, state, ctx.size, error_feedback, 0.0, 0.0)
+        _, v = sparsify.accumulate(grads, state, ctx.size, 0.0, 0.0)
         ks = [math.ceil(fraction * x.size) for x in v]
-        # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n).
-        chosen = [lax.top_k(jax.random.uniform(jax.random.fold_in(key, i), (x.size,)), k)[1]
-                  for i, (x, k) in enumerate(zip(v, ks))]
-        scale = [1.0 if error_feedback else x.size / k for x, k in zip(v, ks)]
-        values = jnp.concatenate([x[i] * s for x, i, s in zip(v, chosen, scale)])
-        mean_values = jnp.split(ctx.allreduce(values), list(itertools.accumulate(ks))[:-1])
+        means, masks = sparsify.randomk_exchange(v, ks, key, not error_feedback, ctx.allreduce)
         leaves, treedef = jax.tree.flatten(grads)
-        mean = [jnp.zeros_like(x).at[i].set(m).reshape(l.shape).astype(l.dtype)
-                for x, i, m, l in zip(v, chosen, mean_values, leaves)]
-        masks = [jnp.zeros(x.shape, bool).at[i].set(True) for x, i in zip(v, chosen)]
-        new_state = _after_sending(grads, masks, v, v, error_feedback, 0.0)
-        sent = jax.ShapeDtypeStruct((sum(ks),), jnp.float32)
-        traffic = costmodel.dense_allreduce_traffic(sent, ctx.size, _modelled(ctx.algorithm), inner=ctx.inner)
-        return treedef.unflatten(mean), new_state, _stats(traffic, 4 * sum(ks), grads)
+        mean = treedef.unflatten([m.reshape(l.shape).astype(l.dtype) for m, l in zip(means, leaves)])
+        new_state = sparsify.after_sending(grads, masks, v, v, error_feedback, 0.0)
+        traffic = allreduce_traffic(jax.ShapeDtypeStruct((sum(ks),), jnp.float32), ctx)
+        return mean, new_state, _stats(traffic, 4 * sum(ks), grads)
 
-    return Compressor("randomk", lambda params: _sparse_init(params, error_feedback, 0.0), update)
+    return Compressor("randomk", lambda params: sparsify.sparse_state(params, error_feedback, 0.0), update)
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -367,50 +352,27 @@ def qsgd(levels: int = 16, bucket_size: int = 512, **_) -> Compressor:
 
 
 # ----------------------------------------------------------------------------- low rank
-def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int, bool]:
-    """``(n, m, transposed)``: the leaf as an ``n × m`` matrix with ``n <= m``.
-
-    The shorter side carries P: at full rank ``r = n`` the orthogonalised P is square,
-    so ``P̂P̂ᵀ = I`` and the approximation is exact whatever the warm-started Q.
-    """
-    rows, cols = math.prod(shape[:-1]), shape[-1]
-    return (rows, cols, False) if rows <= cols else (cols, rows, True)
-
-
-def _as_matrix(x: jax.Array) -> jax.Array:
-    n, m, transposed = _matrix_shape(x.shape)
-    x = x.reshape(-1, x.shape[-1])
-    return x.T if transposed else x
-
-
-def _from_matrix(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return (x.T if _matrix_shape(shape)[2] else x).reshape(shape)
-
-
 def powersgd(rank: int = 4, error_feedback: bool = True, **_) -> Compressor:
     """PowerSGD (Vogels et al., NeurIPS 2019): one step of subspace iteration per step, rank ``r``.
 
     Each leaf with two or more dimensions, as an ``n × m`` matrix M (plus its residual):
     ``P = M Q``; allreduce P; orthogonalise P (QR); ``Q = Mᵀ P̂``; allreduce Q; the
     update is ``P̂ Qᵀ`` and Q is kept to warm-start the next step (initialised from a
-    fixed-seed normal, the same on every worker). Vectors (biases, norms) are
-    allreduced uncompressed. A rank larger than a matrix's smaller side is an error.
+    fixed-seed normal, the same on every worker); :func:`dtx.lowrank.power_step`.
+    Vectors (biases, norms) are allreduced uncompressed with P; each phase is one
+    allreduce of one packed buffer. A rank larger than a matrix's smaller side is an error.
     """
     if rank < 1:
         raise CompressionError(f"compression.rank={rank} must be >= 1")
 
     def init(params):
         q = {}
-        for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-            if jnp.ndim(x) < 2:
-                continue
-            n, m, _ = _matrix_shape(jnp.shape(x))
-            name = jax.tree_util.keystr(path, simple=True, separator="/")
+        for i, name, shape, n, m in lowrank.matrices(params):
             if rank > n:
                 raise CompressionError(
-                    f"compression.rank={rank} is larger than parameter {name!r} of shape {tuple(jnp.shape(x))} "
+                    f"compression.rank={rank} is larger than parameter {name!r} of shape {shape} "
                     f"allows (a {n}×{m} matrix has rank <= {n}); choose compression.rank <= {n}")
-            q[str(i)] = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (m, rank), jnp.float32)
+            q[str(i)] = lowrank.initial_q(i, m, rank)
         return {"q": q, "residual": _zeros32(params)} if error_feedback else {"q": q}
 
     def update(grads, state, key, ctx):
@@ -419,31 +381,17 @@ def powersgd(rank: int = 4, error_feedback: bool = True, **_) -> Compressor:
         v = [x.astype(jnp.float32) for x in leaves]
         if error_feedback:
             v = [r + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
-        matrices = {str(i): _as_matrix(x) for i, x in enumerate(v) if x.ndim >= 2}
-        vectors = {str(i): x for i, x in enumerate(v) if x.ndim < 2}
-        dot = lambda a, b: jnp.matmul(a, b, precision=lax.Precision.HIGHEST)  # noqa: E731
-        first = ctx.allreduce({"p": {i: dot(m, state["q"][i]) for i, m in matrices.items()}, "vectors": vectors})
-        p_hat = {i: jnp.linalg.qr(p)[0] for i, p in first["p"].items()}
-        q_local = {i: dot(m.T, p_hat[i]) for i, m in matrices.items()}
-        q = ctx.allreduce(q_local)
-        approx = {i: _from_matrix(dot(p_hat[i], q[i].T), v[int(i)].shape) for i in matrices}
-        mean = [approx[str(i)] if str(i) in approx else first["vectors"][str(i)] for i in range(len(v))]
+        mean, q, mine, messages = lowrank.power_step(v, state["q"], ctx.allreduce)
         new_state = {"q": q}
         if error_feedback:
-            # What this worker's own message lost: M − P̂(MᵀP̂)ᵀ (Vogels et al., Alg. 2). Its
-            # mean over workers is mean M − the update, so the books balance; vectors are sent
+            # What this worker's own message lost (Vogels et al., Alg. 2). Its mean over
+            # workers is mean M − the update, so the books balance; vectors are sent
             # exactly and leave nothing.
-            mine = {i: _from_matrix(dot(p_hat[i], q_local[i].T), v[int(i)].shape) for i in matrices}
             new_state["residual"] = treedef.unflatten([x - mine[str(i)] if str(i) in mine else jnp.zeros_like(x)
                                                        for i, x in enumerate(v)])
-        shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)  # noqa: E731
-        algorithm = _modelled(ctx.algorithm)
-        traffic = costmodel.add_traffic(
-            costmodel.dense_allreduce_traffic(shapes(first), ctx.size, algorithm, inner=ctx.inner),
-            costmodel.dense_allreduce_traffic(shapes(q), ctx.size, algorithm, inner=ctx.inner))
-        payload = costmodel.tree_nbytes(shapes(first)) + costmodel.tree_nbytes(shapes(q))
+        traffic = costmodel.add_traffic(*(allreduce_traffic(m, ctx) for m in messages))
         mean = treedef.unflatten([m.astype(l.dtype) for m, l in zip(mean, leaves)])
-        return mean, new_state, _stats(traffic, payload, grads)
+        return mean, new_state, _stats(traffic, sum(costmodel.tree_nbytes(m) for m in messages), grads)
 
     return Compressor("powersgd", init, update)
 

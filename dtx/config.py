@@ -69,6 +69,7 @@ def base_config() -> ConfigDict:
     c.strategy.moving_rate = 0.5  # easgd: beta in [0, 1], the fraction of mean(x_i - center) the center moves
     c.strategy.topology = "ring"  # gossip: ring | complete (uniform 1/p) | exponential (one peer 2^k away)
     c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), >= 0, summing to 1
+    c.strategy.consensus_every = 0  # gossip: steps between global averages of the workers (0: never in the step)
 
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)

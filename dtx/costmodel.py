@@ -230,21 +230,63 @@ def tree_nbytes(tree: Any, dtype: Any = None) -> int:
     return total
 
 
-def dense_allreduce_traffic(tree: Any, p: int, algorithm: str = "ring", dtype: Any = None,
-                            inner: int | None = None) -> Traffic:
-    """Allreduce of every leaf of ``tree`` (leaf by leaf, as ``dtx.collectives`` does).
+def plan_buckets(leaves: Any, bucket_bytes: int) -> list[tuple[int, ...]]:
+    """Group leaf indices into buckets of at most ``bucket_bytes`` bytes.
 
-    The float32 ring allreduce of the gradients (``dtype="float32"``) is the
-    reference every compression and strategy ratio is taken against.
+    Horovod's tensor fusion (``HOROVOD_FUSION_THRESHOLD``) and PyTorch DDP's
+    ``bucket_cap_mb``: many small messages become few large ones, trading α for β.
+    Leaves (anything with ``.shape`` and ``.dtype``) are taken in order; each dtype
+    fills its own open bucket (one bucket never mixes dtypes); a leaf larger than a
+    bucket travels alone; empty leaves are in no bucket. Buckets are returned in
+    order of their first leaf. ``dtx.collectives`` reduces bucket by bucket in this
+    plan and :func:`dense_allreduce_traffic` counts by it, so the two cannot disagree.
     """
     import numpy as np
 
+    if bucket_bytes <= 0:
+        raise CollectiveError(f"bucket_bytes must be > 0 to plan buckets, got {bucket_bytes}")
+    open_buckets: dict[Any, tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for i, leaf in enumerate(leaves):
+        dtype = np.dtype(leaf.dtype)
+        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            continue
+        members, used = open_buckets.get(dtype, ([], 0))
+        if members and used + nbytes > bucket_bytes:
+            done.append(members)
+            members, used = [], 0
+        open_buckets[dtype] = (members + [i], used + nbytes)
+    done.extend(members for members, _ in open_buckets.values())
+    return [tuple(b) for b in sorted(done, key=lambda b: b[0])]
+
+
+def dense_allreduce_traffic(tree: Any, p: int, algorithm: str = "ring", dtype: Any = None,
+                            inner: int | None = None, bucket_bytes: int = 0) -> Traffic:
+    """Allreduce of every leaf of ``tree`` as ``dtx.collectives.make_allreduce`` runs it.
+
+    Leaf by leaf, or with ``bucket_bytes > 0`` one allreduce per bucket of
+    :func:`plan_buckets` (the leaves of a bucket concatenated: one message per round,
+    chunks padded once per bucket). ``dtype``: the leaves as if cast to it (the wire
+    dtype, which is also what the buckets are planned in). The float32 ring allreduce
+    of the gradients, leaf by leaf (``dtype="float32"``), is the reference every
+    compression and strategy ratio is taken against.
+    """
+    import numpy as np
+
+    specs = [_Spec(tuple(leaf.shape), np.dtype(dtype if dtype is not None else leaf.dtype)) for leaf in _leaves(tree)]
+    groups = plan_buckets(specs, bucket_bytes) if bucket_bytes else [(i,) for i in range(len(specs))]
     parts = []
-    for leaf in _leaves(tree):
-        itemsize = np.dtype(dtype if dtype is not None else leaf.dtype).itemsize
-        n = int(np.prod(leaf.shape, dtype=np.int64))
+    for group in groups:
+        itemsize = specs[group[0]].dtype.itemsize
+        n = sum(int(np.prod(specs[i].shape, dtype=np.int64)) for i in group)
         parts.append(expected_traffic(algorithm, n * itemsize, p, inner, itemsize))
     return add_traffic(*parts)
+
+
+class _Spec(NamedTuple):
+    shape: tuple
+    dtype: Any
 
 
 def _leaves(tree: Any) -> list:

@@ -4,6 +4,8 @@ The sparsification half of the Hitchhiker's Guide (Chahal et al., arXiv 1810.117
 §5) as pure array functions; :mod:`dtx.compress` builds its ``topk`` compressor from
 them:
 
+* :func:`randomk_exchange` — random-k at indices every worker draws alike (Stich,
+  Cordonnier & Jaggi 2018): only the values cross the mesh.
 * :func:`topk_exchange` — every worker's ``k`` largest-magnitude entries per leaf, as
   float32 values and the narrowest honest index type, in one all-gathered byte buffer;
   each worker scatter-adds all payloads into the mean (Aji & Heafield 2017; Lin et
@@ -13,10 +15,13 @@ them:
   clipping, momentum correction, accumulation into the error-feedback residual
   (Stich, Cordonnier & Jaggi, *Sparsified SGD with Memory*, NeurIPS 2018).
 * :func:`dgc_fractions` — DGC's exponential sparsity warm-up.
+* :func:`sparse_state`, :func:`accumulate`, :func:`after_sending` — the per-worker state
+  of the sparse compressors (error-feedback residual, DGC momentum) around one exchange.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -77,6 +82,23 @@ def topk_exchange(vs: list[jax.Array], ks: list[int], axes: tuple[str, ...]) -> 
     return means, masks
 
 
+def randomk_exchange(vs: list[jax.Array], ks: list[int], key: jax.Array, rescale: bool,
+                     allreduce) -> tuple[list, list]:
+    """Random-k (Stich et al. 2018): ``k`` entries per flat leaf at indices drawn from ``key``.
+
+    ``key`` is the same on every worker, so all pick the same indices and only the values
+    cross the mesh, all leaves in one ``allreduce``. ``rescale`` multiplies them by ``n/k``
+    (unbiased without error feedback). Returns ``(means, sent masks)``.
+    """
+    # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n).
+    chosen = [lax.top_k(jax.random.uniform(jax.random.fold_in(key, i), (v.size,)), k)[1]
+              for i, (v, k) in enumerate(zip(vs, ks))]
+    values = jnp.concatenate([v[i] * (v.size / k if rescale else 1.0) for v, i, k in zip(vs, chosen, ks)])
+    mean_values = jnp.split(allreduce(values), list(itertools.accumulate(ks))[:-1])
+    means = [jnp.zeros_like(v).at[i].set(m) for v, i, m in zip(vs, chosen, mean_values)]
+    return means, [jnp.zeros(v.shape, bool).at[i].set(True) for v, i in zip(vs, chosen)]
+
+
 def dgc_accumulate(g: list[jax.Array], momentum_buffer: list[jax.Array] | None, residual: list[jax.Array] | None,
                    p: int, momentum: float, clip_norm: float) -> tuple[list, list]:
     """DGC's local steps before selection, on flat float32 leaves: ``(u, v)``.
@@ -92,3 +114,32 @@ def dgc_accumulate(g: list[jax.Array], momentum_buffer: list[jax.Array] | None, 
     u = g if momentum_buffer is None else [momentum * m + x for m, x in zip(momentum_buffer, g)]
     v = u if residual is None else [r + x for r, x in zip(residual, u)]
     return u, v
+
+
+# ----------------------------------------------------------------------------- per-worker state
+def sparse_state(params, error_feedback: bool, momentum: float) -> dict:
+    """One worker's state: the float32 residual (error feedback) and DGC's momentum buffer."""
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)  # noqa: E731
+    state = {"residual": zeros()} if error_feedback else {}
+    if momentum:
+        state["momentum"] = zeros()
+    return state
+
+
+def accumulate(grads, state: dict, p: int, momentum: float, clip_norm: float) -> tuple[list, list]:
+    """:func:`dgc_accumulate` on this worker's gradient and :func:`sparse_state`: flat ``(u, v)``."""
+    g = [x.astype(jnp.float32).reshape(-1) for x in jax.tree.leaves(grads)]
+    flat = lambda key: [x.reshape(-1) for x in jax.tree.leaves(state[key])] if key in state else None  # noqa: E731
+    return dgc_accumulate(g, flat("momentum") if momentum else None, flat("residual"), p, momentum, clip_norm)
+
+
+def after_sending(grads, masks: list, u: list, v: list, error_feedback: bool, momentum: float) -> dict:
+    """The next :func:`sparse_state`: the residual keeps what was not sent (error feedback);
+    momentum factor masking zeroes the momentum where it was (DGC)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    unsent = lambda xs: treedef.unflatten([jnp.where(m, 0.0, x).reshape(l.shape)  # noqa: E731
+                                           for m, x, l in zip(masks, xs, leaves)])
+    state = {"residual": unsent(v)} if error_feedback else {}
+    if momentum:
+        state["momentum"] = unsent(u)
+    return state

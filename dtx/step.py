@@ -16,9 +16,11 @@ differ only in what the body sees and what ``reduce`` is (DESIGN.md §4.2):
 Both compute the same numbers as one device running the global batch; the tests
 hold them to it. The body also applies the precision policy (compute dtype,
 float32 loss, gradients communicated in the reduce dtype), dynamic loss scaling
-(the finiteness verdict is taken on the *reduced* gradients, so every replica
-skips the same steps) and gradient accumulation over micro-batches (one
-accumulator, one reduction per step).
+(each worker flags the gradients it is about to compress, before compression;
+the flags of all workers travel in the all-reduce of the loss and accuracy, and
+the reduced gradients must be finite too, so every replica skips the same steps
+and no compressor can hide an overflow) and gradient accumulation over
+micro-batches (one accumulator, one reduction per step).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -120,7 +123,8 @@ def make_train_step(
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
       ``loss``, ``accuracy``, ``comm_bytes`` and ``comm_rounds`` (``shard_map`` driver: what
-      each worker sent this step, :mod:`dtx.costmodel`'s accountant; under ``jit`` they are
+      each worker sent this step, :mod:`dtx.costmodel`'s accountant, the all-reduce of these
+      averages included; under ``jit`` they are
       read from the compiled program, :func:`dtx.hlo.total`), the strategy's own metrics, and
       with loss scaling ``loss_scale`` (the scale this step used), ``skipped`` (1 when
       this step was skipped) and ``skipped_steps``.
@@ -149,7 +153,8 @@ def make_train_step(
                             "hybrid, fsdp, zero1/zero2 or rules partitioning use --config.driver=jit "
                             "(make_train_step(..., driver='jit'))")
         allreduce_fn = collectives.make_allreduce(allreduce, axes, mean=True, bucket_bytes=bucket_bytes)
-        comm = compress.CommContext(axes, shards, allreduce_fn, allreduce, _inner_size(allreduce, axes, mesh))
+        comm = compress.CommContext(axes, shards, allreduce_fn, allreduce, _inner_size(allreduce, axes, mesh),
+                                    bucket_bytes)
         if not communicate:
             comm = _silent(comm)
         # Synchronous strategies normalise over the global batch; workers with their own
@@ -317,14 +322,18 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         correct = jnp.mean(jnp.argmax(logits, -1) == micro["labels"])
         return scaler.scale_loss(state.loss_scale, loss), (loss, correct, model_state)
 
-    verdicts = []  # finiteness of the reduced gradients, taken while tracing the strategy's reduce
+    verdicts = []  # finiteness of the applied (reduced) gradients, taken while tracing the strategy's reduce
+    psums = []  # the gradient path's psum calls, logged while tracing the reduce (outside any branch)
 
     def reduce(grads, compress_state, key):
         # The synchronisation point of data-parallel SGD: one averaged gradient for all,
         # compressed as configured and communicated in the policy's reduce dtype.
-        grads, compress_state, stats = compressor.update(policy.cast_to_reduce(grads), compress_state, key, comm)
+        logged = comm
+        if comm.algorithm == "psum" and comm.axes:
+            logged = comm._replace(allreduce=lambda tree: psums.append(tree) or comm.allreduce(tree))
+        grads, compress_state, stats = compressor.update(policy.cast_to_reduce(grads), compress_state, key, logged)
         grads = scaler.unscale(state.loss_scale, policy.cast_to_params(grads))
-        if scaler.enabled:
+        if scaler.enabled:  # a float16 sum of finite gradients can itself overflow (reduce=float16, cast)
             verdicts.append(all_finite(grads))
         if grad_norm:  # of the gradient every replica applies (unscaled, after compression)
             stats = {**stats, "grad_norm": optax.tree.norm(grads)}
@@ -344,22 +353,27 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         grads, loss, accuracy, model_state = _accumulate(grad_fn, params, state.model_state, batch, step_rng,
                                                          accum_steps, shards, constrain, axes, split_micro)
     grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
-    loss, accuracy, model_state = _pmean_if(axes, (loss, accuracy, model_state))
+    # Each worker's own verdict on what it is about to send, before any compressor sees it:
+    # a compressor may leave the overflowing entries out of the average (random-k, top-k),
+    # and the step must be skipped all the same (Micikevicius et al. 2018, §3.2).
+    finite_here = all_finite(policy.cast_to_reduce(grads)) if scaler.enabled else None
+    loss, accuracy, finite_everywhere, model_state, averages = _averages(axes, loss, accuracy, finite_here,
+                                                                         model_state)
 
     new_state, stats = strategy.apply(state, grads, ctx)
-    if strategy.local_models and axes and jax.tree.leaves(model_state):
-        # Batch-norm running statistics are averaged every step (above) so the evaluated
-        # model has one set; that is communication too, and the accountant counts it.
-        extra = costmodel.dense_allreduce_traffic(model_state, comm.size, "ring")
-        stats = {**stats, "comm_bytes": stats["comm_bytes"] + extra.bytes_sent,
-                 "comm_rounds": stats["comm_rounds"] + extra.messages}
+    if axes:
+        # XLA's all-reduce combiner merges independent all-reduces: where the gradients travel
+        # by psum, the averages ride in that op (their bytes, no rounds of their own).
+        stats = {**stats, "comm_bytes": stats["comm_bytes"] + averages.bytes_sent,
+                 "comm_rounds": stats["comm_rounds"] + (0 if psums else averages.messages)}
     metrics = {"loss": loss, "accuracy": accuracy, **stats}
     loss_scale = state.loss_scale
     if scaler.enabled:
-        # Decided on the reduced gradients: identical on every replica, so all skip together.
+        # Every worker's own gradients and the average all apply: identical on every replica,
+        # so all skip together.
         if len(verdicts) != 1:
             raise StepError(f"loss scaling needs strategy {strategy.name!r} to reduce gradients once per step")
-        finite = verdicts[0]
+        finite = jnp.logical_and(finite_everywhere, verdicts[0])
         # A skipped step leaves everything the update wrote as it was (delay buffers included).
         kept = select_tree(finite, (new_state.params, new_state.opt_state, model_state, new_state.worker,
                                     new_state.shared),
@@ -410,8 +424,24 @@ def _identity(tree):
     return tree
 
 
-def _pmean_if(axes, tree):
-    return lax.pmean(tree, axes) if axes else tree
+def _averages(axes, loss, accuracy, finite, model_state):
+    """The step's averages over the workers, in one all-reduce: loss and accuracy (the records),
+    whether every worker's gradients are finite (with loss scaling) and the model state
+    (batch-norm statistics). Returns them and the all-reduce's :class:`dtx.costmodel.Traffic`.
+
+    The three scalars travel as one float32 vector: one ring of 3 entries, not three.
+    """
+    scalars = [loss.astype(jnp.float32), accuracy.astype(jnp.float32)]
+    if finite is not None:  # 1 where this worker overflowed: the mean is 0 only if no worker did
+        scalars.append(jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
+    vector = jnp.stack(scalars)
+    traffic = costmodel.Traffic(0, 0)
+    if axes:
+        vector, model_state = lax.pmean((vector, model_state), axes)
+        p = math.prod(lax.axis_size(a) for a in axes)
+        traffic = compress.psum_traffic(costmodel.dense_allreduce_traffic((vector, model_state), p, "ring"), p)
+    everywhere = None if finite is None else vector[2] == 0
+    return vector[0], vector[1], everywhere, model_state, traffic
 
 
 def _eval_body(model: nn.Module, policy: Policy, reduce_sum, strategy: Strategy, comm: compress.CommContext,

@@ -1,9 +1,12 @@
-"""Allreduce algorithms == lax.psum; bucketing; traffic counts == the cost model.
+"""Allreduce algorithms == lax.psum; bucketing; traffic counts == the cost model; in training,
+replicas bit-identical and the records equal to what the compiled step sends.
 
 Each algorithm must equal ``lax.psum`` for every p in 1..8 (DESIGN.md §6): exactly on
 integers, and on floats within ``FLOAT_RTOL`` (a different summation order is the
-only difference). Each program combines many sizes in one pytree so the file compiles
-few programs, and every result is waited on before the next call (DESIGN.md §2).
+only difference). Replicated state must be bit-identical on every device after every
+training step: no tolerance (nothing re-synchronises replicas). Each program combines
+many sizes in one pytree so the file compiles few programs, and every result is waited
+on before the next call (DESIGN.md §2).
 """
 
 import functools
@@ -276,50 +279,116 @@ def test_custom_allreduce_in_a_train_step():
 
 
 # ------------------------------------------------------------------ training with each algorithm
+REPLICA_STEPS = 20  # replicated state must stay bit-identical on every device, step after step
+COMPARE_STEPS = 5  # against psum: within FLOAT_RTOL after this many steps
+TRAINING = [("psum", 0), ("ring", 0), ("halving_doubling", 0), ("recursive_doubling", 0), ("tree", 0),
+            ("hierarchical", 0), ("psum", 4096), ("ring", 4096), ("hierarchical", 4096)]
 
 
-def _train_with(allreduce, mesh_spec, bucket_bytes=0, steps=5):
+def _parts(mesh_spec, features=(32,)):
     import optax
 
     import models
     from dtx import datasets
     from dtx.data import TrainLoader
     from dtx.state import init_train_state
-    from dtx.step import make_train_step
 
-    digits = datasets.load_dataset("digits")
     mesh = make_mesh(mesh_spec)
-    model = models.build_model("mlp", features=(32,))
+    model = models.build_model("mlp", features=features)
     tx = optax.sgd(0.1, momentum=0.9)
     state = init_train_state(model, tx, jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32), 0, mesh)
+    return mesh, model, tx, state, TrainLoader(datasets.load_dataset("digits").train, 64, mesh, seed=0)
+
+
+def _mesh_of(algorithm):
+    return [("node", 2), ("local", 4)] if algorithm == "hierarchical" else [("data", 8)]
+
+
+def _train_with(allreduce, mesh_spec, bucket_bytes=0):
+    """``REPLICA_STEPS`` SGD-momentum steps; the parameters after ``COMPARE_STEPS``, and the first step
+    (if any) after which some replicated leaf (parameters, momentum) differs between devices."""
+    from dtx.step import make_train_step
+
+    mesh, model, tx, state, loader = _parts(mesh_spec)
     step = make_train_step(model, tx, mesh, allreduce=allreduce, bucket_bytes=bucket_bytes)
-    loader = TrainLoader(digits.train, 64, mesh, seed=0)
-    for s in range(steps):
+    compared, drift = None, None
+    for s in range(REPLICA_STEPS):
         state, metrics = step(state, loader.batch(s))
         jax.block_until_ready(metrics)
-    for leaf in jax.tree.leaves(state.params):  # every replica identical, checker or not
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        if allreduce == "hierarchical":
-            # Known XLA:CPU artefact (BENCHMARKS.md, collectives): the allreduce result is
-            # bit-identical on every device, but an elementwise multiply-add consuming it
-            # rounds differently on some emulated devices (FMA contraction depends on where
-            # the fused loop's vector body starts), so hierarchical replicas differ by an ulp.
-            for other in shards[1:]:
-                np.testing.assert_allclose(other, shards[0], rtol=1e-6, atol=1e-9)
-        else:
-            assert all(np.array_equal(shards[0], other) for other in shards[1:])
-    return jax.device_get(state.params)
+        for leaf in jax.tree.leaves((state.params, state.opt_state)):
+            shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+            if drift is None and not all(np.array_equal(shards[0], other) for other in shards[1:]):
+                drift = s
+        if s + 1 == COMPARE_STEPS:
+            compared = jax.device_get(state.params)
+    return compared, drift
 
 
 @pytest.fixture(scope="module")
-def psum_training():
-    return {"flat": _train_with("psum", [("data", 8)]), "2d": _train_with("psum", [("node", 2), ("local", 4)])}
+def training():
+    """Every case of TRAINING, run once for the module (cached as the tests ask for them)."""
+    runs = {}
+
+    def get(algorithm, bucket_bytes, mesh_spec=None):
+        mesh_spec = mesh_spec or _mesh_of(algorithm)
+        key = (algorithm, bucket_bytes, tuple(mesh_spec))
+        if key not in runs:
+            runs[key] = _train_with(algorithm, mesh_spec, bucket_bytes)
+        return runs[key]
+
+    return get
 
 
-@pytest.mark.parametrize("algorithm,bucket_bytes", [(a, 0) for a in ALGORITHMS if a != "psum"]
-                         + [("ring", 4096), ("psum", 4096)])
-def test_training_with_each_algorithm_equals_psum(psum_training, algorithm, bucket_bytes):
-    mesh_spec, key = ([("node", 2), ("local", 4)], "2d") if algorithm == "hierarchical" else ([("data", 8)], "flat")
-    params = _train_with(algorithm, mesh_spec, bucket_bytes)
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(psum_training[key])):
+@pytest.mark.parametrize("algorithm,bucket_bytes", TRAINING)
+def test_replicas_stay_bit_identical(training, algorithm, bucket_bytes):
+    # Nothing re-synchronises replicated parameters: one ulp of difference would persist and grow.
+    _, drift = training(algorithm, bucket_bytes)
+    assert drift is None, f"{algorithm} (bucket_bytes={bucket_bytes}): replicas differ after step {drift}"
+
+
+@pytest.mark.parametrize("algorithm,bucket_bytes", [case for case in TRAINING if case != ("psum", 0)])
+def test_training_with_each_algorithm_equals_psum(training, algorithm, bucket_bytes):
+    params, _ = training(algorithm, bucket_bytes)
+    reference, _ = training("psum", 0, _mesh_of(algorithm))
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
         np.testing.assert_allclose(got, want, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
+
+
+# ------------------------------------------------------------------ bucketing in the compiled program
+@pytest.mark.parametrize("algorithm,bucket_bytes", [("ring", 1 << 20), ("ring", 2048), ("halving_doubling", 2048),
+                                                    ("recursive_doubling", 2048), ("hierarchical", 2048),
+                                                    ("tree", 2048), ("psum", 2048)])
+def test_bucketed_step_records_what_its_program_sends(algorithm, bucket_bytes):
+    """The record's ``comm_bytes`` / ``comm_rounds`` against the compiled step (dtx.hlo): one allreduce per
+    bucket. MLP 64-32-10: leaves of 128, 8192, 40 and 1280 bytes; 1 MiB holds them all (one bucket),
+    2 KiB makes three: [b0], [k0] (larger than a bucket: alone), [b1, k1]."""
+    from dtx import hlo
+    from dtx.step import make_train_step
+
+    mesh, model, tx, state, loader = _parts(_mesh_of(algorithm))
+    buckets = collectives.plan_buckets(jax.tree.leaves(state.params), bucket_bytes)
+    assert len(buckets) == (1 if bucket_bytes > 8192 else 3)
+    step = make_train_step(model, tx, mesh, allreduce=algorithm, bucket_bytes=bucket_bytes, donate=False)
+    batch = loader.batch(0)
+    compiled = step.lower(state, batch).compile()
+    _, metrics = compiled(state, batch)
+    record = int(metrics["comm_bytes"]), int(metrics["comm_rounds"])
+    found = hlo.collectives(compiled)
+    total = lambda ops: (sum(c.bytes_sent for c in ops), sum(c.rounds for c in ops))  # noqa: E731
+    reduces = [c for c in found if c.kind == "all-reduce"]
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert len(reduces) + len(permutes) == len(found)
+    if algorithm == "psum":  # XLA's combiner merges the buckets' psums (and may merge the metrics'): the ring's
+        assert not permutes and total(found)[0] == record[0]  # bytes of each bucket; its rounds are XLA's
+        assert all(c.rounds == 2 * 7 for c in reduces)
+        return
+    assert [c.operand_bytes for c in reduces] == [8]  # the loss and accuracy, counted in the record too
+    if algorithm == "tree":
+        # The reader sums each ppermute's busiest sender (a tree's senders change with the level: 2⌈lg p⌉
+        # ppermutes per bucket), the accountant the busiest device over the schedule: exactly twice.
+        reduced = [r - m for r, m in zip(record, total(reduces))]
+        assert len(permutes) == 2 * 3 * len(buckets) and total(permutes) == (2 * reduced[0], 2 * reduced[1])
+    else:
+        assert total(found) == record
+    if algorithm == "ring":
+        assert len(permutes) == 2 * 7 * len(buckets)  # 14 per bucket, not 14 per leaf

@@ -11,6 +11,12 @@ Tolerances (fixed):
   gaps are <= 4.2e-7 on values of magnitude <= 4.
 * ``EF_TOL``: error feedback's books (applied updates + residuals == sums of the true
   gradients) over 4 steps: float32 round-off of sums of ~10 terms of magnitude <= 4.
+* ``LOWRANK_TOL``: PowerSGD against a float64 reference over 4 steps. Its products sum up
+  to 40 terms of magnitude <= 4, each rounded in float32: <= 40·4·2^-24 ≈ 1e-5 per product,
+  carried from step to step by the residual (measured: 1.5e-5 after 4 steps).
+* ``CAST_TOL``: a bfloat16 cast against the float64 mean of the bfloat16-rounded
+  gradients: one bfloat16 rounding of the result (relative 2^-9, twice that allowed),
+  plus float32 round-off of 8 terms.
 * Unbiasedness: the mean of ``DRAWS`` fixed-seed draws must lie within ``Z_BOUND``
   standard errors of the true mean, coordinate by coordinate. For a sample mean that
   is nearly normal, |z| > 5 has probability 6e-7 per coordinate (~1e-4 over the ~190
@@ -42,6 +48,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 8  # workers
 FLOAT_TOL = dict(rtol=1e-5, atol=1e-6)
 EF_TOL = dict(rtol=1e-5, atol=1e-5)
+LOWRANK_TOL = dict(rtol=1e-5, atol=5e-5)
+CAST_TOL = dict(rtol=2**-8, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
 DRAWS = 1000
 Z_BOUND = 5.0
@@ -151,6 +159,7 @@ def memory(mesh):
     silent = {f"silent_{n}": (MEMORY[n], grads) for n in ("topk", "sign", "powersgd")}
     # Stages 25%, 6.25%, 1.5625%, 1%; local norms 16.5 ... 19.6, so clipping bites on about half.
     cases["dgc"] = (compress.topk(**DGC), _gradients(SHAPES, 5, seed=2))
+    cases["cast"] = (compress.cast("bfloat16"), grads)
     runs = _run(mesh, {**cases, **silent}, silent=set(silent))
     return {name: (case[1], runs[name]) for name, case in {**cases, **silent}.items()}
 
@@ -189,11 +198,12 @@ def test_bytes_are_the_hand_count(memory):
     chunk = sum(-(-w // 8) + 4 for w in (1, 35, 5))
     assert stats["sign"]["comm_bytes"][0, 0] == 2 * 7 * chunk
     assert stats["sign"]["comm_rounds"][0, 0] == 14
-    # PowerSGD rank 1: P (shorter side x 1) and the vector, then Q (longer side x 1), as ring allreduces.
-    first = _ring(7) + _ring(4) + _ring(5)  # P of wide (as 7x40), P of tall (as 4x9), bias
-    second = _ring(40) + _ring(9)
+    # PowerSGD rank 1: all P's (shorter side x 1) with the vector in one buffer, then all Q's (longer
+    # side x 1) in another: two allreduces (psum: one op each, 2(p-1) rounds).
+    first = _ring(7 + 4 + 5)  # P of wide (as 7x40), P of tall (as 4x9), bias
+    second = _ring(40 + 9)
     assert stats["powersgd"]["comm_bytes"][0, 0] == first + second
-    assert stats["powersgd"]["comm_rounds"][0, 0] == 5 * 14
+    assert stats["powersgd"]["comm_rounds"][0, 0] == 2 * 14
     # random-k 25%: the k values of all leaves in one allreduce, no indices.
     assert stats["randomk"]["comm_bytes"][0, 0] == _ring(2 + 70 + 9)
     # The payload ratio: dense float32 bytes over one worker's encoded gradient.
@@ -205,7 +215,7 @@ def test_bytes_are_the_hand_count(memory):
 @pytest.mark.parametrize("name,sent", [
     ("topk", 7 * 6 * (2 + 70 + 9)),
     ("sign", 2 * 7 * (5 + 9 + 5)),
-    ("powersgd", _ring(7) + _ring(4) + _ring(5) + _ring(40) + _ring(9)),
+    ("powersgd", _ring(7 + 4 + 5) + _ring(40 + 9)),
 ])
 def test_without_communication_the_bytes_are_still_counted(memory, name, sent):
     """The yardstick (ctx.axes == ()) compresses locally and reports what p workers would send."""
@@ -264,6 +274,88 @@ def test_dgc_equals_a_numpy_reference(memory):
     clipped = [i for i in range(W)
                if np.sqrt(sum((grads[n][0, i] ** 2).sum() for n in SHAPES)) > DGC["clip_norm"] * math.sqrt(W)]
     assert 0 < len(clipped) < W, "the test data must clip some workers and not others"
+
+
+def test_cast_sends_and_applies_bfloat16(memory):
+    """cast(bfloat16): the mean every worker applies is a bfloat16 (what crossed the mesh), within
+    bfloat16's rounding of the mean of the bfloat16-rounded gradients; a ring of 2-byte entries."""
+    grads, (means, _, stats) = memory["cast"]
+    _same_on_every_worker(means)
+    for key in grads:
+        got = means[key][0]  # (steps, ...)
+        np.testing.assert_array_equal(got, got.astype(jnp.bfloat16).astype(np.float32), err_msg=key)
+        sent = grads[key].astype(jnp.bfloat16).astype(np.float64).mean(1)
+        np.testing.assert_allclose(got, sent, **CAST_TOL, err_msg=key)
+    assert stats["comm_bytes"][0].tolist() == [_ring(5, 2) + _ring(280, 2) + _ring(36, 2)] * STEPS
+    assert stats["comm_rounds"][0, 0] == 14  # psum: one combined op
+
+
+def _matrix(x):
+    """dtx.lowrank's view of a leaf: rows x last axis, transposed so that the shorter side comes first."""
+    x = x.reshape(-1, x.shape[-1])
+    return x.T if x.shape[0] > x.shape[1] else x
+
+
+def test_powersgd_equals_a_numpy_reference(memory):
+    """PowerSGD (Vogels et al. 2019, Alg. 1 with error feedback), rank 1, step by step in float64:
+    P = mean MQ; P̂ = QR(P); Q = mean MᵀP̂ (kept for the next step); update P̂Qᵀ; residual M − P̂(MᵀP̂)ᵀ.
+    QR's column signs may differ between LAPACK calls: they cancel in P̂Qᵀ, so Q is compared up to sign."""
+    grads, (means, state, _) = memory["powersgd"]
+    names = sorted(SHAPES)  # the leaves' tree order
+    q0 = MEMORY["powersgd"].init({n: np.zeros(SHAPES[n], np.float32) for n in names})["q"]
+    q = {n: np.asarray(q0[str(i)], np.float64) for i, n in enumerate(names) if len(SHAPES[n]) >= 2}
+    residual = {n: np.zeros((W, *SHAPES[n])) for n in names}
+    for t in range(STEPS):
+        for n in names:
+            m = grads[n][t].astype(np.float64) + residual[n]
+            if n not in q:  # vectors travel exactly and leave nothing behind
+                expected, residual[n] = m.mean(0), np.zeros_like(m)
+            else:
+                mats = [_matrix(x) for x in m]
+                p_hat = np.linalg.qr(np.mean([x @ q[n] for x in mats], 0))[0]
+                q[n] = np.mean([x.T @ p_hat for x in mats], 0)
+                transposed = mats[0].shape != m.shape[1:]
+                back = (lambda a: a.T) if transposed else (lambda a: a)  # noqa: E731
+                expected = back(p_hat @ q[n].T)
+                residual[n] = np.stack([x - back(p_hat @ (y.T @ p_hat).T) for x, y in zip(m, mats)])
+            np.testing.assert_allclose(means[n][0, t], expected, **LOWRANK_TOL, err_msg=f"step {t} {n}")
+    for i, n in enumerate(names):
+        np.testing.assert_allclose(state["residual"][n], residual[n], **LOWRANK_TOL, err_msg=n)
+        if n in q:
+            got = state["q"][str(i)][0]
+            np.testing.assert_allclose(got * np.sign(got[:1] * q[n][:1]), q[n], **LOWRANK_TOL, err_msg=n)
+
+
+@pytest.mark.parametrize("name", ["sign", "ternary", "qsgd"])
+def test_quantisers_put_every_value_on_their_papers_levels(name):
+    """Decoded values lie on each paper's levels, with each paper's scale: sign ±mean|v| over the row's
+    real entries (EF-signSGD); TernGrad {−s, 0, +s}, s = max|v| per bucket; QSGD ‖v‖₂·l/L per bucket,
+    l = ⌊L|v|/‖v‖₂⌋ or the next level up, with v's sign. Rows of three magnitudes; row 2 is padded."""
+    rng = np.random.default_rng(6)
+    v = (rng.normal(size=(3, 40)) * [[1.0], [0.01], [100.0]]).astype(np.float32)
+    count = np.array([40, 40, 33], np.int32)
+    v[2, 33:] = 0.0  # padding is zero
+    levels, bucket = 3, 16
+    quantizer = {"sign": quantize.sign_quantizer(), "ternary": quantize.ternary_quantizer(bucket),
+                 "qsgd": quantize.qsgd_quantizer(levels, bucket)}[name]
+    codes, scales = jax.jit(quantizer.encode)(v, count, jax.random.key(0))
+    decoded = np.asarray(quantizer.decode(codes, scales), np.float64)
+    assert int(np.max(codes)) < 2 ** quantizer.bits
+    x = v.astype(np.float64)
+    if name == "sign":
+        scale = np.abs(x).sum(1, keepdims=True) / count[:, None]
+        np.testing.assert_allclose(decoded, np.where(x >= 0, scale, -scale), rtol=1e-6)
+        return
+    per_bucket = np.pad(x, ((0, 0), (0, 8))).reshape(3, 3, bucket)  # 40 entries: buckets of 16, 16, 8
+    s = np.abs(per_bucket).max(-1) if name == "ternary" else np.sqrt((per_bucket ** 2).sum(-1))
+    s = np.repeat(s, bucket, axis=1)[:, :40]
+    level = decoded / s * (1 if name == "ternary" else levels)
+    np.testing.assert_allclose(level, np.round(level), atol=1e-5)  # on a level
+    level = np.round(level)
+    assert np.all((level == 0) | (np.sign(level) == np.sign(x)))
+    floor = np.floor(np.abs(x) / s * (1 if name == "ternary" else levels))
+    assert np.all((np.abs(level) == floor) | (np.abs(level) == floor + 1))
+    assert np.any(np.abs(level) == floor) and np.any(np.abs(level) == floor + 1)  # both roundings occur
 
 
 # ----------------------------------------------------------------------------- unbiasedness

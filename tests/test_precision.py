@@ -17,7 +17,9 @@ accuracies (360 examples) may differ by at most 0.02 — 7 examples — since bf
 
 import dataclasses
 import os
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -481,3 +483,113 @@ def test_a_skipped_step_leaves_a_strategys_delay_buffer_alone(f16_setup, faulty_
     assert int(metrics["skipped"]) == 1
     _assert_bitwise_equal(after.shared, before.shared, "shared")
     _assert_bitwise_equal(after.params, before.params, "params")
+
+
+# ---------------------------------------------------------------------------- an overflow compression would hide
+
+PROBE_ENTRIES, PROBE_FAULT = 1000, 637  # the probe's vector, and the one entry that overflows on one worker
+
+
+class _Probe(nn.Module):
+    """Logits from 16 input features, plus ``x · w`` on logit 0 with ``w = 0``: the forward pass ignores
+    the other inputs, but ``w``'s gradient is ``inputs × dlogit₀``, so a large (finite) input in one
+    column on one worker overflows float16 in exactly one gradient entry of that worker."""
+
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = x.reshape(x.shape[0], -1).astype(self.dtype)
+        w = self.param("w", nn.initializers.zeros, (x.shape[-1],), jnp.float32)
+        logits = nn.Dense(10, dtype=self.dtype)(x[:, :16])
+        return logits.at[:, 0].add(x @ w.astype(self.dtype))
+
+
+HIDING = {  # every compressor, error feedback on and off where it has it; DGC's settings too
+    "none": dict(name="none"), "cast_bf16": dict(name="cast"), "cast_f16": dict(name="cast", dtype="float16"),
+    "topk": dict(name="topk"), "topk_no_ef": dict(name="topk", error_feedback=False),
+    "topk_dgc": dict(name="topk", momentum=0.9, clip_norm=1.0, warmup_steps=2),
+    "randomk": dict(name="randomk"), "randomk_no_ef": dict(name="randomk", error_feedback=False),
+    "sign": dict(name="sign"), "sign_no_ef": dict(name="sign", error_feedback=False),
+    "terngrad": dict(name="terngrad"), "qsgd": dict(name="qsgd"),
+    "powersgd": dict(name="powersgd", rank=2), "powersgd_no_ef": dict(name="powersgd", rank=2, error_feedback=False),
+}
+
+
+@pytest.fixture(scope="module")
+def probe(mesh8):
+    """The float16 probe, a clean batch and the same batch with one overflowing input column on worker 3."""
+    policy = parse_policy("p=f32,c=f16")
+    rng = np.random.default_rng(7)
+    inputs = rng.normal(size=(BATCH, PROBE_ENTRIES)).astype(np.float32)
+    labels = rng.integers(0, 10, BATCH).astype(np.int32)
+    faulty = inputs.copy()
+    faulty[FAULTY_DEVICE * ROWS_PER_DEVICE:(FAULTY_DEVICE + 1) * ROWS_PER_DEVICE, PROBE_FAULT] = 6e4  # < 65504
+    place = lambda x: jax.device_put({"inputs": x, "labels": labels}, mesh_lib.batch_sharding(mesh8))  # noqa: E731
+    return policy, _Probe(dtype=policy.compute), place(inputs), place(faulty)
+
+
+@pytest.mark.parametrize("name", list(HIDING))
+def test_an_overflow_the_compressor_does_not_send_still_skips_the_step(probe, mesh8, name):
+    """One float16 overflow in one gradient entry of worker 3. Random-k at 1% leaves that entry out of
+    the average (it used to be judged finite there), top-k sends it; whatever the compressor, every
+    worker's own flag is combined before compression, so every worker skips: parameters, optimizer
+    state and the per-worker compressor state (residuals, DGC momentum, PowerSGD's Q) bit-unchanged,
+    the loss scale halved."""
+    from dtx import compress
+
+    policy, model, clean, faulty = probe
+    settings = dict(HIDING[name])
+    compressor = compress.make_compressor(settings.pop("name"), **settings)
+    tx = optim.make_optimizer("sgd", 0.1)
+    example = jax.ShapeDtypeStruct(clean["inputs"].shape, jnp.float32)
+    state = init_train_state(model, tx, example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER, compressor=compressor)
+    step = make_train_step(model, tx, mesh8, policy=policy, loss_scaler=FAULT_SCALER, compressor=compressor,
+                           donate=False)
+    # Two clean steps first, so that residuals, momenta and factors are not all zeros.
+    for _ in range(2):
+        state, metrics = step(state, clean)
+        assert int(metrics["skipped"]) == 0, "the clean batch must not overflow"
+    before = jax.device_get(state)
+    after, metrics = step(state, faulty)
+    jax.block_until_ready(after)
+    _assert_replicas_identical(after.replace(worker={}))  # every worker took the same decision
+    after, metrics = jax.device_get((after, metrics))
+    assert int(metrics["skipped"]) == 1 and int(after.loss_scale.skipped_steps) == 1
+    assert float(after.loss_scale.scale) == float(before.loss_scale.scale) / 2  # backed off
+    _assert_bitwise_equal(after.params, before.params, "params")
+    _assert_bitwise_equal(after.opt_state, before.opt_state, "opt_state")
+    _assert_bitwise_equal(after.worker, before.worker, "worker")  # every worker's slice
+    kept = jax.tree.leaves(before.worker)  # none for none, cast, TernGrad and QSGD
+    assert not kept or any(np.any(np.asarray(x) != 0) for x in kept), "the clean steps left state to keep"
+
+
+def test_a_float16_sum_can_overflow_where_no_worker_did(probe, mesh8):
+    """reduce=float16: every worker's gradient entry is ~2e4, finite, but their float16 sum (XLA:CPU
+    sums float16 all-reduces in float16) is not. The workers' flags all say finite, so the verdict
+    also needs the reduced gradient: the step is skipped."""
+    _, model, clean, _ = probe
+    policy = parse_policy("p=f32,c=f16,r=f16")
+    inputs = np.asarray(jax.device_get(clean["inputs"])).copy()
+    inputs[:, PROBE_FAULT] = 200.0  # on every row: 200 × Σ (p₀ − y₀) · 2¹⁰/8 ≈ 2e4 per worker, all one sign
+    batch = jax.device_put({"inputs": inputs, "labels": np.ones(BATCH, np.int32)}, mesh_lib.batch_sharding(mesh8))
+    tx = optim.make_optimizer("sgd", 0.1)
+    example = jax.ShapeDtypeStruct(inputs.shape, jnp.float32)
+    state = init_train_state(model, tx, example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER)
+    step = make_train_step(model, tx, mesh8, policy=policy, loss_scaler=FAULT_SCALER, donate=False)
+    grads = jax.jit(jax.grad(lambda p, x: FAULT_SCALER.init().scale * optim_loss(model, p, x, 1)))
+    for worker in range(8):  # each worker's own (scaled) entry: finite in float16, and large
+        rows = slice(worker * ROWS_PER_DEVICE, (worker + 1) * ROWS_PER_DEVICE)
+        entry = float(grads(state.params, inputs[rows])["w"][PROBE_FAULT])
+        assert 8192 < abs(entry) < 65504 / 2, entry
+    after, metrics = jax.device_get(step(state, batch))
+    assert int(metrics["skipped"]) == 1
+    _assert_bitwise_equal(after.params, jax.device_get(state.params), "params")
+
+
+def optim_loss(model, params, inputs, label):
+    """One worker's mean cross-entropy, as the step computes it (float16 compute, float32 loss)."""
+    from dtx.step import cross_entropy
+
+    logits = model.apply({"params": params}, inputs)
+    return cross_entropy(logits, np.full(len(inputs), label, np.int32)).mean()

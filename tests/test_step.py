@@ -178,7 +178,9 @@ def test_unknown_driver(meshes):
 
 @pytest.mark.parametrize("allreduce,reduce_dtype", [("psum", "float32"), ("ring", "float32"), ("psum", "bfloat16")])
 def test_step_reports_the_bytes_its_allreduce_sends(digits, meshes, allreduce, reduce_dtype):
-    """comm_bytes / comm_rounds are the accountant's count of one leaf-by-leaf allreduce per step."""
+    """comm_bytes / comm_rounds: the accountant's count of the gradients' allreduce (psum: XLA's one
+    combined op; ring: one ring per leaf) and of the step's averages (loss and accuracy, one float32
+    vector), which ride in the psum or run as an all-reduce of their own."""
     from dtx import costmodel, precision
 
     model = MODELS["mlp"]()
@@ -191,10 +193,11 @@ def test_step_reports_the_bytes_its_allreduce_sends(digits, meshes, allreduce, r
     _, metrics = step(state, TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0))
     itemsize = 4 if reduce_dtype == "float32" else 2
     leaves = jax.tree.leaves(state.params)
-    # Ring: 2(p-1) messages of ceil(n/p) elements per leaf.
+    # Ring: 2(p-1) messages of ceil(n/p) elements per leaf; the averages: a ring of one float32 chunk.
     expected = sum(2 * 7 * -(-leaf.size // 8) * itemsize for leaf in leaves)
-    assert int(metrics["comm_bytes"]) == expected
-    assert int(metrics["comm_rounds"]) == 2 * 7 * len(leaves)
+    averages = 2 * 7 * 4
+    assert int(metrics["comm_bytes"]) == expected + averages
+    assert int(metrics["comm_rounds"]) == (2 * 7 if allreduce == "psum" else 2 * 7 * len(leaves) + 2 * 7)
     assert expected == costmodel.dense_allreduce_traffic(state.params, 8, "ring", reduce_dtype).bytes_sent
 
 
