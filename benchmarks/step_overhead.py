@@ -1,7 +1,7 @@
 """dtx's train step vs a hand-written ``jax.jit`` data-parallel step: same model, mesh, batch.
 
 All steps are timed in one process, interleaved in blocks, each waiting on the
-previous step's output (lag-1, DESIGN.md §2); the ratio of medians is what counts
+previous step's output (lag-1, docs/data_parallel.md); the ratio of medians is what counts
 (the machine is noisy, absolute times are not comparable across runs). Also timed:
 dtx's steps with ``grad_norm=True`` (``--config.log_grad_norm``), the opt-in cost.
 

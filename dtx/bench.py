@@ -15,7 +15,7 @@ flags (Thakur, Rabenseifner & Gropp 2005; :mod:`dtx.costmodel`). Flat algorithms
 all devices on one ``data`` axis; ``hierarchical`` uses a 2D ``(node, local)`` mesh,
 ``(2, 4)`` on 8 devices. On an emulated CPU mesh the devices share the host's cores,
 so measured times show the software cost of each schedule, not a network
-(DESIGN.md §2); the predicted column is the network.
+(docs/data_parallel.md); the predicted column is the network.
 
 ``step``: times the experiment's train step as configured, and the same step built
 with ``communicate=False`` (every collective of the gradient path removed, each
@@ -263,7 +263,7 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
 
     Each round times ``steps`` calls of each step in turn (interleaved, so machine
     noise hits both alike), every call waiting on the previous one's output (lag-1:
-    XLA:CPU deadlocks with many steps in flight, DESIGN.md §2).
+    XLA:CPU deadlocks with many steps in flight, docs/data_parallel.md).
     """
     from dtx import flops
 

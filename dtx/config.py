@@ -3,7 +3,7 @@
 An experiment is a Python file whose ``get_config()`` starts from :func:`base_config`
 (locked, so a misspelt key in the experiment fails at once), changes what it needs
 and returns the locked ``ml_collections.ConfigDict``; its docstring holds the launch
-command and the expected result (big_vision's convention, DESIGN.md §4.5).
+command and the expected result (big_vision's convention).
 
 ``--config.KEY=VALUE`` overrides are parsed by ``ml_collections.config_flags`` —
 typed by the default's value, so ``--config.num_steps=1.5`` is refused at load time.

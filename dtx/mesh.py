@@ -2,7 +2,7 @@
 
 A mesh is described as data — a sequence of ``(axis_name, size)`` pairs such as
 ``[("data", -1)]`` or ``[("data", 4), ("model", 2)]`` — so experiments can state
-their topology in a config file (DESIGN.md §4.6). One size may be ``-1``: it takes
+their topology in a config file. One size may be ``-1``: it takes
 whatever devices the other axes leave.
 
 Every axis carries the batch: data parallelism (the Hitchhiker's Guide §3.1; Das

@@ -2,7 +2,7 @@
 
 Values arrive on the host already: the training loop reads step ``s - 1``'s
 metrics after dispatching step ``s``, so logging never stalls asynchronous
-dispatch (and bounds the steps in flight — DESIGN.md §2).
+dispatch (and bounds the steps in flight, which XLA:CPU's emulated collectives need: docs/data_parallel.md).
 """
 
 from __future__ import annotations

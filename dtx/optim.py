@@ -1,7 +1,7 @@
 """Optimizers, learning-rate schedules and large-batch scaling rules, by name, on optax.
 
 Every optimizer is an optax ``GradientTransformation`` — the pure ``(init,
-update)`` pair with explicit state (DESIGN.md §4.3) — so its state lives in the
+update)`` pair with explicit state — so its state lives in the
 train state and in checkpoints. Nothing here re-implements an optimizer: LARS
 (You et al. 2017) and LAMB (You et al. 2019) are optax's building blocks,
 composed with masks.

@@ -1,6 +1,6 @@
 """The train state: everything a step reads and writes, as one pytree.
 
-``step`` and ``rng`` are explicit fields (levanter, DESIGN.md §4.12) so a run is a
+``step`` and ``rng`` are explicit fields (as levanter does) so a run is a
 pure function of its state and its data, and a checkpoint of the state is a
 complete description of where training stands.
 """

@@ -2,7 +2,7 @@
 
 The body computes the loss and gradients of the batch it sees, passes the
 gradients through a ``reduce`` function, and applies the optimizer. The drivers
-differ only in what the body sees and what ``reduce`` is (DESIGN.md §4.2):
+differ only in what the body sees and what ``reduce`` is (one per-device body, two drivers, tested equal):
 
 * ``"shard_map"`` ("pmap-style"): ``jax.jit(jax.shard_map(body))``. Each device
   sees its slice of the batch; ``reduce`` is an explicit all-reduce over the

@@ -1,7 +1,7 @@
 """One training run, told top to bottom: devices, data, model, steps, loop, evaluation.
 
 The config is read here and only here; everything below it receives plain
-values and built collaborators (DESIGN.md §4.1, §4.8).
+values and built collaborators.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
             window_steps += 1
             if previous is not None:
                 # Wait for step - 1 (lag-1): bounds the steps in flight, which XLA:CPU
-                # collectives need (DESIGN.md §2), without starving dispatch.
+                # collectives need (docs/data_parallel.md), without starving dispatch.
                 jax.block_until_ready(previous[1])
                 done = previous[0]
                 comm.add(previous[1])
