@@ -28,9 +28,11 @@ def test_bench_step_splits_compute_from_communication(capsys):
     assert row["name"] == "shard_map psum, none, sync"
     step, compute, comm = float(row["step"]), float(row["compute"]), float(row["comm"])
     assert step > 0 and compute > 0 and comm == pytest.approx(step - compute, abs=0.011)
-    # The accountant's bytes: a float32 ring allreduce of the MLP 64-32-10's parameters over 8 workers.
+    # The accountant's bytes: a float32 ring allreduce of the MLP 64-32-10's parameters over 8 workers, and
+    # of the step's (loss, accuracy) averages, one float32[2] vector.
     params = {"w1": jax.ShapeDtypeStruct((64, 32), "float32"), "b1": jax.ShapeDtypeStruct((32,), "float32"),
-              "w2": jax.ShapeDtypeStruct((32, 10), "float32"), "b2": jax.ShapeDtypeStruct((10,), "float32")}
+              "w2": jax.ShapeDtypeStruct((32, 10), "float32"), "b2": jax.ShapeDtypeStruct((10,), "float32"),
+              "metrics": jax.ShapeDtypeStruct((2,), "float32")}
     expected = costmodel.dense_allreduce_traffic(params, 8, "ring", "float32").bytes_sent
     assert int(row["bytes"].replace(",", "")) == expected
     assert row["hfu"] != "n/a" and "no peak" not in out
