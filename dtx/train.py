@@ -378,7 +378,10 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
 
 def _device_memory() -> float:
     """Bytes an accelerator reports for one device (0 on CPU, which reports none)."""
-    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    try:  # this process's own device: another process's cannot be asked (multi-process runs)
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 — a backend without memory statistics reports nothing
+        return 0.0
     return float((stats or {}).get("bytes_limit", 0))
 
 
