@@ -392,22 +392,30 @@ class PreemptionWatcher:
     installed after ``jax.distributed.initialize`` would silently disable it).
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, multi_process: bool | None = None):
         self.enabled = enabled
+        # Asked of the caller where it is known: jax.process_count() would start JAX's backend.
+        self._multi_process = multi_process
         self._flag = threading.Event()
         self._previous = None
+
+    @property
+    def multi_process(self) -> bool:
+        if self._multi_process is None:
+            self._multi_process = jax.process_count() > 1
+        return self._multi_process
 
     def requested(self, step: int) -> bool:
         if not self.enabled:
             return False
-        if jax.process_count() > 1:
+        if self.multi_process:
             from jax.experimental import multihost_utils
 
             return bool(multihost_utils.reached_preemption_sync_point(step))
         return self._flag.is_set()
 
     def __enter__(self) -> PreemptionWatcher:
-        if self.enabled and jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+        if self.enabled and not self.multi_process and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
         return self
 

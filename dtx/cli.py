@@ -41,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train EXPERIMENT.py (a file whose get_config() returns a ConfigDict). "
         "Override any config key with --config.KEY=VALUE, e.g. --config.driver=jit.",
     )
-    train_cmd.add_argument("experiment", help="experiment file, e.g. experiments/digits_mlp.py")
+    train_cmd.add_argument("experiment", help="experiment file (experiments/digits_mlp.py) or the name of one "
+                           "that ships with dtx (digits_mlp)")
     train_cmd.add_argument("--workdir", help="where metrics.jsonl and TensorBoard events go "
                            "(default: runs/<experiment>-<time>)")
     for name, (_, _, help_text) in _COMMANDS.items():
@@ -84,7 +85,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         print(f"dtx: checkpoint error: {e}", file=sys.stderr)
         return 4
     if result.preempted:
-        print(f"preempted: checkpoint saved at step {int(result.state.step)}; run the same command to resume")
+        step = int(result.state.step)
+        print(f"preempted: checkpoint saved at step {step}; run the same command to resume" if result.saved else
+              f"preempted at step {step} before anything new was saved; run the same command to start again")
         return 0
     final = result.metrics
     print(

@@ -22,13 +22,12 @@ import numpy as np
 import optax
 from ml_collections import ConfigDict
 
-import models
 from dtx import checkpoint as checkpoint_lib
 from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import compress, costmodel, flops, hlo, optim, parallel, perfmodel, precision, strategies
+from dtx import compress, costmodel, flops, hlo, models, optim, parallel, perfmodel, precision, strategies
 from dtx.data import TrainLoader, eval_batches
 from dtx.metrics import to_host
 from dtx.state import TrainState, abstract_train_state, init_train_state, num_params
@@ -43,7 +42,8 @@ class TrainResult:
     state: TrainState
     metrics: dict
     workdir: str
-    preempted: bool = False  # stopped by SIGTERM after saving a checkpoint; run again to resume
+    preempted: bool = False  # stopped by SIGTERM at a step boundary; run again to resume
+    saved: bool = False  # a checkpoint holds the returned state (preempted runs: resume continues from it)
 
 
 def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | None = None,
@@ -69,11 +69,21 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         if os.path.exists(path) and not os.path.isdir(path):
             raise config_lib.ConfigError(f"{what} {path!r} is a file, not a directory; name a directory "
                                          "(it is created if missing)")
-
-    # ------------------------------------------------------------------ devices
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
     multi_process = mesh_lib.initialize_distributed(config.distributed)
+    # SIGTERM from here on -- start-up included, where loading and compiling take seconds --
+    # stops the run at a step boundary instead of killing it. Several processes agree on the
+    # step through JAX's preemption sync point, which needs checkpoints to be worth it.
+    watch = not multi_process or bool(config.checkpoint.every_steps) or config.checkpoint.resume != "never"
+    with checkpoint_lib.PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
+        return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
+                      model=model, optimizer=optimizer)
+
+
+def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
+           preemption: checkpoint_lib.PreemptionWatcher, run_start: float, *, model, optimizer) -> TrainResult:
+    # ------------------------------------------------------------------ devices
     mesh = mesh_lib.make_mesh(config.mesh)
     mesh_lib.check_batch_size(config.global_batch_size, mesh)
     mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
@@ -161,14 +171,12 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
                                   enabled=main_process)
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
     # host<->device transfer would be a hidden sync point, so the guard refuses it.
-    preemption = checkpoint_lib.PreemptionWatcher(enabled=checkpointer is not None)
     # Leaving on an error, the checkpointer still lets its pending save commit (after the watchdog stopped).
-    with writer, checkpointer or contextlib.nullcontext(), bar, preemption, watchdog, trace, \
-            jax.transfer_guard("disallow"):
+    with writer, checkpointer or contextlib.nullcontext(), bar, watchdog, trace, jax.transfer_guard("disallow"):
         previous = None  # (step, metrics, batch record) of the step before: read once the next is dispatched
         window_start, window_steps, rate = time.perf_counter(), 0, 0.0
-        preempted = False
-        for step in range(start_step, num_steps):
+        preempted = preemption.requested(start_step)  # a SIGTERM during start-up: no step runs
+        for step in range(start_step, start_step if preempted else num_steps):
             trace.before_step(step, state)  # --config.profile_steps: starts/stops a profiler trace
             batch = loader.batch(step)
             batch_hash = hashlib.sha256(loader.indices(step).tobytes()).hexdigest()[:16]
@@ -230,7 +238,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
             checkpointer.close()  # waits for the last save; a failed save raises here
         if preempted:
             writer.write(int(to_host(state.step)), {"preempted": 1})
-            return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True)
+            saved = checkpointer is not None and checkpointer.latest_step() == int(to_host(state.step))
+            return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True, saved=saved)
 
         # --------------------------------------------------------------- evaluate
         final = evaluate(eval_step, state, test_batches)

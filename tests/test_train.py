@@ -191,6 +191,34 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
     assert records[0]["step"] == 0 and "test_accuracy" in records[-1]
 
 
+def test_sigterm_during_start_up_stops_cleanly_and_the_same_call_then_trains(tmp_path, monkeypatch, capsys):
+    """A real SIGTERM while the step compiles (the start-up window of seconds): no step runs,
+    nothing is saved, the CLI exits 0 saying so, and the same command then trains as if
+    never interrupted -- bit for bit the loss of an uninterrupted run."""
+    import signal
+
+    train_module = sys.modules["dtx.train"]  # the module: dtx.train is rebound to the function
+    compile_step = train_module._compiled_step
+
+    def terminated_while_compiling(*args):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread before the next bytecode
+        return compile_step(*args)
+
+    args = ["train", DEFAULT, "--workdir", str(tmp_path / "run"), *TINY, "--config.checkpoint.every_steps=6"]
+    with monkeypatch.context() as patched:
+        patched.setattr(train_module, "_compiled_step", terminated_while_compiling)
+        assert main(args) == 0
+    assert "preempted at step 0 before anything new was saved" in capsys.readouterr().out
+    assert not any(n.isdigit() for n in os.listdir(tmp_path / "run" / "checkpoints"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler left with the run
+
+    assert main(args) == 0
+    reference = train(tiny_config("--config.checkpoint.every_steps=6"), tmp_path / "reference")
+    losses = [r["loss"] for r in metrics.read_metrics(tmp_path / "run") if "loss" in r]
+    assert losses == [r["loss"] for r in metrics.read_metrics(tmp_path / "reference") if "loss" in r]
+    assert int(reference.state.step) == 12
+
+
 def test_a_run_that_cannot_fit_is_refused_before_compiling_with_the_layout_that_would(tmp_path):
     """memory_limit (what an accelerator reports by itself): the estimate of dtx.memory against it."""
     with no_compilation(), pytest.raises(config_lib.ConfigError) as refused:
