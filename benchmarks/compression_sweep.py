@@ -95,7 +95,7 @@ def main():
     jax.config.update("jax_num_cpu_devices", 8)
     import report
     from dtx import plots
-    from experiments.compression_sweep import VARIANTS
+    from dtx.experiments.compression_sweep import VARIANTS
 
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = [v for v in VARIANTS if not args.only or v in args.only.split(",")]

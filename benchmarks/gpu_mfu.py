@@ -35,7 +35,7 @@ def main():
     import numpy as np
     import optax
 
-    import models
+    from dtx import models
     from dtx import flops
     from dtx import mesh as mesh_lib
     from dtx.precision import parse_policy

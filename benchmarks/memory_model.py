@@ -30,7 +30,7 @@ import report  # noqa: E402
 from dtx import memory, parallel, perfmodel  # noqa: E402
 from dtx.clusters import get_cluster  # noqa: E402
 from dtx.precision import parse_policy  # noqa: E402
-from models import build_model  # noqa: E402
+from dtx.models import build_model  # noqa: E402
 
 COMMAND = "python benchmarks/memory_model.py"
 TOLERANCE = 0.15

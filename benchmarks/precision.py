@@ -24,7 +24,7 @@ def step_memory(spec, features, batch, in_features):
     import numpy as np
     import optax
 
-    import models
+    from dtx import models
     from dtx import mesh as mesh_lib
     from dtx.precision import parse_policy
     from dtx.state import init_train_state

@@ -30,7 +30,7 @@ def measure(devices, batch_size, rounds, steps):
     import numpy as np
     import optax
 
-    import models
+    from dtx import models
     from dtx import mesh as mesh_lib
     from dtx.state import init_train_state
     from dtx.step import cross_entropy, make_train_step

@@ -8,11 +8,16 @@ Quick start (a notebook's first cell, before any JAX computation)::
 
     import dtx
     dtx.emulate_cpu_devices(8)
-    from experiments import digits_mlp
+    from dtx.experiments import digits_mlp
     result = dtx.train(digits_mlp.get_config(), workdir="runs/quickstart")
 """
 
-from dtx.compress import make_compressor
+# First: dtx.models and dtx.experiments resolve from a source checkout too (installed, setuptools maps them).
+from dtx import _checkout
+
+_checkout.install()
+
+from dtx.compress import make_compressor  # noqa: E402
 from dtx.config import ConfigError, base_config, load, override
 from dtx.mesh import MeshError, emulate_cpu_devices, make_mesh
 from dtx.precision import LossScaler, Policy, parse_policy

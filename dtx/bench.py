@@ -343,7 +343,8 @@ def step_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="dtx bench step", description="Time a train step with and without its gradient collectives.",
         epilog="Other arguments are config overrides: --config.KEY=VALUE.")
-    parser.add_argument("experiment", help="experiment file, e.g. experiments/digits_mlp.py")
+    parser.add_argument("experiment", help="experiment file (experiments/digits_mlp.py) or the name of one "
+                        "that ships with dtx (digits_mlp)")
     parser.add_argument("--vary", metavar="KEY=V1,V2,...", help="one row per value of a config key, e.g. "
                         "allreduce=psum,ring or compression.name=none,topk")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block (default 20)")

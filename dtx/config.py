@@ -142,7 +142,8 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     """Load experiment file ``path`` (``file.py`` or ``file.py:arg``) and apply overrides.
 
     Args:
-      path: the experiment file; ``:arg`` after it is passed to ``get_config(arg)``.
+      path: the experiment file, or the bare name of one that ships with dtx (``digits_mlp``, see
+        :func:`packaged_experiments`); ``:arg`` after it is passed to ``get_config(arg)``.
       overrides: strings ``--config.KEY=VALUE`` (the ``--config.`` prefix is optional).
 
     Returns:
@@ -151,10 +152,11 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     Raises:
       ConfigError: missing file, unknown key, value of the wrong type, bad value.
     """
-    path = os.fspath(path)
+    path = _packaged_experiment(os.fspath(path))
     file_part = path.split(":", 1)[0]
     if not os.path.isfile(file_part):
-        raise ConfigError(f"experiment file {file_part!r} not found (expected a Python file with get_config())")
+        raise ConfigError(f"experiment file {file_part!r} not found (expected a Python file with get_config(), "
+                          f"or the name of one that ships with dtx: {', '.join(packaged_experiments())})")
     _check_experiment_source(file_part)
     # First the file alone, so its own mistakes are reported against it ...
     config = _parse(path, [], blame=file_part)
@@ -171,6 +173,25 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
         config = _parse(path, flags_, blame="override")
     validate(config)
     return config
+
+
+def packaged_experiments() -> list[str]:
+    """Names of the experiment files that ship with dtx (``dtx.experiments``), e.g. ``digits_mlp``."""
+    from dtx import experiments  # imported late: the experiment files themselves import this module
+
+    folder = os.path.dirname(experiments.__file__)
+    return sorted(name[:-3] for name in os.listdir(folder) if name.endswith(".py") and not name.startswith("_"))
+
+
+def _packaged_experiment(path: str) -> str:
+    """``digits_mlp`` or ``digits_mlp:arg`` (a bare name, no folder, no ``.py``) is the file shipped in
+    ``dtx.experiments``: it works after ``pip install`` without a checkout. A file that exists wins."""
+    file_part, sep, arg = path.partition(":")
+    if os.path.isfile(file_part) or not file_part.isidentifier() or file_part not in packaged_experiments():
+        return path
+    from dtx import experiments
+
+    return os.path.join(os.path.dirname(experiments.__file__), file_part + ".py") + sep + arg
 
 
 def _check_experiment_source(file_part: str) -> None:

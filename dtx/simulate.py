@@ -140,7 +140,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
 
 
 def _analyze(name: str, input_shape: Sequence[int] | None) -> tuple[perfmodel.Layer, ...]:
-    from models import build_model  # the model zoo imports flax modules: only when simulating
+    from dtx.models import build_model  # the model zoo imports flax modules: only when simulating
 
     model = build_model(name)
     shape = input_shape or getattr(type(model), "default_input_shape", None)
@@ -153,7 +153,7 @@ def _analyze(name: str, input_shape: Sequence[int] | None) -> tuple[perfmodel.La
 def _memory_setup(args, cluster: Cluster):
     """``estimate(layers, layout, nodes=, global_batch=, ...)`` for the model, its terms traced once."""
     from dtx.precision import parse_policy
-    from models import build_model
+    from dtx.models import build_model
 
     model = build_model(args.model)
     shape = args.input_shape or type(model).default_input_shape
@@ -355,7 +355,7 @@ def _verify(args, cluster: Cluster, points) -> list[dict]:
     import jax
 
     from dtx import verify
-    from models import build_model
+    from dtx.models import build_model
 
     if cluster.bytes_per_element == 2 and jax.default_backend() == "cpu":
         # XLA:CPU runs bfloat16 collectives in float32: compile and predict at 4 bytes, a uniform factor.

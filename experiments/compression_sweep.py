@@ -23,7 +23,7 @@ on the wire than a float32 ring allreduce over 8 workers after its warm-up (27.7
 run); ``sign`` 31.4× fewer bytes on the wire.
 """
 
-from experiments import digits_mlp
+from dtx.experiments import digits_mlp
 
 # Per variant: compression settings, optimizer and learning rate (everything else is shared).
 # SGD-momentum at 0.05 unless a method needs otherwise (measured, see docs/compression.md):

@@ -29,7 +29,7 @@ gossip sends only to its neighbours (no global all-reduce in its step). async dr
 act as extra momentum on top of Adam's b1 = 0.9; ``--config.optimizer.momentum=0.5`` gives 97.8%.
 """
 
-from experiments import digits_mlp
+from dtx.experiments import digits_mlp
 
 SETTINGS = {
     "sync": {},

@@ -12,12 +12,12 @@ import dataclasses
 
 import flax.linen as nn
 
-from models.lenet import LeNet
-from models.mlp import MLP
-from models.overfeat import OverFeatFast
-from models.resnet import ResNet18, ResNet50
-from models.speech_dnn import SpeechDNN
-from models.vgg import VGGA
+from .lenet import LeNet
+from .mlp import MLP
+from .overfeat import OverFeatFast
+from .resnet import ResNet18, ResNet50
+from .speech_dnn import SpeechDNN
+from .vgg import VGGA
 
 MODELS: dict[str, type[nn.Module]] = {
     "mlp": MLP,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from dtx import models
 from dtx import datasets, optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader

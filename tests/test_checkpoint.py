@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from dtx import models
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx import metrics

@@ -288,7 +288,7 @@ TRAINING = [("psum", 0), ("ring", 0), ("halving_doubling", 0), ("recursive_doubl
 def _parts(mesh_spec, features=(32,)):
     import optax
 
-    import models
+    from dtx import models
     from dtx import datasets
     from dtx.data import TrainLoader
     from dtx.state import init_train_state

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from dtx import models
 from dtx import collectives, compress, costmodel, hlo, optim, precision, strategies
 from dtx import mesh as mesh_lib
 from dtx.state import init_train_state

@@ -35,7 +35,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import models
+from dtx import models
 from dtx import collectives, compress, datasets, optim, precision, quantize, sparsify, strategies
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib

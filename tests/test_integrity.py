@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-import models
+from dtx import models
 from dtx import config as config_lib
 from dtx import integrity
 from dtx import mesh as mesh_lib

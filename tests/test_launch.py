@@ -104,7 +104,7 @@ def _restore_in_one_process_on_one_device(directory, step):
     """2 processes -> 1: the two-process checkpoint restores here, exactly (digests verified)."""
     import jax
 
-    import models
+    from dtx import models
     from dtx import mesh as mesh_lib
     from dtx import optim
     from dtx.checkpoint import abstract_target

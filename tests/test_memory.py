@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import models
+from dtx import models
 from dtx import memory, perfmodel
 from dtx import mesh as mesh_lib
 from dtx import optim, parallel

@@ -317,7 +317,7 @@ def test_grad_norm_is_the_norm_of_the_applied_gradient(driver):
     import jax
     import optax
 
-    import models
+    from dtx import models
     from dtx import datasets
     from dtx import mesh as mesh_lib
     from dtx.data import TrainLoader

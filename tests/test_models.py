@@ -6,9 +6,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dtx.mesh import make_mesh
-from models import MODELS, ModelConfigError, build_model, model_fields
-from models.lenet import LeNet
-from models.mlp import MLP
+from dtx.models import MODELS, ModelConfigError, build_model, model_fields
+from dtx.models.lenet import LeNet
+from dtx.models.mlp import MLP
 
 TINY = {"mlp": dict(features=(16,)), "lenet": dict(conv_features=(2, 4), dense_features=(8,))}
 

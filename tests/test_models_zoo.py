@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dtx.mesh import make_mesh
-from models import MODELS, build_model
+from dtx.models import MODELS, build_model
 
 ZOO = ("vgg_a", "overfeat_fast", "speech_dnn", "resnet18", "resnet50")
 # Small enough to compile and run forward + backward in about a second each on 2 cores.

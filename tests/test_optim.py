@@ -23,7 +23,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-import models
+from dtx import models
 from dtx import mesh as mesh_lib
 from dtx.optim import (
     DEFAULT_EXCLUDE, OPTIMIZERS, SCALING_RULES, SCHEDULES, OptimizerError, make_optimizer, make_schedule, path_mask,

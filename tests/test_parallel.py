@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-import models
+from dtx import models
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader

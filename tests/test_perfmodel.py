@@ -17,7 +17,7 @@ from dtx import costmodel, perfmodel
 from dtx.clusters import PRESETS, Cluster, ClusterError, get_cluster
 from dtx.mesh import make_mesh
 from dtx.simulate import simulate_main
-from models import build_model
+from dtx.models import build_model
 
 HASWELL = get_cluster("haswell_fdr")
 
@@ -402,7 +402,7 @@ def test_the_trainer_runs_the_planners_rules(tmp_path):
     """The planner's choice, emitted as `dtx train` overrides, trains as-is: same result as data parallel."""
     import shlex
 
-    import models
+    from dtx import models
     from dtx import config as config_lib
     from dtx import perfmodel as pm
     from dtx.clusters import get_cluster

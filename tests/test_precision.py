@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from dtx import models
 from dtx import config as config_lib
 from dtx import datasets, optim
 from dtx import mesh as mesh_lib

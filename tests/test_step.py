@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-import models
+from dtx import models
 from dtx import datasets, optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from dtx import models
 from dtx import config as config_lib
 from dtx import costmodel, datasets, hlo, metrics, optim, strategies
 from dtx import mesh as mesh_lib

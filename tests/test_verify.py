@@ -18,7 +18,7 @@ from dtx import metrics, perfmodel, verify
 from dtx.clusters import get_cluster
 from dtx.simulate import simulate_main
 from dtx.train import train
-from models import build_model
+from dtx.models import build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 0.10
