@@ -23,6 +23,7 @@ from ml_collections import ConfigDict
 DRIVERS = ("shard_map", "jit")
 LOSS_SCALES = ("auto", "dynamic", "none")
 RESUME_MODES = ("auto", "must", "never")
+TASKS = ("classification", "regression", "next_token")  # dtx.tasks.TASKS
 
 
 class ConfigError(ValueError):
@@ -77,11 +78,18 @@ def base_config() -> ConfigDict:
 
     # Data.
     c.dataset = ConfigDict()
-    c.dataset.name = "digits"  # synthetic | digits | mnist | cifar10
+    c.dataset.name = "digits"  # synthetic | digits | mnist | cifar10 | python_docs (or dtx.train(..., data=))
     c.dataset.data_dir = ""  # folder with the files of mnist / cifar10
+    c.dataset.seq_len = 64  # python_docs: tokens per example
     c.dataset.synthetic = ConfigDict(
         dict(num_train=4096, num_test=1024, num_features=32, num_classes=10, noise=0.8, clusters_per_class=4)
     )
+
+    # Task: the loss and metrics (dtx.tasks; or dtx.train(..., task=)).
+    c.task = ConfigDict()
+    c.task.name = "classification"  # classification | regression | next_token
+    c.task.label_smoothing = 0.0  # classification / next_token: in [0, 1)
+    c.task.pad_id = -1  # next_token: label id that is not scored (padding); -1: every token is
 
     # Model: name plus that model's own settings (see models.model_fields(name)).
     c.model = ConfigDict(dict(name="mlp", features=(256, 256)))
@@ -326,9 +334,27 @@ def validate(config: ConfigDict) -> None:
             f"compression.momentum={config.compression.momentum} applies DGC's momentum inside the compressor, "
             f"so optimizer.name={config.optimizer.name!r} would apply momentum twice; set --config.optimizer.name=sgd "
             "or compression.momentum=0")
+    _check_task(config)
     if "model" not in config or "name" not in config.model:
         raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
     _check_numbers(config)
+
+
+def _check_task(config: ConfigDict) -> None:
+    """The task block names a known task with settings that apply to it (the rules of dtx.tasks.make_task)."""
+    task = config.task
+    if task.name not in TASKS:
+        raise ConfigError(f"task.name={task.name!r} is unknown; choose one of {list(TASKS)} (or pass your own "
+                          "dtx.tasks.Task as dtx.train(..., task=))")
+    if not 0 <= task.label_smoothing < 1:
+        raise ConfigError(f"task.label_smoothing={task.label_smoothing!r} must be in [0, 1), e.g. 0.1")
+    if task.label_smoothing and task.name == "regression":
+        raise ConfigError(f"task.label_smoothing={task.label_smoothing} applies to classification and next_token, "
+                          "not regression; set it to 0")
+    if task.pad_id >= 0 and task.name != "next_token":
+        raise ConfigError(f"task.pad_id={task.pad_id} applies to task.name=next_token only; set it to -1 (no padding)")
+    if config.dataset.seq_len < 1:
+        raise ConfigError(f"dataset.seq_len={config.dataset.seq_len} must be >= 1 (tokens per example)")
 
 
 # Hyper-parameters that must be positive / non-negative, and fractions in [0, 1): a sign error or a

@@ -13,6 +13,7 @@ parallelism, the Hitchhiker's Guide §3.1).
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 
 import jax
@@ -77,24 +78,39 @@ class TrainLoader:
         return epoch_permutation(self.seed, epoch, self.size)
 
 
-def eval_batches(split: Split, batch_size: int, mesh: Mesh) -> list[Batch]:
+class EvalBatches(collections.abc.Sequence):
     """The whole split as padded global batches with a ``mask`` of real examples.
 
     The last batch is padded with copies of example 0 whose ``mask`` is false, so
-    metrics summed over masked examples are exact for any split size.
+    metrics summed over masked examples are exact for any split size. Each batch is
+    gathered and placed when it is read, so a memory-mapped split is evaluated with
+    one batch in memory at a time.
     """
-    mesh_lib.check_batch_size(batch_size, mesh, what="eval_batch_size")
-    sharding = mesh_lib.batch_sharding(mesh)
-    rows = _process_rows(sharding, batch_size)
-    size = len(split.labels)
-    batches = []
-    for start in range(0, size, batch_size):
-        index = np.arange(start, start + batch_size)
-        mask = index < size
-        index = np.where(mask, index, 0)[rows]
-        arrays = {"inputs": split.inputs[index], "labels": split.labels[index], "mask": mask[rows]}
-        batches.append(_place(arrays, sharding, batch_size))
-    return batches
+
+    def __init__(self, split: Split, batch_size: int, mesh: Mesh):
+        mesh_lib.check_batch_size(batch_size, mesh, what="eval_batch_size")
+        self.split, self.batch_size = split, batch_size
+        self.sharding = mesh_lib.batch_sharding(mesh)
+        self._rows = _process_rows(self.sharding, batch_size)
+        self.size = len(split.labels)
+
+    def __len__(self) -> int:
+        return -(-self.size // self.batch_size)
+
+    def __getitem__(self, i: int) -> Batch:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"eval batch {i} of {len(self)}")
+        start = (i % len(self)) * self.batch_size
+        index = np.arange(start, start + self.batch_size)
+        mask = index < self.size
+        index = np.where(mask, index, 0)[self._rows]
+        arrays = {"inputs": self.split.inputs[index], "labels": self.split.labels[index], "mask": mask[self._rows]}
+        return _place(arrays, self.sharding, self.batch_size)
+
+
+def eval_batches(split: Split, batch_size: int, mesh: Mesh) -> EvalBatches:
+    """The whole split as padded global batches with a ``mask`` of real examples (:class:`EvalBatches`)."""
+    return EvalBatches(split, batch_size, mesh)
 
 
 def _place(arrays: dict, sharding: jax.sharding.Sharding, batch_size: int) -> Batch:

@@ -16,6 +16,13 @@ Sources (see DATASETS):
   cifar10    from `data_dir`: cifar10.npz, or the CIFAR-10 binary version
              (data_batch_{1..5}.bin, test_batch.bin) in data_dir or in
              data_dir/cifar-10-batches-bin/. Pickle is never used.
+  python_docs  byte-level language modelling on the Python documentation topics
+             that ship with CPython (pydoc_data.topics, what help('topics')
+             shows; offline). int32 token windows of `seq_len`, labels shifted
+             by one; the last 10% of the text is the test split; 256 classes.
+
+Your own arrays (in memory or memory-mapped) become a Dataset through
+dtx.userdata (dtx.train(..., data=...)).
 """
 import dataclasses
 import gzip
@@ -23,7 +30,7 @@ import os
 
 import numpy as np
 
-DATASETS: tuple[str, ...] = ("synthetic", "digits", "mnist", "cifar10")
+DATASETS: tuple[str, ...] = ("synthetic", "digits", "mnist", "cifar10", "python_docs")
 
 SYNTHETIC_DEFAULTS = dict(num_train=4096, num_test=1024, num_features=32,
                           num_classes=10, noise=0.8, clusters_per_class=4)
@@ -39,7 +46,19 @@ class DatasetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One split: float32 inputs (N, H, W, C) or (N, D), int32 labels (N,)."""
+    """One split of a dataset: ``inputs[i]`` is example ``i``, ``labels[i]`` its target.
+
+    Attributes:
+      inputs: array of shape (N, ...): images (N, H, W, C), feature vectors (N, D) or
+        token ids (N, T). Any numpy array, including a memory-mapped one
+        (``np.load(path, mmap_mode="r")``, ``np.memmap``): dtx reads only the rows of
+        each batch, by index, so a split may be larger than memory.
+      labels: array of shape (N,) or (N, ...): int class ids (classification), float
+        targets (regression) or next-token ids (N, T) (see dtx.tasks).
+
+    The built-in sources return float32 inputs and int32 labels; dtx.userdata
+    builds Splits from your arrays (``dtx.train(..., data=...)``).
+    """
     inputs: np.ndarray
     labels: np.ndarray
 
@@ -57,14 +76,17 @@ class Dataset:
 
 
 def load_dataset(name: str, *, data_dir: str = "", seed: int = 0,
-                 synthetic: dict | None = None) -> Dataset:
+                 synthetic: dict | None = None, seq_len: int = 64) -> Dataset:
     """Loads dataset `name` (one of DATASETS) fully into memory.
 
     `seed` and `synthetic` (parameter overrides, keys as in SYNTHETIC_DEFAULTS)
-    only affect "synthetic"; `data_dir` is required by "mnist" and "cifar10".
+    only affect "synthetic"; `data_dir` is required by "mnist" and "cifar10";
+    `seq_len` (tokens per example) only affects "python_docs".
     """
     if name == "synthetic":
         return _synthetic(seed, synthetic)
+    if name == "python_docs":
+        return _python_docs(seq_len)
     if name == "digits":
         return _digits()
     if name in ("mnist", "cifar10"):
@@ -255,3 +277,48 @@ def _cifar10(data_dir: str) -> Dataset:
         x_test, y_test = parts[5]
     return Dataset("cifar10", _split("cifar10", "train", x_train, y_train, 10, 255.0),
                    _split("cifar10", "test", x_test, y_test, 10, 255.0), 10)
+
+
+def token_windows(tokens: np.ndarray, seq_len: int) -> Split:
+    """A 1-D token stream as next-token examples: ``inputs[i] = tokens[i*T : i*T+T]``,
+    ``labels[i] = tokens[i*T+1 : i*T+T+1]`` (T = seq_len), non-overlapping.
+
+    Both are strided *views* of ``tokens`` (no copy), so a memory-mapped token file
+    (``np.load("tokens.npy", mmap_mode="r")``) stays on disk: only the rows of each
+    batch are read. The tail that does not fill a window is left out.
+    """
+    tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DatasetError(f"token_windows needs a 1-D array of integer token ids, got {tokens.dtype} "
+                           f"{tokens.shape}; flatten it or encode the text first")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise DatasetError(f"seq_len={seq_len!r} must be a positive int (tokens per example)")
+    count = (len(tokens) - 1) // seq_len
+    if count < 1:
+        raise DatasetError(f"{len(tokens)} tokens do not fill one window of seq_len={seq_len} plus its next "
+                           "token; use a shorter seq_len or more text")
+    windows = np.lib.stride_tricks.sliding_window_view
+    return Split(inputs=windows(tokens[:-1], seq_len)[::seq_len][:count],
+                 labels=windows(tokens[1:], seq_len)[::seq_len][:count])
+
+
+def python_docs_text() -> str:
+    """The Python documentation topics bundled with CPython (``pydoc_data.topics``: the language
+    reference pages ``help('topics')`` shows), sorted by topic and joined: ~465 kB on Python 3.11.
+    The text, and so every figure trained on it, differs a little between Python versions."""
+    try:
+        from pydoc_data.topics import topics  # Lazy: only this source needs it.
+    except ImportError as e:  # pragma: no cover - stripped Python builds
+        raise DatasetError("dataset 'python_docs' needs the standard library's pydoc_data package, which this "
+                           f"Python lacks ({e}); use another dataset or a full CPython") from e
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _python_docs(seq_len: int) -> Dataset:
+    """Byte-level language modelling: UTF-8 bytes (256 classes), last 10% of the text held out."""
+    tokens = np.frombuffer(python_docs_text().encode("utf-8"), np.uint8).astype(np.int32)
+    cut = len(tokens) * 9 // 10
+    train, test = token_windows(tokens[:cut], seq_len), token_windows(tokens[cut:], seq_len)
+    # Contiguous copies: the windows are views of one array, cheap to keep but slow to gather.
+    return Dataset("python_docs", Split(np.ascontiguousarray(train.inputs), np.ascontiguousarray(train.labels)),
+                   Split(np.ascontiguousarray(test.inputs), np.ascontiguousarray(test.labels)), 256)

@@ -40,11 +40,13 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import collectives, compress, costmodel, strategies
+from dtx import tasks as task_lib
 from dtx import mesh as mesh_lib
 from dtx.compress import Compressor
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
 from dtx.state import TrainState
 from dtx.strategies import Strategy
+from dtx.tasks import Task, cross_entropy  # noqa: F401  (cross_entropy: public here too)
 
 Batch = dict[str, jax.Array]  # "inputs", "labels"; eval batches add "mask"
 Metrics = dict[str, jax.Array]
@@ -78,6 +80,7 @@ def make_train_step(
     layout: Callable[[], Any] | None = None,
     gradient_shardings: Any = None,
     shard_accumulator: bool = False,
+    task: Task | None = None,
 ) -> TrainStep:
     """Build the jitted ``(state, batch) -> (state, metrics)`` training step.
 
@@ -119,10 +122,13 @@ def make_train_step(
       shard_accumulator: ``jit`` driver with ``gradient_shardings``: also keep each
         micro-batch's gradient split while accumulating (ZeRO-2: a ``1/N`` accumulator,
         one reduce-scatter per micro-batch); otherwise the full accumulator is split once.
+      task: the loss and metrics (:mod:`dtx.tasks`); default classification (cross-entropy,
+        ``accuracy``). A task with padding (``valid``) averages over the valid elements of the
+        global batch: one extra scalar all-reduce of their count under ``shard_map``.
 
     Returns:
       The step. Metrics are global-batch averages, replicated on every device:
-      ``loss``, ``accuracy``, ``comm_bytes`` and ``comm_rounds`` (``shard_map`` driver: what
+      ``loss``, the task's metrics (``accuracy``), ``comm_bytes`` and ``comm_rounds`` (``shard_map`` driver: what
       each worker sent this step, :mod:`dtx.costmodel`'s accountant, the all-reduce of these
       averages included; under ``jit`` they are
       read from the compiled program, :func:`dtx.hlo.total`), the strategy's own metrics, and
@@ -145,7 +151,8 @@ def make_train_step(
                    if gradient_shardings is not None else _identity)
     common = dict(split_grads=split_grads, split_micro=split_grads if shard_accumulator else _identity,
                   tx=tx, policy=policy, scaler=loss_scaler, accum_steps=accum_steps, strategy=strategy,
-                  compressor=compressor, grad_norm=grad_norm, layout=layout or contextlib.nullcontext)
+                  compressor=compressor, grad_norm=grad_norm, layout=layout or contextlib.nullcontext,
+                  task=task or task_lib.classification())
     if driver == "shard_map":
         if state_shardings is not None and not all(
                 s.is_fully_replicated for s in jax.tree.leaves(state_shardings.replace(worker={}))):
@@ -251,12 +258,13 @@ def _silent(comm: compress.CommContext) -> compress.CommContext:
 
 def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", policy: Policy = Policy(),
                    state_shardings: Any = None, strategy: Strategy | None = None,
-                   layout: Callable[[], Any] | None = None) -> EvalStep:
+                   layout: Callable[[], Any] | None = None, task: Task | None = None) -> EvalStep:
     """Build the jitted ``(state, batch) -> sums`` evaluation step.
 
-    It returns *sums* over the examples whose ``batch["mask"]`` is true —
-    ``loss_sum`` (float32), ``correct`` and ``count`` (int32) — so a padded last
-    batch contributes exactly its real examples and the host's totals are exact.
+    It returns *sums* over the examples whose ``batch["mask"]`` is true and, within them, the
+    elements the task scores (:func:`dtx.tasks.eval_sums`: ``loss_sum``, ``count``, ``examples``,
+    ``<metric>_sum``, e.g. ``accuracy_sum``) — so a padded last batch contributes exactly its real
+    examples, padded tokens nothing, and the host's totals are exact (:func:`dtx.tasks.summarize`).
     The parameters evaluated are the strategy's global model (``strategy.eval_params``:
     the synchronous parameters, the workers' average, the elastic center, ...).
     ``layout`` is the train step's (``jit`` driver).
@@ -265,12 +273,13 @@ def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", p
     if layout is not None and driver != "jit":
         raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
     layout = layout or contextlib.nullcontext
+    task = task or task_lib.classification()
     axes = mesh_lib.batch_axes(mesh)
     if driver == "shard_map":
         comm = compress.CommContext(axes, mesh_lib.data_parallel_size(mesh),
                                     functools.partial(lax.pmean, axis_name=axes))
         body = functools.partial(_eval_body, model, policy, functools.partial(lax.psum, axis_name=axes),
-                                 strategy, comm, layout)
+                                 strategy, comm, layout, task=task)
         specs = state_specs(axes)
         per_device = jax.shard_map(
             _per_worker(body), mesh=mesh, in_specs=(specs, PartitionSpec(axes)), out_specs=PartitionSpec(),
@@ -279,7 +288,7 @@ def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", p
         return jax.jit(per_device)
     if driver == "jit":
         comm = compress.CommContext((), mesh_lib.data_parallel_size(mesh), lambda tree: tree)
-        body = functools.partial(_eval_body, model, policy, lambda tree: tree, strategy, comm, layout)
+        body = functools.partial(_eval_body, model, policy, lambda tree: tree, strategy, comm, layout, task=task)
         state_sharding = mesh_lib.replicated(mesh) if state_shardings is None else state_shardings
         return jax.jit(body, in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
@@ -297,13 +306,8 @@ def check_accumulation(global_batch_size: int, accum_steps: int, mesh: Mesh) -> 
         )
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-example softmax cross-entropy, computed in float32 whatever the compute dtype."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-
-
 def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor,
-                comm, axes, shards, constrain, layout, split_grads, split_micro,
+                comm, axes, shards, constrain, layout, split_grads, split_micro, task,
                 grad_norm=False) -> tuple[TrainState, Metrics]:
     rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
     shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
@@ -311,6 +315,7 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
     if axes:  # independent dropout per device; the carried rng stays replicated
         step_rng = jax.random.fold_in(step_rng, index)
     mutable = list(state.model_state)
+    denominator = _denominator(task, batch, axes, accum_steps, strategy)
 
     def loss_fn(params, model_state, micro, micro_rng):
         variables = {"params": policy.cast_to_compute(params), **model_state}
@@ -318,9 +323,8 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         with layout():
             out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
         logits, model_state = out if mutable else (out, model_state)
-        loss = cross_entropy(policy.cast_to_output(logits), micro["labels"]).mean()
-        correct = jnp.mean(jnp.argmax(logits, -1) == micro["labels"])
-        return scaler.scale_loss(state.loss_scale, loss), (loss, correct, model_state)
+        loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(logits), micro["labels"], denominator)
+        return scaler.scale_loss(state.loss_scale, loss), (loss, values, model_state)
 
     verdicts = []  # finiteness of the applied (reduced) gradients, taken while tracing the strategy's reduce
     psums = []  # the gradient path's psum calls, logged while tracing the reduce (outside any branch)
@@ -348,25 +352,26 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
         params = lax.pcast(params, axes, to="varying")
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum_steps == 1:
-        (_, (loss, accuracy, model_state)), grads = grad_fn(params, state.model_state, batch, step_rng)
+        (_, (loss, values, model_state)), grads = grad_fn(params, state.model_state, batch, step_rng)
     else:
-        grads, loss, accuracy, model_state = _accumulate(grad_fn, params, state.model_state, batch, step_rng,
+        grads, loss, values, model_state = _accumulate(grad_fn, params, state.model_state, batch, step_rng,
                                                          accum_steps, shards, constrain, axes, split_micro)
     grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
     # Each worker's own verdict on what it is about to send, before any compressor sees it:
     # a compressor may leave the overflowing entries out of the average (random-k, top-k),
     # and the step must be skipped all the same (Micikevicius et al. 2018, §3.2).
     finite_here = all_finite(policy.cast_to_reduce(grads)) if scaler.enabled else None
-    loss, accuracy, finite_everywhere, model_state, averages = _averages(axes, loss, accuracy, finite_here,
-                                                                         model_state)
+    loss, values, finite_everywhere, model_state, averages = _averages(axes, loss, values, finite_here,
+                                                                       model_state)
 
     new_state, stats = strategy.apply(state, grads, ctx)
     if axes:
         # XLA's all-reduce combiner merges independent all-reduces: where the gradients travel
         # by psum, the averages ride in that op (their bytes, no rounds of their own).
-        stats = {**stats, "comm_bytes": stats["comm_bytes"] + averages.bytes_sent,
-                 "comm_rounds": stats["comm_rounds"] + (0 if psums else averages.messages)}
-    metrics = {"loss": loss, "accuracy": accuracy, **stats}
+        counted = _count_traffic(task, axes, strategy)  # the valid-element count's all-reduce, if any
+        stats = {**stats, "comm_bytes": stats["comm_bytes"] + averages.bytes_sent + counted.bytes_sent,
+                 "comm_rounds": stats["comm_rounds"] + (0 if psums else averages.messages) + counted.messages}
+    metrics = {"loss": loss, **values, **stats}
     loss_scale = state.loss_scale
     if scaler.enabled:
         # Every worker's own gradients and the average all apply: identical on every replica,
@@ -405,33 +410,37 @@ def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, 
     micro_batches = jax.tree.map(split, batch)
 
     def one(carry, inputs):
-        grads_sum, loss_sum, accuracy_sum, model_state = carry
+        grads_sum, loss_sum, values_sum, model_state = carry
         micro, index = inputs
-        (_, (loss, accuracy, model_state)), grads = grad_fn(params, model_state, micro, jax.random.fold_in(rng, index))
+        (_, (loss, values, model_state)), grads = grad_fn(params, model_state, micro, jax.random.fold_in(rng, index))
         grads_sum = jax.tree.map(jnp.add, grads_sum, split_micro(grads))
-        return (grads_sum, loss_sum + loss, accuracy_sum + accuracy, model_state), None
+        return (grads_sum, loss_sum + loss, jax.tree.map(jnp.add, values_sum, values), model_state), None
 
     zero = jnp.zeros((), jnp.float32)
     if axes:  # the running sums hold per-device values: type them so for shard_map's checker
         zero = lax.pcast(zero, axes, to="varying")
     split_micro = split_micro or _identity
-    init = (split_micro(jax.tree.map(jnp.zeros_like, params)), zero, zero, model_state)
-    (grads, loss, accuracy, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
-    return jax.tree.map(lambda g: g / k, grads), loss / k, accuracy / k, model_state
+    # The metrics' names, from the first micro-batch's shapes (tracing only, nothing runs).
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    names = jax.eval_shape(lambda: grad_fn(params, model_state, first, rng)[0][1][1])
+    init = (split_micro(jax.tree.map(jnp.zeros_like, params)), zero, {name: zero for name in names}, model_state)
+    (grads, loss, values, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
+    return jax.tree.map(lambda g: g / k, grads), loss / k, {n: v / k for n, v in values.items()}, model_state
 
 
 def _identity(tree):
     return tree
 
 
-def _averages(axes, loss, accuracy, finite, model_state):
-    """The step's averages over the workers, in one all-reduce: loss and accuracy (the records),
-    whether every worker's gradients are finite (with loss scaling) and the model state
+def _averages(axes, loss, values, finite, model_state):
+    """The step's averages over the workers, in one all-reduce: loss and the task's metrics (the
+    records), whether every worker's gradients are finite (with loss scaling) and the model state
     (batch-norm statistics). Returns them and the all-reduce's :class:`dtx.costmodel.Traffic`.
 
-    The three scalars travel as one float32 vector: one ring of 3 entries, not three.
+    The scalars travel as one float32 vector: one ring of 3 entries, not three.
     """
-    scalars = [loss.astype(jnp.float32), accuracy.astype(jnp.float32)]
+    names = list(values)
+    scalars = [loss.astype(jnp.float32), *(values[n].astype(jnp.float32) for n in names)]
     if finite is not None:  # 1 where this worker overflowed: the mean is 0 only if no worker did
         scalars.append(jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
     vector = jnp.stack(scalars)
@@ -440,22 +449,44 @@ def _averages(axes, loss, accuracy, finite, model_state):
         vector, model_state = lax.pmean((vector, model_state), axes)
         p = math.prod(lax.axis_size(a) for a in axes)
         traffic = compress.psum_traffic(costmodel.dense_allreduce_traffic((vector, model_state), p, "ring"), p)
-    everywhere = None if finite is None else vector[2] == 0
-    return vector[0], vector[1], everywhere, model_state, traffic
+    everywhere = None if finite is None else vector[-1] == 0
+    return vector[0], {n: vector[1 + i] for i, n in enumerate(names)}, everywhere, model_state, traffic
+
+
+def _denominator(task: Task, batch: Batch, axes, accum_steps: int, strategy: Strategy):
+    """What each (micro-)batch's sums are divided by so that averaging over micro-batches and workers
+    gives the mean over the *global* batch's valid elements (``None``: every element counts, a plain mean).
+
+    With padding the workers hold different numbers of valid tokens, so a mean of per-worker means is not
+    the global mean; sum / (global count / (workers · micro-batches)) is. Workers with their own models
+    (local SGD, ...) average over their own batch: no collective enters their local steps.
+    """
+    if task.valid is None:
+        return None
+    count = task_lib.valid_count(task, batch["labels"])
+    workers = 1
+    if axes and not strategy.local_models:
+        count = lax.psum(count, axes)
+        workers = math.prod(lax.axis_size(a) for a in axes)
+    return jnp.maximum(count, 1).astype(jnp.float32) / (workers * accum_steps)
+
+
+def _count_traffic(task: Task, axes, strategy: Strategy) -> costmodel.Traffic:
+    """The all-reduce of the valid-element count (:func:`_denominator`): an int32 scalar, on its own
+    (the gradients depend on it, so XLA cannot merge it into their all-reduce)."""
+    if task.valid is None or not axes or strategy.local_models:
+        return costmodel.Traffic(0, 0)
+    p = math.prod(lax.axis_size(a) for a in axes)
+    return compress.psum_traffic(costmodel.dense_allreduce_traffic(jnp.zeros((), jnp.int32), p, "ring"), p)
 
 
 def _eval_body(model: nn.Module, policy: Policy, reduce_sum, strategy: Strategy, comm: compress.CommContext,
-               layout, state: TrainState, batch: Batch) -> Metrics:
+               layout, state: TrainState, batch: Batch, *, task: Task) -> Metrics:
     params = strategy.eval_params(state, comm)
     variables = {"params": policy.cast_to_compute(params), **state.model_state}
     with layout():
         logits = model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
-    logits = policy.cast_to_output(logits)
-    mask = batch["mask"]
-    losses = jnp.where(mask, cross_entropy(logits, batch["labels"]), 0.0)
-    correct = jnp.logical_and(mask, jnp.argmax(logits, -1) == batch["labels"])
-    return reduce_sum({"loss_sum": losses.sum(), "correct": correct.sum(dtype=jnp.int32),
-                       "count": mask.sum(dtype=jnp.int32)})
+    return reduce_sum(task_lib.eval_sums(task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))
 
 
 def _synchronise_norm(model: nn.Module, axes: tuple[str, ...]) -> nn.Module:

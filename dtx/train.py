@@ -27,6 +27,8 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
+from dtx import tasks as tasks_lib
+from dtx import userdata
 from dtx import compress, costmodel, flops, hlo, models, optim, parallel, perfmodel, precision, strategies
 from dtx.data import TrainLoader, eval_batches
 from dtx.metrics import to_host
@@ -47,7 +49,8 @@ class TrainResult:
 
 
 def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | None = None,
-          optimizer: optax.GradientTransformation | None = None) -> TrainResult:
+          optimizer: optax.GradientTransformation | None = None, task: tasks_lib.Task | None = None,
+          data=None) -> TrainResult:
     """Train ``config`` and evaluate on the test split; records go to ``workdir``.
 
     Args:
@@ -57,6 +60,10 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         called as ``model(inputs, train=bool)`` and returns logits.
       optimizer: an optax optimizer to use instead of the one ``config.optimizer``
         describes (its learning rate is then not logged).
+      task: the loss and metrics (:mod:`dtx.tasks`) instead of the ones ``config.task`` names.
+      data: your arrays instead of ``config.dataset``: ``(inputs, labels)``, ``{"train": ...,
+        "test": ...}``, :class:`dtx.datasets.Split` or :class:`dtx.datasets.Dataset`, in memory or
+        memory-mapped (:mod:`dtx.userdata`); without a test split nothing is evaluated.
 
     Raises before any compilation on bad input (unknown names, batch sizes that do
     not split over the mesh, missing dataset files, a workdir that already holds a run).
@@ -78,11 +85,12 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     watch = not multi_process or bool(config.checkpoint.every_steps) or config.checkpoint.resume != "never"
     with checkpoint_lib.PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
         return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
-                      model=model, optimizer=optimizer)
+                      model=model, optimizer=optimizer, task=task, data=data)
 
 
 def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
-           preemption: checkpoint_lib.PreemptionWatcher, run_start: float, *, model, optimizer) -> TrainResult:
+           preemption: checkpoint_lib.PreemptionWatcher, run_start: float, *, model, optimizer,
+           task=None, data=None) -> TrainResult:
     # ------------------------------------------------------------------ devices
     mesh = mesh_lib.make_mesh(config.mesh)
     mesh_lib.check_batch_size(config.global_batch_size, mesh)
@@ -96,15 +104,21 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         _check_shared_directory(checkpoint_dir)
 
     # --------------------------------------------------------------------- data
-    dataset = datasets.load_dataset(
-        config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
-        synthetic=config.dataset.synthetic.to_dict(),
-    )
+    task = task or tasks_lib.make_task(**config.task.to_dict())
+    given = data is not None
+    if not given:
+        data = datasets.load_dataset(
+            config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
+            synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len,
+        )
+    dataset = userdata.as_dataset(data, task)  # labels the task cannot score are refused here
+    user_data = userdata.fingerprint(dataset) if given else None  # the caller's arrays: a resume checks them
     loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
 
     # ------------------------------------- precision, model, optimizer, techniques
-    parts = build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model, optimizer=optimizer)
+    parts = build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model, optimizer=optimizer,
+                        task=task)
     policy, loss_scaler, model, tx = parts.policy, parts.loss_scaler, parts.model, parts.tx
     abstract_state, shardings, workers = parts.abstract_state, parts.shardings, parts.workers
 
@@ -114,7 +128,7 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                   if optimizer is None else None)
     train_step = make_step(config, parts, mesh)
     eval_step = make_eval_step(model, mesh, driver=config.driver, policy=policy, state_shardings=shardings,
-                               strategy=parts.strategy, layout=parts.layout)
+                               strategy=parts.strategy, layout=parts.layout, task=parts.task)
     # The yardstick of every communication figure: a float32 ring allreduce of the gradients.
     reference_bytes = costmodel.dense_allreduce_traffic(abstract_state.params, workers, "ring", "float32").bytes_sent
     checkpointer = None
@@ -125,7 +139,8 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         resumed = checkpointer.resume(
             checkpoint_lib.abstract_target(abstract_state, shardings), step=config.checkpoint.resume_step or None,
             check=lambda saved: (_check_resumable(saved.get("config", {}), config),
-                                 _check_workers(saved, workers, abstract_state)))
+                                 _check_workers(saved, workers, abstract_state),
+                                 userdata.check_resume(saved, user_data)))
         state, saved = resumed.state, resumed.metadata
     else:
         state = init_train_state(model, tx, parts.example, config.seed, mesh, loss_scaler, shardings, parts.strategy,
@@ -136,7 +151,7 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
     data_digest = saved.get("data_digest", "") if resuming else ""
     comm = CommTotals(**saved.get("comm", {})) if resuming else CommTotals()
-    test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh)
+    test_batches = eval_batches(dataset.test, config.eval_batch_size, mesh) if dataset.test is not None else None
     # What the compiled step does, read once from the program the loop's first call reuses:
     # FLOPs per device (XLA's cost analysis; unknown under accumulation, whose loop XLA
     # counts once) and the bytes its collectives send (dtx.hlo). Beside them, what the
@@ -212,13 +227,14 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                     bar.update(done, record["loss"], rate)
                     window_start, window_steps = time.perf_counter(), 1
             previous = (step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
-            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < num_steps:
-                writer.write(step + 1, evaluate(eval_step, state, test_batches))
+            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < num_steps and test_batches:
+                writer.write(step + 1, evaluate(eval_step, state, test_batches, parts.task))
             preempted = preemption.requested(step + 1)
             if checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == num_steps):
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
                     checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
                                                          "data_digest": data_digest, "workers": workers,
+                                                         "user_data": user_data,
                                                          "comm": comm.saved(previous[1])})
             if preempted:
                 break
@@ -242,8 +258,9 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True, saved=saved)
 
         # --------------------------------------------------------------- evaluate
-        final = evaluate(eval_step, state, test_batches)
-        writer.write(num_steps, final)
+        final = evaluate(eval_step, state, test_batches, parts.task) if test_batches else {}
+        if final:
+            writer.write(num_steps, final)
     return TrainResult(state=state, metrics=final, workdir=workdir)
 
 
@@ -264,10 +281,12 @@ class Parts(NamedTuple):
     shardings: TrainState
     layout: parallel.ActivationLayout | None  # where model-parallel layers' activations live (jit driver)
     gradient_shardings: object  # ZeRO: the reduced gradients split like the optimizer state (else None)
+    task: tasks_lib.Task  # the loss and metrics (config.task, or train(..., task=))
 
 
 def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_epoch: int, num_steps: int, *,
-                model: nn.Module | None = None, optimizer: optax.GradientTransformation | None = None) -> Parts:
+                model: nn.Module | None = None, optimizer: optax.GradientTransformation | None = None,
+                task: tasks_lib.Task | None = None) -> Parts:
     """Precision policy, model, optimizer, compressor, strategy, and the state's shape and layout.
 
     Everything that can be refused without compiling is refused here (accumulation that
@@ -329,7 +348,8 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
             "which needs --config.driver=jit (XLA places their activation collectives)")
     check_memory(config, model, example, policy, mesh, layout)
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
-                 abstract_state, shardings, layout, gradient_shardings)
+                 abstract_state, shardings, layout, gradient_shardings,
+                 task or tasks_lib.make_task(**config.task.to_dict()))
 
 
 # Layouts by what they cost in communication: the first that fits is the one to suggest.
@@ -406,7 +426,7 @@ def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = Tru
                            state_shardings=parts.shardings, strategy=parts.strategy, compressor=parts.compressor,
                            communicate=communicate, grad_norm=config.log_grad_norm, layout=parts.layout,
                            gradient_shardings=parts.gradient_shardings,
-                           shard_accumulator=parallel.ZERO_STAGES.get(config.parallel.name) == 2)
+                           shard_accumulator=parallel.ZERO_STAGES.get(config.parallel.name) == 2, task=parts.task)
 
 
 @dataclasses.dataclass
@@ -494,13 +514,11 @@ def _shardings_by_path(params) -> list:
             for path, sharding in jax.tree_util.tree_leaves_with_path(params)]
 
 
-def evaluate(eval_step: EvalStep, state: TrainState, batches) -> dict:
-    """Exact test metrics: integer counts and float64 sums over every real example."""
-    sums = [to_host(eval_step(state, batch)) for batch in batches]
-    count = sum(int(s["count"]) for s in sums)
-    correct = sum(int(s["correct"]) for s in sums)
-    loss_sum = float(np.sum([np.float64(s["loss_sum"]) for s in sums]))
-    return {"test_accuracy": correct / count, "test_loss": loss_sum / count, "test_examples": count}
+def evaluate(eval_step: EvalStep, state: TrainState, batches, task: tasks_lib.Task | None = None) -> dict:
+    """Exact test metrics: integer counts and float64 sums over every real example (and, for sequences,
+    every scored token): ``test_loss``, ``test_<metric>``, ``test_examples`` and the task's own
+    (:func:`dtx.tasks.summarize`; ``task`` default classification)."""
+    return tasks_lib.summarize([to_host(eval_step(state, batch)) for batch in batches], task)
 
 
 def _settings(block: ConfigDict) -> dict:

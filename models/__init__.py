@@ -17,6 +17,7 @@ from .mlp import MLP
 from .overfeat import OverFeatFast
 from .resnet import ResNet18, ResNet50
 from .speech_dnn import SpeechDNN
+from .transformer import Transformer
 from .vgg import VGGA
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -27,6 +28,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "speech_dnn": SpeechDNN,
     "resnet18": ResNet18,
     "resnet50": ResNet50,
+    "transformer": Transformer,
 }
 
 # Set by dtx from the dataset and the precision policy, never by the user's model block.

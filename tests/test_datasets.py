@@ -48,8 +48,8 @@ def _write_cifar_bin(path, images_nhwc, labels):
 # ----------------------------------------------------------------- general
 
 def test_registry_and_unknown_name():
-    assert DATASETS == ("synthetic", "digits", "mnist", "cifar10")
-    with pytest.raises(DatasetError, match=r"unknown dataset 'imagenet'.*synthetic, digits, mnist, cifar10"):
+    assert DATASETS == ("synthetic", "digits", "mnist", "cifar10", "python_docs")
+    with pytest.raises(DatasetError, match=r"unknown dataset 'imagenet'.*synthetic, digits, mnist, cifar10, python_docs"):
         load_dataset("imagenet")
     assert issubclass(DatasetError, ValueError)
 

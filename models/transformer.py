@@ -1,0 +1,82 @@
+"""A small decoder-only transformer language model (the sequence model of dtx's zoo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: ``x + attention(LN(x))``, then ``x + MLP(LN(x))``."""
+
+    d_model: int
+    num_heads: int
+    mlp_ratio: int
+    dropout_rate: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, mask, train: bool):
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = nn.LayerNorm(**dense)(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout_rate,
+                                            deterministic=not train, **dense)(h, h, mask=mask)
+        x = x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
+        h = nn.LayerNorm(**dense)(x)
+        h = nn.gelu(nn.Dense(self.mlp_ratio * self.d_model, **dense)(h))
+        h = nn.Dense(self.d_model, **dense)(h)
+        return x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
+
+
+class Transformer(nn.Module):
+    """Causal transformer LM: token ids ``(batch, time)`` -> next-token logits ``(batch, time, vocab)``.
+
+    The decoder of Vaswani et al., *Attention Is All You Need* (NeurIPS 2017), without
+    cross-attention, with the pre-LayerNorm arrangement and learned positions of GPT-2
+    (Radford et al. 2019). Train it with the ``next_token`` task (:mod:`dtx.tasks`).
+
+    Attributes:
+      num_layers: transformer blocks.
+      d_model: width of the residual stream.
+      num_heads: attention heads (must divide ``d_model``).
+      mlp_ratio: the MLP's hidden width as a multiple of ``d_model``.
+      max_len: longest sequence (learned positions).
+      dropout_rate: dropout on attention weights and residual branches (training only).
+      num_classes: vocabulary size (logits per position); set from the dataset.
+      dtype / param_dtype: compute and stored dtypes (the precision policy's).
+    """
+
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    max_len: int = 256
+    dropout_rate: float = 0.0
+    num_classes: int = 256
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"Transformer takes integer token ids shaped (batch, time), got {tokens.dtype} "
+                             f"{tokens.shape}")
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"sequences of {tokens.shape[1]} tokens exceed max_len={self.max_len}; raise "
+                             "model.max_len or shorten the sequences (dataset.seq_len)")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
+        x = nn.Embed(self.num_classes, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype)(tokens)
+        positions = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.d_model),
+                               self.param_dtype)
+        x = x + positions[: tokens.shape[1]].astype(self.dtype)
+        x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+        mask = nn.make_causal_mask(tokens)  # position t attends to positions <= t only
+        for _ in range(self.num_layers):
+            x = Block(self.d_model, self.num_heads, self.mlp_ratio, self.dropout_rate, self.dtype,
+                      self.param_dtype)(x, mask, train)
+        x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype)(x)
