@@ -20,6 +20,7 @@ _checkout.install()
 from dtx.compress import make_compressor  # noqa: E402
 from dtx.config import ConfigError, base_config, load, override
 from dtx.mesh import MeshError, emulate_cpu_devices, make_mesh
+from dtx.pacing import paced
 from dtx.precision import LossScaler, Policy, parse_policy
 from dtx.state import TrainState, init_train_state
 from dtx.step import make_eval_step, make_train_step
@@ -31,6 +32,6 @@ from dtx.train import TrainResult, train  # noqa: E402  isort: skip
 __all__ = [
     "ConfigError", "LossScaler", "MeshError", "Policy", "TrainResult", "TrainState", "base_config",
     "emulate_cpu_devices", "init_train_state", "load", "make_compressor", "make_eval_step", "make_mesh",
-    "make_strategy", "make_train_step", "override", "parse_policy", "train",
+    "make_strategy", "make_train_step", "override", "paced", "parse_policy", "train",
 ]
 __version__ = "0.1.0"

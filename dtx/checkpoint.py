@@ -68,22 +68,27 @@ class Checkpointer:
       async_save: write in a background thread while training continues.
       hmac_key: sign every manifest file with HMAC-SHA256 under this key, and refuse
         to restore manifests that are unsigned or signed otherwise.
+      read_only: restore only (``dtx eval``, ``dtx export``): create nothing, remove no
+        temporaries — a run may still be writing into ``directory``.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
-                 hmac_key: bytes | None = None):
+                 hmac_key: bytes | None = None, read_only: bool = False):
         if keep < 1:
             raise CheckpointError(f"checkpoint.keep={keep} must be >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.islink(self.directory):
             raise CheckpointError(f"checkpoint directory {self.directory} is a symbolic link; refusing to use it")
-        os.makedirs(self.directory, exist_ok=True)
-        if jax.process_index() == 0:
+        if read_only and not os.path.isdir(self.directory):
+            raise CheckpointError(f"no checkpoint directory at {self.directory}")
+        if not read_only:
+            os.makedirs(self.directory, exist_ok=True)
+        if jax.process_index() == 0 and not read_only:
             self._remove_stale_temporaries()
         self._key = hmac_key or None
         self._closed = False
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, read_only=read_only,
+                                               enable_async_checkpointing=async_save, create=not read_only)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": _state_handler(), "manifest": _ManifestHandler()})

@@ -4,6 +4,7 @@
     dtx launch --processes N --devices-per-process D EXPERIMENT.py [...]
     dtx simulate --model NAME [...]     dtx plot RUN_DIR [...]
     dtx bench collectives [...]         dtx bench step EXPERIMENT.py [...]
+    dtx eval WORKDIR [--step N]         dtx export WORKDIR --out DIR [--step N]
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ _COMMANDS = {
     "launch": ("dtx.launch", "launch_main", "run an experiment as several local processes (jax.distributed)"),
     "simulate": ("dtx.simulate", "simulate_main", "predict iteration time and scaling (Das et al. model)"),
     "plot": ("dtx.plots", "plot_main", "compare runs: PNG plots of their metrics"),
+    "eval": ("dtx.evaluate", "eval_main", "evaluate a run's checkpoint (newest or --step N) on the test split"),
+    "export": ("dtx.evaluate", "export_main", "write a run's checkpoint for plain flax (--out DIR)"),
     "bench collectives": ("dtx.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
     "bench step": ("dtx.bench", "step_main", "split a train step's time into compute and communication"),
 }

@@ -26,7 +26,6 @@ micro-batches (one accumulator, one reduction per step).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dtx import collectives, compress, costmodel, strategies
 from dtx import tasks as task_lib
 from dtx import mesh as mesh_lib
+from dtx import batchnorm
 from dtx.compress import Compressor
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
 from dtx.state import TrainState
@@ -489,8 +489,7 @@ def _eval_body(model: nn.Module, policy: Policy, reduce_sum, strategy: Strategy,
     return reduce_sum(task_lib.eval_sums(task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))
 
 
-def _synchronise_norm(model: nn.Module, axes: tuple[str, ...]) -> nn.Module:
-    """Give batch-norm layers the batch axes, so statistics cover the global batch."""
-    if any(f.name == "norm_axis_name" for f in dataclasses.fields(model)):
-        return model.clone(norm_axis_name=axes)
-    return model
+def _synchronise_norm(model: nn.Module, axes: tuple[str, ...]):
+    """Give batch-norm layers the batch axes, so statistics cover the global batch — dtx's models through
+    their ``norm_axis_name``, any other module's ``nn.BatchNorm`` through a flax interceptor (:mod:`dtx.batchnorm`)."""
+    return batchnorm.synchronise(model, axes)

@@ -27,6 +27,7 @@ from dtx import config as config_lib
 from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
+from dtx import preflight
 from dtx import tasks as tasks_lib
 from dtx import userdata
 from dtx import compress, costmodel, flops, hlo, models, optim, parallel, perfmodel, precision, strategies
@@ -49,8 +50,8 @@ class TrainResult:
 
 
 def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | None = None,
-          optimizer: optax.GradientTransformation | None = None, task: tasks_lib.Task | None = None,
-          data=None) -> TrainResult:
+          optimizer: optax.GradientTransformation | None = None,
+          optimizer_description: str | None = None, task: tasks_lib.Task | None = None, data=None) -> TrainResult:
     """Train ``config`` and evaluate on the test split; records go to ``workdir``.
 
     Args:
@@ -60,6 +61,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         called as ``model(inputs, train=bool)`` and returns logits.
       optimizer: an optax optimizer to use instead of the one ``config.optimizer``
         describes (its learning rate is then not logged).
+      optimizer_description: how ``config.json`` and the first record name ``optimizer``
+        (default: read from the optax transformation's factories and settings).
       task: the loss and metrics (:mod:`dtx.tasks`) instead of the ones ``config.task`` names.
       data: your arrays instead of ``config.dataset``: ``(inputs, labels)``, ``{"train": ...,
         "test": ...}``, :class:`dtx.datasets.Split` or :class:`dtx.datasets.Dataset`, in memory or
@@ -85,12 +88,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     watch = not multi_process or bool(config.checkpoint.every_steps) or config.checkpoint.resume != "never"
     with checkpoint_lib.PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
         return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
-                      model=model, optimizer=optimizer, task=task, data=data)
+                      model=model, optimizer=optimizer, optimizer_description=optimizer_description,
+                      task=task, data=data)
 
 
 def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
            preemption: checkpoint_lib.PreemptionWatcher, run_start: float, *, model, optimizer,
-           task=None, data=None) -> TrainResult:
+           optimizer_description=None, task=None, data=None) -> TrainResult:
     # ------------------------------------------------------------------ devices
     mesh = mesh_lib.make_mesh(config.mesh)
     mesh_lib.check_batch_size(config.global_batch_size, mesh)
@@ -104,6 +108,7 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         _check_shared_directory(checkpoint_dir)
 
     # --------------------------------------------------------------------- data
+    task_given = task is not None
     task = task or tasks_lib.make_task(**config.task.to_dict())
     given = data is not None
     if not given:
@@ -115,10 +120,17 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     user_data = userdata.fingerprint(dataset) if given else None  # the caller's arrays: a resume checks them
     loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
+    # Dropped examples, a warmup as long as the run, config keys an argument replaces: said before any work.
+    preflight.warn(config, train_size=loader.size, data_parallel=mesh_lib.data_parallel_size(mesh),
+                   num_steps=num_steps, model=model, optimizer=optimizer, data_given=given, task_given=task_given)
 
     # ------------------------------------- precision, model, optimizer, techniques
     parts = build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model, optimizer=optimizer,
                         task=task)
+    ran = preflight.what_ran(config, parts.model, model_given=model is not None, optimizer_given=optimizer is not None,
+                             optimizer=optimizer, optimizer_description=optimizer_description, train_size=loader.size,
+                             task_name=task.name, task_given=task_given, data_fingerprint=user_data,
+                             data_description=userdata.describe(dataset) if given else None)
     policy, loss_scaler, model, tx = parts.policy, parts.loss_scaler, parts.model, parts.tx
     abstract_state, shardings, workers = parts.abstract_state, parts.shardings, parts.workers
 
@@ -168,11 +180,11 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     if main_process:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            f.write(config.to_json(indent=2))
+            json.dump(ran.config, f, indent=2)  # the config, naming the module/optimizer that replaced its blocks
     # A resume drops the records past its step (a killed run's abandoned future): one history per step.
     writer = metrics_lib.MetricWriter(workdir, enabled=main_process, resumed_from=start_step if resuming else None)
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
-                              "precision": str(policy),
+                              "precision": str(policy), **ran.record,
                               **({"peak_learning_rate": parts.peak_learning_rate} if optimizer is None else {}),
                               **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
                               **{k: v for k, v in program.items() if k != "model_flops_per_step"},

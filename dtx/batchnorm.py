@@ -1,0 +1,90 @@
+"""Batch normalisation over the global batch under the ``shard_map`` driver, for any flax module.
+
+Under ``jax.jit`` with sharded inputs (the ``jit`` driver) a ``flax.linen.BatchNorm``
+averages its statistics over the whole batch: XLA inserts the collective. Under
+``shard_map`` each device sees only its slice, so the same layer silently
+normalises each device's few examples on their own — a different model from the
+one the ``jit`` driver and a single device train, and a different one again on
+another device count. Batch normalisation as its authors define it (Ioffe &
+Szegedy 2015) uses the statistics of the whole mini-batch; with synchronous
+data parallelism that is the global batch.
+
+:func:`synchronise` gives every ``nn.BatchNorm`` of a module the batch axes as its
+``axis_name`` while the module runs in a train step, so both drivers compute the
+same numbers. dtx's own models declare a ``norm_axis_name`` field for this and
+are cloned with it; any other module is run under a flax method interceptor
+that rebinds each ``BatchNorm`` with ``axis_name`` unset to the batch axes — the
+user's module needs no change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+
+
+class NormSyncError(ValueError):
+    """A batch-norm layer whose own ``axis_name`` the shard_map driver cannot honour."""
+
+
+def synchronise(model: nn.Module, axes: tuple[str, ...]) -> Any:
+    """``model`` with the statistics of every ``nn.BatchNorm`` taken over ``axes`` (inside ``shard_map``).
+
+    Returns the module cloned with ``norm_axis_name=axes`` when it declares that
+    field (dtx's models), otherwise an object whose ``apply`` is the module's,
+    run under :func:`flax.linen.intercept_methods` with :func:`interceptor`.
+    """
+    if any(f.name == "norm_axis_name" for f in dataclasses.fields(model)):
+        model = model.clone(norm_axis_name=axes)
+    return _Synchronised(model, axes)
+
+
+def interceptor(axes: tuple[str, ...]):
+    """A flax method interceptor: ``nn.BatchNorm.__call__`` with ``axis_name=None`` runs with ``axes``.
+
+    The layer is cloned onto its own scope (the same variables, the same
+    ``batch_stats`` to update) with only ``axis_name`` changed; flax then
+    averages the batch mean and variance over ``axes`` with ``lax.pmean``.
+    Layers using their running averages compute no statistics and are unaffected.
+    """
+    wanted = _as_tuple(axes)
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if not isinstance(module, nn.BatchNorm) or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        if module.axis_name is None:
+            return module.clone(parent=module.scope, axis_name=axes)(*args, **kwargs)
+        if _as_tuple(module.axis_name) != wanted:
+            path = "/".join(module.scope.path) if module.scope is not None else module.name
+            raise NormSyncError(
+                f"nn.BatchNorm at {path!r} sets axis_name={module.axis_name!r}, but the shard_map driver splits "
+                f"the batch over {wanted}; leave axis_name unset (dtx then averages its statistics over the "
+                f"global batch), or use --config.driver=jit (make_train_step(..., driver='jit')), where XLA "
+                "averages them with no axis name")
+        return next_fun(*args, **kwargs)
+
+    return intercept
+
+
+class _Synchronised:
+    """The module, applied with its batch-norm layers synchronised; everything else is the module's."""
+
+    def __init__(self, module: nn.Module, axes: tuple[str, ...]):
+        self.module, self.axes = module, axes
+
+    def apply(self, *args, **kwargs):
+        with nn.intercept_methods(interceptor(self.axes)):
+            return self.module.apply(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def __repr__(self) -> str:
+        return f"synchronise({self.module!r}, {self.axes!r})"
+
+
+def _as_tuple(axes) -> tuple:
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
