@@ -97,9 +97,9 @@ def make_train_step(
         the batch axes (:data:`dtx.collectives.ALGORITHMS`); ``psum`` is XLA's own.
       bucket_bytes: fuse gradients into buckets of this many bytes per allreduce
         (Horovod's fusion threshold); 0 reduces leaf by leaf.
-      state_shardings: ``jit`` driver: the state's ``NamedSharding`` tree (model,
-        hybrid, FSDP partitionings; see :mod:`dtx.parallel`); default replicated.
-        The ``shard_map`` driver runs replicated (data-parallel) states only.
+      state_shardings: the state's ``NamedSharding`` tree (model, hybrid, FSDP, ZeRO
+        partitionings; see :mod:`dtx.parallel`); default replicated. The ``shard_map``
+        driver runs replicated parameters only (data parallelism, ZeRO).
       donate: donate the input state's buffers to the output state.
       strategy: how workers synchronise (:mod:`dtx.strategies`); default ``sync``.
         Others need the ``shard_map`` driver.
@@ -115,13 +115,14 @@ def make_train_step(
         entered around the model's forward pass — :func:`dtx.parallel.activation_layout`
         of the state's parameter specs for model, hybrid and rules partitionings
         (model-parallel layers gather their input inside the ``model`` group).
-      gradient_shardings: ``jit`` driver: where the reduced gradients live, a tree of
-        ``NamedSharding`` like the parameters. ZeRO (:func:`dtx.parallel.gradient_shardings`
-        of :func:`dtx.parallel.optimizer_rules`): split like the optimizer state, so XLA
-        reduce-scatters the gradients instead of all-reducing them.
-      shard_accumulator: ``jit`` driver with ``gradient_shardings``: also keep each
-        micro-batch's gradient split while accumulating (ZeRO-2: a ``1/N`` accumulator,
-        one reduce-scatter per micro-batch); otherwise the full accumulator is split once.
+      gradient_shardings: ZeRO: where the reduced gradients live, a tree of ``NamedSharding``
+        like the parameters (:func:`dtx.parallel.gradient_shardings` of
+        :func:`dtx.parallel.optimizer_rules`): split like the optimizer state. Under ``jit``
+        XLA reduce-scatters the gradients to it; under ``shard_map`` :mod:`dtx.zero` writes
+        the reduce-scatter and the parameters' all-gather out (strategy sync, no compression).
+      shard_accumulator: with ``gradient_shardings``: also keep each micro-batch's gradient
+        split while accumulating (ZeRO-2: a ``1/N`` accumulator, one reduce-scatter per
+        micro-batch); otherwise the full accumulator is split once (ZeRO-1).
       task: the loss and metrics (:mod:`dtx.tasks`); default classification (cross-entropy,
         ``accuracy``). A task with padding (``valid``) averages over the valid elements of the
         global batch: one extra scalar all-reduce of their count under ``shard_map``.
@@ -145,8 +146,19 @@ def make_train_step(
     donate_argnums = (0,) if donate else ()
     if layout is not None and driver != "jit":
         raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
-    if (gradient_shardings is not None or shard_accumulator) and driver != "jit":
-        raise StepError("gradient_shardings / shard_accumulator (ZeRO) need driver='jit'")
+    if gradient_shardings is not None and driver == "shard_map":  # ZeRO's explicit collectives
+        if strategy.name != "sync" or compressor.name != "none" or allreduce != "psum" or bucket_bytes \
+                or not communicate:
+            raise StepError("ZeRO (gradient_shardings) reduce-scatters and all-gathers by itself: it runs "
+                            "strategy sync, no compression, allreduce 'psum', no buckets")
+        from dtx import zero
+
+        return zero.make_zero_step(model, tx, mesh, stage=2 if shard_accumulator else 1,
+                                   state_shardings=state_shardings, gradient_shardings=gradient_shardings,
+                                   policy=policy, loss_scaler=loss_scaler, accum_steps=accum_steps,
+                                   task=task, grad_norm=grad_norm, donate=donate)
+    if shard_accumulator and driver != "jit":
+        raise StepError("shard_accumulator (ZeRO-2) needs gradient_shardings")
     split_grads = (functools.partial(lax.with_sharding_constraint, shardings=gradient_shardings)
                    if gradient_shardings is not None else _identity)
     common = dict(split_grads=split_grads, split_micro=split_grads if shard_accumulator else _identity,
@@ -156,8 +168,8 @@ def make_train_step(
     if driver == "shard_map":
         if state_shardings is not None and not all(
                 s.is_fully_replicated for s in jax.tree.leaves(state_shardings.replace(worker={}))):
-            raise StepError("the shard_map driver runs data parallelism (replicated state); for model, "
-                            "hybrid, fsdp, zero1/zero2 or rules partitioning use --config.driver=jit "
+            raise StepError("the shard_map driver runs data parallelism (replicated state; ZeRO needs "
+                            "gradient_shardings); for model, hybrid, fsdp or rules partitioning use --config.driver=jit "
                             "(make_train_step(..., driver='jit'))")
         allreduce_fn = collectives.make_allreduce(allreduce, axes, mean=True, bucket_bytes=bucket_bytes)
         comm = compress.CommContext(axes, shards, allreduce_fn, allreduce, _inner_size(allreduce, axes, mesh),
@@ -314,17 +326,9 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
     index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
     if axes:  # independent dropout per device; the carried rng stays replicated
         step_rng = jax.random.fold_in(step_rng, index)
-    mutable = list(state.model_state)
     denominator = _denominator(task, batch, axes, accum_steps, strategy)
-
-    def loss_fn(params, model_state, micro, micro_rng):
-        variables = {"params": policy.cast_to_compute(params), **model_state}
-        inputs = policy.cast_to_compute(micro["inputs"])
-        with layout():
-            out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
-        logits, model_state = out if mutable else (out, model_state)
-        loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(logits), micro["labels"], denominator)
-        return scaler.scale_loss(state.loss_scale, loss), (loss, values, model_state)
+    loss_fn = make_loss_fn(model, policy, task, layout, list(state.model_state), denominator,
+                           functools.partial(scaler.scale_loss, state.loss_scale))
 
     verdicts = []  # finiteness of the applied (reduced) gradients, taken while tracing the strategy's reduce
     psums = []  # the gradient path's psum calls, logged while tracing the reduce (outside any branch)
@@ -393,7 +397,28 @@ def _train_body(state: TrainState, batch: Batch, *, model, tx, policy, scaler, a
     return new_state, metrics
 
 
-def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None):
+def _identity(tree):
+    return tree
+
+
+def make_loss_fn(model, policy: Policy, task: Task, layout, mutable: list, denominator, scale=_identity):
+    """``(params, model_state, micro_batch, rng) -> (scaled loss, (loss, metrics, model_state))``: the
+    forward pass in the policy's compute dtype inside the activation ``layout``, scored by the task."""
+
+    def loss_fn(params, model_state, micro, micro_rng):
+        variables = {"params": policy.cast_to_compute(params), **model_state}
+        inputs = policy.cast_to_compute(micro["inputs"])
+        with layout():
+            out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
+        logits, model_state = out if mutable else (out, model_state)
+        loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(logits), micro["labels"], denominator)
+        return scale(loss), (loss, values, model_state)
+
+    return loss_fn
+
+
+def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None,
+                init_grads=None):
     """Sum gradients over ``k`` micro-batches with one accumulator (no k-fold copies).
 
     Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice, so each
@@ -423,13 +448,11 @@ def _accumulate(grad_fn, params, model_state, batch, rng, k, shards, constrain, 
     # The metrics' names, from the first micro-batch's shapes (tracing only, nothing runs).
     first = jax.tree.map(lambda x: x[0], micro_batches)
     names = jax.eval_shape(lambda: grad_fn(params, model_state, first, rng)[0][1][1])
-    init = (split_micro(jax.tree.map(jnp.zeros_like, params)), zero, {name: zero for name in names}, model_state)
+    if init_grads is None:
+        init_grads = split_micro(jax.tree.map(jnp.zeros_like, params))
+    init = (init_grads, zero, {name: zero for name in names}, model_state)
     (grads, loss, values, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
     return jax.tree.map(lambda g: g / k, grads), loss / k, {n: v / k for n, v in values.items()}, model_state
-
-
-def _identity(tree):
-    return tree
 
 
 def _averages(axes, loss, values, finite, model_state):

@@ -330,9 +330,10 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     if config.parallel.name != "data" and (config.strategy.name != "sync" or config.compression.name != "none"):
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r} with strategy.name={config.strategy.name!r} / "
-            f"compression.name={config.compression.name!r}: strategies and compression run on the shard_map "
-            "driver, which runs data parallelism only, while a partitioned model needs the jit driver; use "
-            "parallel.name=data with them, or strategy.name=sync and compression.name=none with this partitioning")
+            f"compression.name={config.compression.name!r}: strategies and compression replace the gradient "
+            "all-reduce of data parallelism, which a partitioned model or ZeRO (its own reduce-scatter and "
+            "all-gather) does not run; use parallel.name=data with them, or strategy.name=sync and "
+            "compression.name=none with this partitioning")
     check_combination(config.driver, strategy, compressor, loss_scaler)
 
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
@@ -347,11 +348,6 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     opt_rules = parallel.optimizer_rules(config.parallel.name, mesh, abstract_state.params, config.parallel.rules)
     shardings = parallel.state_shardings(abstract_state, rules, mesh, opt_rules)
     zero = config.parallel.name in parallel.ZERO_STAGES
-    if zero and config.driver != "jit":
-        raise config_lib.ConfigError(
-            f"parallel.name={config.parallel.name!r} shards the optimizer state, which needs --config.driver=jit "
-            "(XLA places ZeRO's gradient reduction and parameter all-gather; the shard_map driver runs "
-            "replicated state)")
     gradient_shardings = parallel.gradient_shardings(abstract_state.params, opt_rules, mesh) if zero else None
     layout = parallel.activation_layout(jax.tree.map(lambda s: s.spec, shardings.params), mesh)
     if layout is not None and config.driver != "jit":
@@ -407,8 +403,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         except (ValueError, TypeError):
             continue
         if alternative.fits(capacity):
-            fits.append(f"--config.driver=jit --config.parallel.name={other} fits: {_gib(alternative.total)} of "
-                        f"{_gib(capacity)}")
+            driver = "" if other in ("data", "zero1", "zero2") else "--config.driver=jit "  # both drivers run these
+            fits.append(f"{driver}--config.parallel.name={other} fits: {_gib(alternative.total)} of {_gib(capacity)}")
             break
     hint = fits[0] if fits else ("no layout fits on this mesh: lower global_batch_size, raise grad_accum_steps, "
                                  "or use more devices")
