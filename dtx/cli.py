@@ -35,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         words = name.split()
         if argv[: len(words)] == words:
             return getattr(importlib.import_module(module), function)(argv[len(words):])
+    if argv and argv[0] in _groups():  # "dtx bench", "dtx bench --help", "dtx bench typo"
+        return _group_help(argv[0], argv[1:])
 
     parser = argparse.ArgumentParser(prog="dtx", description="Distributed training on JAX meshes.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -58,6 +60,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
     return _train(args.experiment, args.workdir, overrides)
+
+
+def _groups() -> set[str]:
+    """First words of the two-word commands (``bench``)."""
+    return {name.split()[0] for name in _COMMANDS if " " in name}
+
+
+def _group_help(group: str, rest: list[str]) -> int:
+    """List a group's commands: on stdout with status 0 when asked (``--help``), else on stderr with 2."""
+    members = {name.split()[1]: help_text for name, (_, _, help_text) in _COMMANDS.items()
+               if name.split()[0] == group and " " in name}
+    asked = rest[:1] in (["-h"], ["--help"])
+    lines = [f"usage: dtx {group} {{{','.join(members)}}} ...", "", "commands:",
+             *(f"  {word:<13} {text}" for word, text in members.items()), "",
+             f"options of a command: dtx {group} COMMAND --help"]
+    if rest and not asked:
+        lines.insert(0, f"dtx {group}: unknown command {rest[0]!r}; choose from {', '.join(members)}")
+    print("\n".join(lines), file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else 2
 
 
 def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
