@@ -8,7 +8,8 @@ Analyses the model abstractly (:func:`dtx.perfmodel.analyze`; nothing full-size
 runs), plans each node count (:func:`dtx.perfmodel.make_plan`), prints a table of
 iteration time under both overlap bounds, speedup, efficiency and the per-layer plan,
 then the per-layer analysis (Das et al., arXiv 1602.06709 §3) at the largest node
-count, and writes a PNG speedup plot into ``--out``. ``--json`` prints the same as
+count, and, given ``--out DIR``, writes a PNG speedup plot there (nothing is written
+without it). ``--json`` prints the same as
 JSON instead of tables. ``--verify`` then compiles every plan of 2 to
 ``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
 group and for the whole training step, the predicted and the compiled per-device
@@ -98,7 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="bound that speedup and plan use; both are printed")
     p.add_argument("--plan", default="auto", choices=perfmodel.PLANS, help="per-layer parallelism")
     p.add_argument("--group-size", type=_positive(int), help="fix the model-parallel group size G")
-    p.add_argument("--out", default=".", help="folder for the PNG plot (default: current folder)")
+    p.add_argument("--out", help="folder for the PNG speedup plot (default: no plot is written)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     p.add_argument("--verify", action="store_true",
                    help="compile each printed plan of up to --verify-devices nodes on emulated CPU devices and print "
@@ -249,7 +250,7 @@ def _print_tables(args, cluster, points, report, plot) -> None:
               f"{r['comm_s']:>8.4f}s {r['bytes_data']:>9.2e} {r['bytes_model']:>9.2e} {hybrid:>9} "
               f"{'yes' if r['balanced'] else 'no':>8} {r['min_batch']:>6}  {r['choice']}")
     print(f"\nrun the {last.nodes}-node plan: dtx train EXPERIMENT.py {' '.join(plan_overrides(last.plan))}")
-    print(f"\nplot: {plot}")
+    print(f"\nplot: {plot}" if plot else "\n(pass --out DIR to save the speedup plot)")
 
 
 def plan_overrides(plan: perfmodel.Plan) -> list[str]:
@@ -322,8 +323,10 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                                                       for n, t in zip(nodes, ys[bound])])
               for bound in perfmodel.OVERLAPS}
     series["linear"] = (nodes, nodes)
-    plot = line_plot(series, os.path.join(args.out, f"simulate_{args.model}_{cluster.name}.png"),
-                     title=f"{args.model} on {cluster.name}", xlabel="nodes", ylabel="speedup", logx=True)
+    plot = None  # a file only where asked: a command run in a checkout must not litter it
+    if args.out:
+        plot = line_plot(series, os.path.join(args.out, f"simulate_{args.model}_{cluster.name}.png"),
+                         title=f"{args.model} on {cluster.name}", xlabel="nodes", ylabel="speedup", logx=True)
 
     verified = _verify(args, cluster, points) if args.verify else []
     if args.json:

@@ -292,6 +292,15 @@ def test_simulate_table_with_a_preset(tmp_path, capsys):
     assert (tmp_path / "simulate_speech_dnn_cloud_10gbe.png").exists()
 
 
+def test_simulate_writes_no_file_unless_asked(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert simulate_main(["--model", "speech_dnn", "--cluster", "cloud_10gbe", "--nodes", "1,4"]) == 0
+    assert "pass --out DIR to save the speedup plot" in capsys.readouterr().out
+    assert simulate_main(["--model", "speech_dnn", "--cluster", "cloud_10gbe", "--nodes", "1,4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] is None
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "alexnet", "--cluster", "haswell_fdr"], r"unknown model 'alexnet'.*vgg_a"),
     (["--model", "vgg_a", "--cluster", "nope"], r"unknown cluster preset 'nope'"),
