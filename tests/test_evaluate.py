@@ -83,10 +83,13 @@ def test_eval_refuses_a_step_it_does_not_hold_and_a_run_without_checkpoints(run,
         evaluate.evaluate_run(bare)
 
 
-def test_eval_of_a_run_with_your_own_model_asks_for_it(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model": {"given": "dtx.train(model=...)", "class": "mine.Net", "fields": {}}}))
-    with pytest.raises(evaluate.RunError, match=r"mine\.Net.*evaluate_run\(.*model=\.\.\.\)"):
+@pytest.mark.parametrize("block, entry, argument", [
+    ("model", {"class": "mine.Net", "fields": {}}, "model"),
+    ("dataset", {"fingerprint": "0123abcd", "description": None}, "data"),
+])
+def test_eval_of_a_run_given_its_model_or_data_asks_for_them(tmp_path, block, entry, argument):
+    (tmp_path / "config.json").write_text(json.dumps({block: {"given": f"dtx.train({argument}=...)", **entry}}))
+    with pytest.raises(evaluate.RunError, match=rf"dtx\.train\({argument}=.*evaluate_run\(.*{argument}=\.\.\.\)"):
         evaluate.evaluate_run(tmp_path)
 
 

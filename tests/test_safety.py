@@ -196,3 +196,15 @@ def test_optimizer_description_and_config_runs():
     plain = preflight.what_ran(config, model, model_given=False, optimizer_given=False)
     assert plain.record["optimizer"] == "adam, constant schedule, learning_rate 0.001"
     assert plain.config == json.loads(config.to_json())
+
+
+def test_given_task_and_data_are_marked_not_the_configs():
+    config = _config(**{"dataset.name": "synthetic", "task.label_smoothing": 0.1})
+    ran = preflight.what_ran(config, BNNet(), model_given=False, optimizer_given=False, task_name="regression",
+                             task_given=True, data_fingerprint="0123abcd", data_description="train (100, 3)")
+    assert ran.config["task"] == {"given": "dtx.train(task=...)", "name": "regression"}
+    assert ran.config["dataset"] == {"given": "dtx.train(data=...)", "fingerprint": "0123abcd",
+                                     "description": "train (100, 3)"}
+    assert ran.record["task"] == "regression" and ran.record["data"] == "train (100, 3)"
+    assert preflight.ignored_keys(config, dataset=True, task=True) == [("dataset.name", "synthetic"),
+                                                                        ("task.label_smoothing", 0.1)]
