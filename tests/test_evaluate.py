@@ -1,7 +1,8 @@
 """dtx eval / dtx export / resume_step from the command line, on one trained workdir shared by the module.
 
-The run: digits, a one-layer MLP, 10 steps on 8 devices, checkpoints at 5 and 10 and an
-evaluation record at 5 — so every figure ``dtx eval`` prints has a recorded twin to equal.
+The run: digits, a small LeNet with batch norm, 10 steps on 8 devices, checkpoints at 5 and 10
+and an evaluation record at 5 — so every figure ``dtx eval`` prints has a recorded twin to equal,
+and an export carries batch-norm statistics as well as parameters.
 """
 
 import json
@@ -20,12 +21,14 @@ from dtx.cli import main
 
 EXPERIMENT = textwrap.dedent('''
     """A tiny run for tests/test_evaluate.py."""
+    from ml_collections import ConfigDict
+
     from dtx.config import base_config
 
 
     def get_config():
         config = base_config()
-        config.model.features = (32,)
+        config.model = ConfigDict(dict(name="lenet", conv_features=(4,), dense_features=()))
         config.global_batch_size = 64
         config.eval_batch_size = 64
         config.num_steps = 10
@@ -117,13 +120,14 @@ def test_export_loads_into_plain_flax_with_identical_logits(run, tmp_path, capsy
     out = tmp_path / "exported"
     assert main(["export", str(workdir), "--out", str(out), "--step", "5"]) == 0
     described = json.loads((out / "model.json").read_text())
-    assert described["step"] == 5 and described["class_name"] == "MLP" and described["source"] == "model.py"
-    assert described["kwargs"]["features"] == [32] and described["kwargs"]["num_classes"] == 10
+    assert described["step"] == 5 and described["class_name"] == "LeNet" and described["source"] == "model.py"
+    assert described["kwargs"]["conv_features"] == [4] and described["kwargs"]["num_classes"] == 10
+    assert described["collections"] == ["batch_stats", "params"]
 
     restored = evaluate.restore(workdir, step=5)
     inputs = restored.dataset.test.inputs[:16]
-    expected = np.asarray(restored.parts.model.apply({"params": jax.device_get(restored.state.params)}, inputs,
-                                                     train=False))
+    variables = jax.device_get({"params": restored.state.params, **restored.state.model_state})
+    expected = np.asarray(restored.parts.model.apply(variables, inputs, train=False))
     np.save(tmp_path / "inputs.npy", inputs)
     # A fresh interpreter that imports flax and numpy only, as a user without dtx would.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
