@@ -1,6 +1,6 @@
 """Chaos: kill training runs at random moments, resume them, and compare with an uninterrupted run.
 
-    python benchmarks/chaos.py                 # 52 seeded trials, ~15-25 min on 2 cores; rewrites its section
+    python benchmarks/chaos.py [--update-docs]   # 52 seeded trials, ~15-25 min on 2 cores
     python benchmarks/chaos.py --trials 6      # a quick look (the section is only written for >= 50 trials)
 
 Each trial starts ``dtx train`` (40 trials, 8 emulated devices) or ``dtx launch`` (12 trials, 2 processes
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=52, help="total trials (about 3/13 of them 2-process)")
     parser.add_argument("--seed", type=int, default=0)
+    report.add_output_arguments(parser)
     args = parser.parse_args(argv)
     two = max(1, round(args.trials * 12 / 52)) if args.trials > 1 else 0
     plan = [("train", args.seed + i) for i in range(args.trials - two)]
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
                     "process group, at a seeded moment within the reference run's wall time), runs the same command "
                     "again, and compares per-step losses, the final record and the last checkpoint bit for bit "
                     "with an uninterrupted run.")
-        report.write("chaos", preamble, body)
+        report.write("chaos", preamble, body, update_docs=args.update_docs)
     return 0 if not rows else 1
 
 

@@ -1,6 +1,6 @@
 """Host memory and blocking time of a checkpoint save, against the bytes of the shards a process holds.
 
-    python benchmarks/checkpoint_memory.py          # ~1 min on 2 cores; rewrites its BENCHMARKS.md section
+    python benchmarks/checkpoint_memory.py [--update-docs]   # ~1 min on 2 cores
 
 A state of two float32 matrices (64 MiB) split by rows over 8 emulated CPU devices (FSDP-style), saved by
 ``dtx.checkpoint.Checkpointer`` in one process x 8 devices and in two processes x 4 devices
@@ -145,8 +145,13 @@ def _cell(n, local) -> str:
 
 
 def main() -> int:
+    import argparse
+
     import report
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    report.add_output_arguments(parser)
+    args = parser.parse_args()
     start, rows, worst = time.perf_counter(), [], 0.0
     for processes in (1, 2):
         for f in _run(processes):
@@ -171,7 +176,7 @@ def main() -> int:
     header = ("| processes x devices | process | local shards MiB | save: traced MiB | save: RSS peak MiB "
               "| save() blocks ms | to commit ms | previous: traced MiB | previous: RSS peak MiB | previous blocks ms |"
               "\n|---|---|---|---|---|---|---|---|---|---|")
-    report.write("checkpoint_memory", preamble, header + "\n" + "\n".join(rows))
+    report.write("checkpoint_memory", preamble, header + "\n" + "\n".join(rows), update_docs=args.update_docs)
     return 0 if worst <= 1.5 else 1
 
 

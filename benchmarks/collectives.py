@@ -1,10 +1,11 @@
 """``dtx bench collectives --out docs``, and an excerpt of its CSV for BENCHMARKS.md.
 
-    python benchmarks/collectives.py [--no-write] [extra ``dtx bench collectives`` flags]
+    python benchmarks/collectives.py [--update-docs] [extra ``dtx bench collectives`` flags]
 
-Writes docs/collectives.csv and docs/collectives.png, then the section
-``collectives``: the measured time of every algorithm at four sizes, the bytes each
-device sends in the ring, and the α-β model's prediction for the ring on 10 GbE.
+Writes collectives.csv and collectives.png, then the section ``collectives``, into a
+results folder (printed), or with ``--update-docs`` into docs/ and BENCHMARKS.md: the
+measured time of every algorithm at four sizes, the bytes each device sends in the
+ring, and the α-β model's prediction for the ring on 10 GbE.
 """
 
 import argparse
@@ -55,24 +56,26 @@ def excerpt(rows):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write docs/collectives.csv and .png and the BENCHMARKS.md section (default: a results "
+                             "folder, printed)")
     args, extra = parser.parse_known_args()
-    out = os.path.join(REPO, "docs")
+    sys.path.insert(0, HERE)
+    import report
+
+    out = report.figures_dir(args.update_docs)
     subprocess.run([sys.executable, "-m", "dtx.cli", "bench", "collectives", "--out", out, *extra], check=True,
                    cwd=REPO)
     with open(os.path.join(out, "collectives.csv"), newline="") as f:
         table = excerpt(list(csv.DictReader(f)))
     print(table)
-    if not args.no_write:
-        import report
-
-        report.write("collectives", (
-            f"`dtx bench collectives --out docs` ({report.machine('8 emulated CPU devices')}; table excerpt; full "
-            "CSV `docs/collectives.csv`, plot `docs/collectives.png`). Time is the median of 5 calls, each waited "
-            "on; \"predicted\" is the α-β model for a 10 Gb/s network with α = 5 µs (the flags' defaults) — a "
-            "network this machine does not have, so it is a model, not a measurement. Bytes sent per device are "
-            "counted from each algorithm's own schedule (equal to the formula; `psum`'s schedule is XLA's, "
-            "modelled as a ring)."), table)
+    report.write("collectives", (
+        f"`dtx bench collectives --out docs` ({report.machine('8 emulated CPU devices')}; table excerpt; full "
+        "CSV `docs/collectives.csv`, plot `docs/collectives.png`). Time is the median of 5 calls, each waited "
+        "on; \"predicted\" is the α-β model for a 10 Gb/s network with α = 5 µs (the flags' defaults) — a "
+        "network this machine does not have, so it is a model, not a measurement. Bytes sent per device are "
+        "counted from each algorithm's own schedule (equal to the formula; `psum`'s schedule is XLA's, "
+        "modelled as a ring)."), table, update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

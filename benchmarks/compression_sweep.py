@@ -5,8 +5,9 @@ epochs of the digits task, MLP 256-256, 8 emulated workers); the variants differ
 the compressor (and the optimizer where a method needs it, see the experiment). The
 uncompressed baseline and DGC, the pair the accuracy goal compares, run with several
 seeds (``--seeds``); the others with the first. Reads each run's metrics.jsonl and
-writes docs/compression.csv, docs/compression.png (accuracy vs bytes per step) and its
-table into BENCHMARKS.md (section "compression").
+writes compression.csv, compression.png (accuracy vs bytes per step) and its table
+(section "compression") into a results folder (printed); with ``--update-docs`` into
+docs/ and BENCHMARKS.md, the files docs/compression.md shows.
 
 Two measures of "fewer bytes", both from dtx.costmodel's accountant:
 
@@ -16,8 +17,8 @@ Two measures of "fewer bytes", both from dtx.costmodel's accountant:
 * payload ratio — dense float32 gradient bytes ÷ one worker's encoded gradient
   (``payload_ratio``; the DGC paper's "gradient compression ratio").
 
-    python benchmarks/compression_sweep.py [--out docs] [--only none,topk_dgc] [--seeds 0,1,2]
-        [--set KEY=VALUE ...] [--no-report]
+    python benchmarks/compression_sweep.py [--only none,topk_dgc] [--seeds 0,1,2] [--set KEY=VALUE ...]
+        [--out DIR] [--update-docs]
 """
 
 import argparse
@@ -85,12 +86,15 @@ def goals(summary, base) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(REPO, "docs"))
+    parser.add_argument("--out", help="folder for compression.csv and .png (default: docs/ with --update-docs, "
+                                      "else a results folder)")
     parser.add_argument("--only", default="", help="comma-separated variants (default: all)")
     parser.add_argument("--seeds", default="0,1,2", help=f"seeds for {', '.join(SEEDED)}; others use the first")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run, e.g. --set num_epochs=20")
-    parser.add_argument("--no-report", action="store_true", help="do not write the BENCHMARKS.md section")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the CSV, the plot and the BENCHMARKS.md section into the repository (default: a "
+                             "results folder, printed)")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
     import report
@@ -108,7 +112,7 @@ def main():
                   flush=True)
     total = time.perf_counter() - started
 
-    os.makedirs(args.out, exist_ok=True)
+    args.out = report.figures_dir(args.update_docs, args.out)
     with open(os.path.join(args.out, "compression.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -151,8 +155,8 @@ def main():
     markdown = "\n\n".join(["## Gradient compression: accuracy vs bytes sent",
                              textwrap.fill(preamble, 110, break_long_words=False, break_on_hyphens=False), body])
     print(markdown)
-    if not args.no_report:
-        report.update_section("compression", markdown)
+    report.save_section("compression", markdown, update_docs=args.update_docs)
+    print(f"CSV and plot: {args.out}")
 
 
 if __name__ == "__main__":

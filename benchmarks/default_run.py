@@ -4,7 +4,7 @@ Each command runs as a fresh process (start-up, imports and compilation
 included), interleaved ``--repeats`` times; medians are compared within this one
 run because the machine is noisy.
 
-    python benchmarks/default_run.py [--repeats 5]        # updates BENCHMARKS.md (default_run)
+    python benchmarks/default_run.py [--repeats 5] [--update-docs]   # --update-docs: into BENCHMARKS.md
 """
 
 import argparse
@@ -54,7 +54,8 @@ def run_once(command):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true", help="print the table only, leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (default: a results folder, printed)")
     args = parser.parse_args()
     walls = {name: [] for name in COMMANDS}
     accuracy = {}
@@ -71,16 +72,15 @@ def main():
         lines.append(f"| {shown} | {median:.2f} | {ratio} | {accuracy[name]:.4f} |")
     table = "\n".join(lines)
     print(table)
-    if not args.no_write:
-        import report
+    import report
 
-        report.write("default_run", (
-            f"`python benchmarks/default_run.py --repeats {args.repeats}` "
-            f"({report.machine('8 emulated CPU devices or 1')})"
-            " — whole-process wall time (start-up, imports, compilation, training to the end, evaluation), each "
-            "command a fresh process, interleaved, medians. The baseline, `benchmarks/plain_loop.py`, is the "
-            "obvious single-device flax + optax loop on the same split, model, optimizer (Adam 2e-3), batch (128) "
-            "and epochs (20)."), table)
+    report.write("default_run", (
+        f"`python benchmarks/default_run.py --repeats {args.repeats}` "
+        f"({report.machine('8 emulated CPU devices or 1')})"
+        " — whole-process wall time (start-up, imports, compilation, training to the end, evaluation), each "
+        "command a fresh process, interleaved, medians. The baseline, `benchmarks/plain_loop.py`, is the "
+        "obvious single-device flax + optax loop on the same split, model, optimizer (Adam 2e-3), batch (128) "
+        "and epochs (20)."), table, update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

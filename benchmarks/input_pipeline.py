@@ -7,7 +7,7 @@ than the step it feeds or it becomes the step. Timed in one process, interleaved
 rounds: ``loader.batch(step)`` waited on until placed, and the default experiment's
 train step with pre-placed batches, each waiting on the previous one (lag-1).
 
-    python benchmarks/input_pipeline.py [--steps 50] [--rounds 7] [--no-write] [--config.KEY=VALUE ...]
+    python benchmarks/input_pipeline.py [--steps 50] [--rounds 7] [--update-docs] [--config.KEY=VALUE ...]
 """
 
 import argparse
@@ -25,7 +25,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50, help="batches / steps per timed block")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (default: a results folder, printed)")
     args, overrides = parser.parse_known_args()
     import jax
 
@@ -82,14 +83,13 @@ def main():
              f"{mesh.size} | {batch * 1e3:.3f} | {host * 1e3:.3f} | {step_time * 1e3:.2f} "
              f"| **{step_time / batch:.1f}×** |")
     print(table)
-    if not args.no_write:
-        import report
+    import report
 
-        report.write("input_pipeline", (
-            f"`python benchmarks/input_pipeline.py` ({report.machine()}) — median per batch / per step of "
-            f"{args.rounds} interleaved rounds of {args.steps}; the loader's batches are waited on until placed, "
-            "the steps run on pre-placed batches with the lag-1 wait; \"host\" is the loader's own work "
-            "(epoch order, row gather) without the placement on the devices."), table)
+    report.write("input_pipeline", (
+        f"`python benchmarks/input_pipeline.py` ({report.machine()}) — median per batch / per step of "
+        f"{args.rounds} interleaved rounds of {args.steps}; the loader's batches are waited on until placed, "
+        "the steps run on pre-placed batches with the lag-1 wait; \"host\" is the loader's own work "
+        "(epoch order, row gather) without the placement on the devices."), table, update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 Every run trains experiments/large_batch.py for the same 20 epochs with the linear
 scaling rule and 2 warmup epochs; only the global batch (128 ... 8192, i.e. up to
-64x the base batch) and the optimizer change. Writes a Markdown table (stdout), a
-CSV and a PNG.
+64x the base batch) and the optimizer change. Prints a Markdown table and writes a
+CSV and a PNG into a results folder (or ``--out DIR``).
 
-    python benchmarks/large_batch_sweep.py [--out docs] [--batches 128,256,...] [--optimizers momentum,lars,lamb]
-        [--set KEY=VALUE ...] [--no-write]
+    python benchmarks/large_batch_sweep.py [--batches 128,256,...] [--optimizers momentum,lars,lamb]
+        [--set KEY=VALUE ...] [--out DIR] [--update-docs]
 
-The full default sweep updates BENCHMARKS.md (section large_batch); a partial one
+The full default sweep also writes its section (large_batch); with ``--update-docs``
+that section goes into BENCHMARKS.md and the CSV and PNG into docs/. A partial sweep
 (other batches, optimizers or --set) only prints its table.
 """
 
@@ -27,13 +28,21 @@ sys.path.insert(0, REPO)
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(REPO, "docs"))
+    parser.add_argument("--out", help="folder for large_batch.csv and .png (default: docs/ with --update-docs, "
+                                      "else a results folder)")
     parser.add_argument("--batches", default="128,256,512,1024,2048,4096,8192")
     parser.add_argument("--optimizers", default="momentum,lars,lamb")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run, e.g. --set optimizer.learning_rate=0.25")
-    parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the CSV, the plot and the BENCHMARKS.md section into the repository (the full "
+                             "default sweep only; default: a results folder, printed)")
     args = parser.parse_args()
+    default = (args.batches, args.optimizers, args.set) == ("128,256,512,1024,2048,4096,8192", "momentum,lars,lamb", [])
+    if args.update_docs and not default:
+        parser.error("--update-docs records only the full default sweep: drop --batches, --optimizers and --set")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import report
     started = time.perf_counter()
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
@@ -57,7 +66,7 @@ def main():
                              seconds=time.perf_counter() - start))
             print(rows[-1], file=sys.stderr, flush=True)
 
-    os.makedirs(args.out, exist_ok=True)
+    args.out = report.figures_dir(args.update_docs, args.out)
     with open(os.path.join(args.out, "large_batch.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -76,11 +85,7 @@ def main():
         lines.append(f"| {label} | {cells[0]['steps']} | "
                      + " | ".join(f"{r['peak_lr']:.3g}, {100 * r['test_accuracy']:.2f}" for r in cells) + " |")
     print("\n".join(lines))
-    default = (args.batches, args.optimizers, args.set) == ("128,256,512,1024,2048,4096,8192", "momentum,lars,lamb", [])
-    if default and not args.no_write:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import report
-
+    if default:
         report.write("large_batch", (
             f"`python benchmarks/large_batch_sweep.py` ({report.machine()}; "
             f"{(time.perf_counter() - started) / 60:.0f} min) — every run is "
@@ -89,7 +94,7 @@ def main():
             "20 epochs, linear scaling rule from base batch 128 (`optimizer.scaling=linear`), 2 warmup epochs, "
             "then polynomial (power 2) decay, weight decay 1e-4 with biases excluded. Base rates at batch 128: "
             "momentum 0.05, LARS 0.5 (η = 0.001), LAMB 0.002. Plot: `docs/large_batch.png`; CSV: "
-            "`docs/large_batch.csv`."), "\n".join(lines))
+            "`docs/large_batch.csv`."), "\n".join(lines), update_docs=args.update_docs)
     print(f"\nplot: {png}", file=sys.stderr)
 
 

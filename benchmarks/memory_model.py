@@ -1,7 +1,7 @@
 """The memory model against XLA's memory analysis of the compiled training step.
 
-    python benchmarks/memory_model.py              # ~8 min on 2 cores; rewrites its BENCHMARKS.md section
-    python benchmarks/memory_model.py --no-write   # print only
+    python benchmarks/memory_model.py                 # ~8 min on 2 cores; prints, section into a results folder
+    python benchmarks/memory_model.py --update-docs   # the same, and rewrites its BENCHMARKS.md section
 
 For every model of ``models/`` (scaled down so a compile takes seconds) and every
 layout of ``dtx.parallel`` (``data``, ``zero1``, ``zero2``, ``fsdp``, ``model``,
@@ -89,7 +89,8 @@ def row(name: str, layout: str, batch: int, accum: int = 1, precision: str = "p=
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-write", action="store_true", help="print the tables only, leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (default: a results folder, printed)")
     args = parser.parse_args()
     start = time.perf_counter()
     header = ("| model | layout | mesh | batch | params | grads | optimizer | activations | buffers | peak in "
@@ -127,8 +128,7 @@ def main() -> int:
     body += ("\n\nBeyond the reference setting (batch, accumulation steps k, precision): where the model stops "
              "holding; docs/memory.md explains each row.\n\n" + header.replace("| batch |", "| setting |") + "\n"
              + "\n".join(extra))
-    if not args.no_write:
-        report.write("memory_model", preamble, body)
+    report.write("memory_model", preamble, body, update_docs=args.update_docs)
     print(preamble)
     return 0 if worst[0] <= TOLERANCE else 1
 

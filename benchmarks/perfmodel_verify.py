@@ -1,6 +1,6 @@
 """The Das et al. performance model against the programs XLA compiles for its plans.
 
-    python benchmarks/perfmodel_verify.py            # ~2 min on 2 cores; rewrites its BENCHMARKS.md section
+    python benchmarks/perfmodel_verify.py [--update-docs]    # ~2 min on 2 cores
 
 For VGG-A, OverFeat-FAST and the speech DNN at full size, the planner's plans for 2, 4 and 8
 nodes (``haswell_fdr``, global batch 512, plan ``auto``) and the hybrid plans with groups of 2
@@ -11,6 +11,7 @@ against XLA's cost analysis and the compiled program's collectives (``dtx.hlo``)
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ def _cell(check) -> str:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    report.add_output_arguments(parser)
+    args = parser.parse_args()
     cluster = get_cluster("haswell_fdr")
     rows, worst, start = [], 0.0, time.perf_counter()
     for name, nodes, mode, group in CASES:
@@ -60,7 +64,7 @@ def main() -> int:
                 f"per-layer deviation. Goal: every ratio within 10 %; largest deviation found: {worst:.1%}.")
     header = ("| model | nodes | plan | data layers | split layers | step GFLOP model | step GFLOP XLA "
               "| step MB model | step MB XLA | step ratios | worst layer |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    report.write("perfmodel_verify", preamble, header + "\n" + "\n".join(rows))
+    report.write("perfmodel_verify", preamble, header + "\n" + "\n".join(rows), update_docs=args.update_docs)
     return 0 if worst <= 0.10 else 1
 
 

@@ -5,7 +5,7 @@ steps). Memory: XLA's compiled memory analysis of the train step (temp bytes hol
 the activations kept for the backward pass), for the default model and a larger
 MLP batch where activations dominate.
 
-    python benchmarks/precision.py [--no-write]      # updates BENCHMARKS.md (precision)
+    python benchmarks/precision.py [--update-docs]      # --update-docs: into BENCHMARKS.md (precision)
 """
 
 import argparse
@@ -45,7 +45,8 @@ def step_memory(spec, features, batch, in_features):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--no-write", action="store_true", help="print the table only, leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (default: a results folder, printed)")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
@@ -61,15 +62,14 @@ def main():
         large = step_memory(spec, (1024, 1024), 8192, 784)
         lines.append(f"| {name} | {100 * accuracy:.2f}% | {small:,} | {large:,} |")
         print(lines[-1], flush=True)
-    if not args.no_write:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import report
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import report
 
-        report.write("precision", (
-            f"`python benchmarks/precision.py` ({report.machine()}) — the default experiment with "
-            "`--config.precision=p=f32,c=f32,o=f32` and `p=f32,c=bf16,o=f32`, and XLA's compiled memory analysis "
-            "of the train step (`temp_size_in_bytes` per device: the activations kept for the backward pass and "
-            "other scratch)."), "\n".join(lines))
+    report.write("precision", (
+        f"`python benchmarks/precision.py` ({report.machine()}) — the default experiment with "
+        "`--config.precision=p=f32,c=f32,o=f32` and `p=f32,c=bf16,o=f32`, and XLA's compiled memory analysis "
+        "of the train step (`temp_size_in_bytes` per device: the activations kept for the backward pass and "
+        "other scratch)."), "\n".join(lines), update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,48 @@
-"""Write a benchmark's results into BENCHMARKS.md, between its own markers.
+"""Where a benchmark's results go: a results folder by default, BENCHMARKS.md and docs/ when asked.
 
-Each benchmark owns one section, delimited by ``<!-- bench:NAME -->`` and
-``<!-- /bench:NAME -->``; running it again replaces that section and leaves the
-rest of the file alone, so ``benchmarks/run_all.py`` can refresh every figure.
-Text outside the markers (analysis, runs on other machines) is written by hand.
+Each benchmark owns one section of BENCHMARKS.md, delimited by ``<!-- bench:NAME -->``
+and ``<!-- /bench:NAME -->``. With ``--update-docs`` a run replaces that section (and
+writes its figures, CSV and PNG, into docs/), leaving the rest of the file alone, so
+``benchmarks/run_all.py --update-docs`` can refresh every figure. Without it nothing
+tracked is touched: the section and the figures go to :func:`results_dir` (printed),
+so trying a benchmark never rewrites the repository. Text outside the markers
+(analysis, runs on other machines) is written by hand.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
+import tempfile
 import textwrap
 import time
 
-BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS_MD = os.path.join(REPO, "BENCHMARKS.md")
+DOCS = os.path.join(REPO, "docs")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--update-docs``: the one way a benchmark writes tracked files."""
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (this benchmark's section) and its figures into "
+                             "docs/; default: a results folder, printed ($DTX_BENCH_DIR or the temp folder)")
+
+
+def results_dir() -> str:
+    """Untracked home of results not written into the repository: ``$DTX_BENCH_DIR``, else the temp folder."""
+    path = os.environ.get("DTX_BENCH_DIR") or os.path.join(tempfile.gettempdir(), "dtx-benchmarks")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def figures_dir(update_docs: bool, out: str | None = None) -> str:
+    """Folder for a benchmark's CSV and PNG files: ``out`` if given, docs/ with ``--update-docs``, else results."""
+    path = out or (DOCS if update_docs else results_dir())
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def update_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
@@ -31,10 +59,20 @@ def update_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
         f.write(text)
 
 
-def write(name: str, preamble: str, body: str, width: int = 110) -> None:
+def write(name: str, preamble: str, body: str, width: int = 110, *, update_docs: bool) -> str:
     """Section ``name``: ``preamble`` (what was run, where, how) wrapped at ``width``, then ``body`` (tables)."""
-    update_section(name, textwrap.fill(preamble, width, break_long_words=False, break_on_hyphens=False)
-                   + "\n\n" + body.strip())
+    return save_section(name, textwrap.fill(preamble, width, break_long_words=False, break_on_hyphens=False)
+                        + "\n\n" + body.strip(), update_docs=update_docs)
+
+
+def save_section(name: str, markdown: str, *, update_docs: bool) -> str:
+    """Section ``name`` into BENCHMARKS.md (``update_docs``) or into ``results_dir()/BENCHMARKS.md``, whose
+    sections can be compared with the tracked ones; returns the file written and says which it was."""
+    path = BENCHMARKS_MD if update_docs else os.path.join(results_dir(), "BENCHMARKS.md")
+    update_section(name, markdown, path)
+    note = "" if update_docs else " (the tracked BENCHMARKS.md is unchanged; --update-docs writes there)"
+    print(f"section {name!r} written to {path}{note}", flush=True)
+    return path
 
 
 def machine(devices: str = "") -> str:

@@ -1,7 +1,8 @@
-"""Run every benchmark; each refreshes its own section of BENCHMARKS.md.
+"""Run every benchmark; with ``--update-docs`` each refreshes its own section of BENCHMARKS.md.
 
     python benchmarks/run_all.py                       # all of them (about an hour on 2 cores)
     python benchmarks/run_all.py --only step_overhead,input_pipeline
+    python benchmarks/run_all.py --update-docs         # rewrite BENCHMARKS.md and the figures in docs/
     python benchmarks/run_all.py --list
 
 Each benchmark runs as a fresh process (so each can fix its own device count
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated names (see --list)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="each benchmark writes BENCHMARKS.md and docs/ (default: a results folder, printed)")
     args = parser.parse_args(argv)
     if args.list:
         for name, (command, section, minutes, what) in BENCHMARKS.items():
@@ -75,7 +78,8 @@ def main(argv=None) -> int:
             failed.append(name)
             continue
         start = time.perf_counter()
-        status = subprocess.run([sys.executable, script, *command[1:]], cwd=REPO, env=env).returncode
+        flags = ["--update-docs"] if args.update_docs else []
+        status = subprocess.run([sys.executable, script, *command[1:], *flags], cwd=REPO, env=env).returncode
         took[name] = time.perf_counter() - start
         print(f"== {name}: {'ok' if status == 0 else f'FAILED (exit {status})'} in {took[name]:.0f} s "
               f"(section {section})", flush=True)

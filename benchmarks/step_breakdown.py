@@ -6,7 +6,7 @@ difference (communication), the bytes one worker sends per step, in one process.
 Compressors and strategies are read from the registries, so new ones appear here
 without editing this file.
 
-    python benchmarks/step_breakdown.py [--steps 20] [--rounds 5] [--no-write] [--config.KEY=VALUE ...]
+    python benchmarks/step_breakdown.py [--steps 20] [--rounds 5] [--update-docs] [--config.KEY=VALUE ...]
 """
 
 import argparse
@@ -39,7 +39,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (default: a results folder, printed)")
     args, overrides = parser.parse_known_args()
     import jax
 
@@ -57,18 +58,17 @@ def main():
             lines.append(f"| {name} | refused: {' '.join(str(e).split())[:100]} | | | | | |")
         print(lines[-1], flush=True)
     table = "\n".join(lines)
-    if not args.no_write:
-        import report
+    import report
 
-        command = " ".join(["python benchmarks/step_breakdown.py", *overrides])
-        report.write("step_breakdown", (
-            f"`{command}` ({report.machine()}; {(time.perf_counter() - started) / 60:.0f} min) — "
-            f"`dtx bench step experiments/digits_mlp.py --config.KEY=VALUE` for each setting: MLP 256-256 on "
-            f"digits, global batch 128, median of {args.rounds} interleaved blocks of {args.steps} steps. "
-            "*Compute* is the same step with every collective of the gradient path removed "
-            "(`make_train_step(..., communicate=False)`); *communication* is the difference; bytes are what one "
-            "worker sends per step by the accountant of `dtx/costmodel.py` (a mean over the steps: strategies "
-            "communicate on some steps only)."), table)
+    command = " ".join(["python benchmarks/step_breakdown.py", *overrides])
+    report.write("step_breakdown", (
+        f"`{command}` ({report.machine()}; {(time.perf_counter() - started) / 60:.0f} min) — "
+        f"`dtx bench step experiments/digits_mlp.py --config.KEY=VALUE` for each setting: MLP 256-256 on "
+        f"digits, global batch 128, median of {args.rounds} interleaved blocks of {args.steps} steps. "
+        "*Compute* is the same step with every collective of the gradient path removed "
+        "(`make_train_step(..., communicate=False)`); *communication* is the difference; bytes are what one "
+        "worker sends per step by the accountant of `dtx/costmodel.py` (a mean over the steps: strategies "
+        "communicate on some steps only)."), table, update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

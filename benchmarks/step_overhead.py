@@ -5,7 +5,7 @@ previous step's output (lag-1, docs/data_parallel.md); the ratio of medians is w
 (the machine is noisy, absolute times are not comparable across runs). Also timed:
 dtx's steps with ``grad_norm=True`` (``--config.log_grad_norm``), the opt-in cost.
 
-    python benchmarks/step_overhead.py                 # 8 and 1 devices; updates BENCHMARKS.md
+    python benchmarks/step_overhead.py [--update-docs] # 8 and 1 devices
     python benchmarks/step_overhead.py --devices 8 --batch 256 --rounds 15   # one row, printed only
 """
 
@@ -116,6 +116,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # child-process protocol
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the results into BENCHMARKS.md (default: a results folder, printed)")
     args = parser.parse_args()
     if args.devices:
         medians, platform = measure(args.devices, args.batch, args.rounds, args.steps)
@@ -137,8 +139,7 @@ def main():
                 f"SGD-momentum, global batch {args.batch}; interleaved blocks of {args.steps} steps, each step "
                 f"waiting on the previous one (lag-1), median of {args.rounds} rounds; ratio to the hand-written "
                 "step in brackets. Target: ≤ 1.03.")
-    report.write("step_overhead", markdown, HEADER + "\n" + "\n".join(rows))
-    print("updated BENCHMARKS.md (step_overhead)")
+    report.write("step_overhead", markdown, HEADER + "\n" + "\n".join(rows), update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ Every run trains experiments/sync_strategies.py:<strategy> for the same 220 step
 epochs of the digits task, 8 emulated workers); only the strategy and its setting
 change. Reads each run's metrics.jsonl (final ``test_accuracy``, ``comm_bytes_per_step``,
 ``comm_rounds_per_step``, ``comm_ratio``: dtx.costmodel's accountant, summed over every
-step) and writes docs/strategies.csv, docs/strategies.png (accuracy vs bytes per step),
-docs/strategies_rounds.png (accuracy vs message rounds per step) and its table into
-BENCHMARKS.md (section "strategies").
+step) and writes strategies.csv, strategies.png (accuracy vs bytes per step),
+strategies_rounds.png (accuracy vs message rounds per step) and its table (section
+"strategies") into a results folder (printed); with ``--update-docs`` into docs/ and
+BENCHMARKS.md, the files docs/strategies.md shows.
 
-    python benchmarks/strategies_sweep.py [--out docs] [--only sync,gossip] [--set KEY=VALUE ...] [--no-report]
+    python benchmarks/strategies_sweep.py [--only sync,gossip] [--set KEY=VALUE ...] [--out DIR] [--update-docs]
 """
 
 import argparse
@@ -51,12 +52,17 @@ VARIANTS = [
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(REPO, "docs"))
+    parser.add_argument("--out", help="folder for the CSV and the plots (default: docs/ with --update-docs, "
+                                      "else a results folder)")
     parser.add_argument("--only", default="", help="comma-separated strategies (default: all)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run, e.g. --set num_epochs=5")
-    parser.add_argument("--no-report", action="store_true", help="do not write the BENCHMARKS.md section")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the CSV, the plots and the BENCHMARKS.md section into the repository (default: a "
+                             "results folder, printed)")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import report
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
     from dtx import metrics, plots
@@ -84,7 +90,7 @@ def main():
         print(rows[-1], file=sys.stderr, flush=True)
     total = time.perf_counter() - started
 
-    os.makedirs(args.out, exist_ok=True)
+    args.out = report.figures_dir(args.update_docs, args.out)
     with open(os.path.join(args.out, "strategies.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -123,11 +129,8 @@ def main():
               "strategies' speed (the emulated mesh has no network). What the figures show: docs/strategies.md."]
     markdown = "\n".join(lines)
     print(markdown)
-    if not args.no_report:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import report
-
-        report.update_section("strategies", markdown)
+    report.save_section("strategies", markdown, update_docs=args.update_docs)
+    print(f"CSV and plots: {args.out}")
 
 
 if __name__ == "__main__":

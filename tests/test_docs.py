@@ -150,6 +150,32 @@ def test_dtx_commands_in_bash_blocks_name_real_experiments_and_keys(monkeypatch)
     assert checked >= 20
 
 
+# ------------------------------------------------------------------ benchmarks write nothing tracked unasked
+
+
+def test_benchmarks_write_tracked_files_only_with_update_docs(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTX_BENCH_DIR", str(tmp_path))
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import report
+
+    tracked = open(report.BENCHMARKS_MD, encoding="utf-8").read()
+    assert report.write("demo", "what ran", "| a |\n|---|", update_docs=False) == str(tmp_path / "BENCHMARKS.md")
+    assert "<!-- bench:demo -->\nwhat ran\n\n| a |" in (tmp_path / "BENCHMARKS.md").read_text()
+    assert open(report.BENCHMARKS_MD, encoding="utf-8").read() == tracked
+    assert report.figures_dir(False) == str(tmp_path) and report.figures_dir(True) == report.DOCS
+    # Every script that records results goes through report with the flag, never straight to the tracked files.
+    for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py")):
+        source = open(path, encoding="utf-8").read()
+        name = os.path.basename(path)
+        if name == "report.py":
+            continue
+        assert "update_section(" not in source, name
+        assert 'os.path.join(REPO, "docs")' not in source, f"{name} writes into docs/ without --update-docs"
+        if "report.write(" in source or "save_section(" in source:
+            assert "update_docs=args.update_docs" in source and ("--update-docs" in source
+                                                                   or "add_output_arguments" in source), name
+
+
 # ------------------------------------------------------------------ docstrings
 
 
