@@ -87,7 +87,8 @@ class Checkpointer:
             self._remove_stale_temporaries()
         self._key = hmac_key or None
         self._closed = False
-        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, read_only=read_only,
+        # read_only: orbax's own read_only flag only logs warnings on every start; nothing here saves or deletes.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
                                                enable_async_checkpointing=async_save, create=not read_only)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,

@@ -94,7 +94,10 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         workdir = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     from dtx.checkpoint import CheckpointError
+    from dtx.preflight import show_on_terminal
     from dtx.train import train
+
+    show_on_terminal()
 
     try:
         result = train(config, workdir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -62,6 +63,20 @@ def warn(config: ConfigDict, *, train_size: int, data_parallel: int, num_steps: 
             RunWarning, stacklevel=4)
 
 
+def show_on_terminal() -> None:
+    """Print :class:`RunWarning` as ``dtx: WARNING: ...`` on stderr (the command line's style) rather than
+    as a pointer into the source line that raised it; other warnings are shown as before."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, RunWarning):
+            print(f"dtx: WARNING: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def dropped_examples_message(train_size: int, global_batch: int, data_parallel: int) -> str | None:
     """Why and how many examples each epoch leaves out, with the batch sizes that leave out fewest;
     ``None`` when at most :data:`DROPPED_FRACTION_TO_WARN` of the split is dropped."""
@@ -87,16 +102,24 @@ def better_batches(train_size: int, global_batch: int, data_parallel: int, count
 
 
 def warmup_message(config: ConfigDict, steps_per_epoch: int, num_steps: int) -> str | None:
-    """A warmup at least as long as the run: the rate never reaches the peak the config names."""
+    """A warmup as long as the run: the rate reaches the peak the config names only at the last step.
+
+    A warmup longer than the run cannot be scheduled at all: that raises ``ConfigError`` (with the fix)
+    here, before the data or the model is built.
+    """
     opt = config.optimizer
     warmup = opt.warmup_steps or round(opt.warmup_epochs * steps_per_epoch)  # as dtx.train counts it
     if not warmup or warmup < num_steps:
         return None
     key = (f"optimizer.warmup_steps={opt.warmup_steps}" if opt.warmup_steps else
            f"optimizer.warmup_epochs={opt.warmup_epochs} ({warmup} steps at {steps_per_epoch} per epoch)")
-    return (f"{key} is not shorter than the run's {num_steps} steps: the learning rate never reaches its peak "
-            f"(it ends at {min(num_steps / warmup, 1):.0%} of it). Shorten the warmup (e.g. to "
-            f"{max(num_steps // 10, 1)} steps) or train longer (num_steps / num_epochs)")
+    fix = (f"Shorten the warmup (e.g. to {max(num_steps // 10, 1)} steps: a tenth of the run) or train longer "
+           "(num_steps / num_epochs)")
+    if warmup > num_steps:
+        raise config_lib.ConfigError(f"{key} is longer than the run's {num_steps} steps: the learning rate would "
+                                     f"never reach its peak. {fix}")
+    return (f"{key} is as long as the run ({num_steps} steps): the learning rate reaches its peak only at the "
+            f"last step. {fix}")
 
 
 def ignored_keys(config: ConfigDict, **given: bool) -> list[tuple[str, Any]]:

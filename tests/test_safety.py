@@ -145,8 +145,9 @@ def _config(**values):
     ({"global_batch_size": 256}, {},
      r"global_batch_size=256 does not divide the 1437 training examples: each epoch trains 5 steps and drops 157 "
      r"examples \(11%.*drop fewer: 472 drops 21, 176 drops 29"),
-    ({"optimizer.warmup_steps": 10}, {}, r"optimizer\.warmup_steps=10 is not shorter than the run's 4 steps"),
-    ({"optimizer.warmup_epochs": 1.0}, {}, r"warmup_epochs=1\.0 \(22 steps at 22 per epoch\)"),
+    ({"optimizer.warmup_steps": 4}, {}, r"optimizer\.warmup_steps=4 is as long as the run \(4 steps\).*peak only "
+                                         r"at the last step.*e\.g\. to 1 steps"),
+    ({"optimizer.warmup_epochs": 1.0, "num_steps": 22}, {}, r"warmup_epochs=1\.0 \(22 steps at 22 per epoch\)"),
     ({"optimizer.learning_rate": 0.5, "model.features": (8,)}, {"model": BNNet(), "optimizer": optax.sgd(0.1)},
      r"dtx\.train\(model= and optimizer=\.\.\.\).*model\.features=\(8,\), optimizer\.learning_rate=0\.5"),
 ])
@@ -156,6 +157,12 @@ def test_runs_unlike_their_config_warn_before_any_work(tmp_path, values, kwargs,
         with pytest.raises(preflight.RunWarning, match=message):
             dtx.train(_config(**values), tmp_path / "run", **kwargs)
     assert not os.path.exists(tmp_path / "run")  # before anything was written (or compiled)
+
+
+def test_a_warmup_longer_than_the_run_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(config_lib.ConfigError, match=r"warmup_steps=10 is longer than the run's 4 steps.*Shorten"):
+        dtx.train(_config(**{"optimizer.warmup_steps": 10}), tmp_path / "run")
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_nothing_to_warn_about_a_plain_run():
