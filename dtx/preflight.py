@@ -2,11 +2,12 @@
 
 A config can describe a run that is not the one that executes: a global batch
 that does not divide the training split drops examples every epoch; a warmup
-longer than the run never reaches its peak rate; a module or optimizer passed
-to ``dtx.train`` replaces the config's ``model`` / ``optimizer`` blocks, whose
-keys then do nothing. :func:`warn` says so (``RunWarning``, a ``UserWarning``)
-before anything compiles; :func:`what_ran` gives ``config.json`` and the first
-metrics record the module class and optimizer that actually trained.
+as long as the run reaches its peak rate only at the end (a longer one is
+refused); a module, optimizer, task or data passed to ``dtx.train`` replaces the
+config's block, whose keys then do nothing. :func:`warn` says so (``RunWarning``,
+a ``UserWarning``) before anything compiles; :func:`what_ran` gives ``config.json``
+and the first metrics record the module class, optimizer, task and data that
+actually trained.
 """
 
 from __future__ import annotations
