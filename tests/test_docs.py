@@ -51,6 +51,16 @@ def blocks(page: str) -> list[dict]:
     return found
 
 
+def test_user_facing_text_cites_no_file_users_do_not_have():
+    """The pages, the notebook and the package's own sources stand on their own."""
+    paths = [os.path.join(REPO, p) for p in pages()] + [os.path.join(REPO, "notebooks", "quickstart.ipynb")]
+    paths += [p for folder in ("dtx", "models", "experiments") for p in glob.glob(os.path.join(REPO, folder, "*.py"))]
+    for path in paths:
+        text = open(path, encoding="utf-8").read()
+        for name in ("DESIGN.md", "../shared", "shared/DESIGN"):
+            assert name not in text, f"{os.path.relpath(path, REPO)} cites {name}, which users do not have"
+
+
 # ------------------------------------------------------------------ python blocks
 
 
