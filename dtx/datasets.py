@@ -68,7 +68,8 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A named dataset with train and test splits and its number of classes."""
+    """A named dataset with train and test splits and its number of classes (the model's output
+    width: classes, vocabulary or target values). ``test`` may be None (nothing is evaluated)."""
     name: str
     train: Split
     test: Split

@@ -16,6 +16,9 @@ and a resumed run reads exactly the rows an uninterrupted one would.
   default: ``max(label) + 1`` for integer labels, the target width for float ones);
 * a :class:`dtx.datasets.Dataset`.
 
+Arrays may also be array-like readers of other formats: anything with ``len()``, ``shape``,
+``dtype`` and ``[indices]`` / ``[start:stop]`` returning those rows as numpy (:class:`Rows` is one).
+
 Memory: the index permutation costs 8 bytes per example and a gathered batch its own
 size; nothing else grows with the data. Pass ``num_classes`` with memory-mapped
 integer labels to skip the scan for their maximum. Arrays of 64-bit dtypes are read
@@ -47,7 +50,7 @@ class Rows:
 
     def __init__(self, array: np.ndarray, dtype):
         self.array, self.dtype = array, np.dtype(dtype)
-        self.shape, self.ndim = array.shape, array.ndim
+        self.shape, self.ndim = tuple(array.shape), len(array.shape)
 
     def __len__(self) -> int:
         return len(self.array)
@@ -111,8 +114,10 @@ def _split(part, what: str) -> Split:
 
 
 def _array(x, what: str, key: str):
-    if isinstance(x, Rows):
-        return x
+    if not isinstance(x, np.ndarray) and all(hasattr(x, a) for a in ("shape", "dtype", "__getitem__", "__len__")):
+        # Array-like rows from elsewhere (Rows, a reader of another file format): read by index, never whole.
+        dtype = np.dtype(x.dtype)
+        return Rows(x, _NARROW[dtype]) if dtype in _NARROW else x
     x = x if isinstance(x, np.ndarray) else np.asarray(x)
     if x.dtype.kind not in "biuf":
         raise DataError(f"data['{what}'] {key} have dtype {x.dtype}; give numbers (float or int arrays)")

@@ -88,6 +88,35 @@ def test_num_classes_and_sequences_from_your_data():
     assert userdata.as_dataset(windows, tasks.next_token()).num_classes == 7
 
 
+class Reader:
+    """An array-like reader of some other format: rows by index, counting what it was asked for."""
+
+    def __init__(self, array):
+        self.array, self.shape, self.dtype, self.rows_read = array, array.shape, array.dtype, 0
+
+    def __len__(self):
+        return len(self.array)
+
+    def __getitem__(self, index):
+        rows = self.array[index]
+        self.rows_read += len(rows) if np.ndim(rows) == self.array.ndim else 1
+        return rows
+
+
+def test_an_array_like_reader_is_read_by_rows_never_whole():
+    from dtx import mesh as mesh_lib
+    from dtx.data import TrainLoader
+
+    x, y = _blobs(4096, 0)
+    reader = Reader(x.astype(np.float64))
+    dataset = userdata.as_dataset({"train": (reader, y), "num_classes": 3}, tasks.classification())
+    assert dataset.train.inputs.dtype == np.float32  # read as 32-bit, row by row
+    batch = TrainLoader(dataset.train, 64, mesh_lib.make_mesh([("data", -1)]), seed=0).batch(5)
+    assert batch["inputs"].dtype == np.float32 and batch["inputs"].shape == (64, 8)
+    assert reader.rows_read <= 64 + 16  # the batch, and the fingerprint's 16 sampled rows
+    userdata.fingerprint(dataset)
+
+
 @pytest.fixture(scope="module")
 def memory_mapped(tmp_path_factory):
     """Blobs saved as .npy files and opened with np.load(mmap_mode='r')."""
