@@ -93,8 +93,8 @@ def test_user_packages_named_models_and_experiments_stay_the_users(mode, train, 
         dtx_root = str(tmp_path / "site" / "dtx")
     else:  # the test environment's own `pip install -e .`, found from a folder outside the checkout
         dtx_root = REPO
-    done = subprocess.run([sys.executable, "user_script.py", mode, "train" if train else "import"], cwd=user, env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run([sys.executable, "user_script.py", mode, "train" if train else "import"], cwd=user, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
 
