@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dtx import costmodel, lowrank, quantize, sparsify
+from dtx.comm import Capabilities, CommContext, allreduce_traffic, traffic_stats, worker_index
 
 PyTree = Any
 Stats = dict[str, jax.Array]
@@ -61,28 +62,6 @@ Stats = dict[str, jax.Array]
 
 class CompressionError(ValueError):
     """An unknown compressor or a setting out of range; the message says how to fix it."""
-
-
-class CommContext(NamedTuple):
-    """How the workers of one step talk to each other.
-
-    Attributes:
-      axes: mesh axes the workers span, for collectives inside ``shard_map``;
-        ``()`` when XLA places the collectives itself (the ``jit`` driver).
-      size: number of workers ``p``.
-      allreduce: ``tree -> mean over the workers`` with the configured algorithm
-        (the identity when ``axes == ()``).
-      algorithm: that algorithm's name, for the accountant (``psum``: :func:`psum_traffic`).
-      inner: inner-axis size for the ``hierarchical`` algorithm, else ``None``.
-      bucket_bytes: the allreduce's bucket size (0: leaf by leaf), for the accountant.
-    """
-
-    axes: tuple[str, ...]
-    size: int
-    allreduce: Callable[[PyTree], PyTree]
-    algorithm: str = "psum"
-    inner: int | None = None
-    bucket_bytes: int = 0
 
 
 class Compressor(NamedTuple):
@@ -98,44 +77,14 @@ class Compressor(NamedTuple):
         ``comm_bytes`` (what this worker sent this step) and ``comm_rounds``
         (message rounds), as scalars; every compressor but ``none`` adds
         ``payload_ratio`` (see the module docstring).
+      caps: what it does (:class:`dtx.comm.Capabilities`): ``identity`` for ``none``,
+        ``allreduce`` when the payload travels by ``ctx.allreduce``.
     """
 
     name: str
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, jax.Array, CommContext], tuple[PyTree, PyTree, Stats]]
-
-
-def traffic_stats(traffic: costmodel.Traffic) -> Stats:
-    """A static :class:`dtx.costmodel.Traffic` as step metrics."""
-    return {"comm_bytes": count_scalar(traffic.bytes_sent), "comm_rounds": count_scalar(traffic.messages)}
-
-
-def count_scalar(count: int) -> jax.Array:
-    """An exact count as a device scalar: int32 while it fits, float32 beyond 2**31."""
-    return jnp.asarray(count, jnp.int32 if count < 2**31 else jnp.float32)
-
-
-def _modelled(algorithm: str) -> str:
-    return "ring" if algorithm == "psum" else algorithm
-
-
-def psum_traffic(traffic: costmodel.Traffic, p: int) -> costmodel.Traffic:
-    """``lax.psum``/``pmean`` of a tree in one call, counted as XLA compiles it.
-
-    The bytes are the ring's for every leaf (or bucket): XLA's schedule is not ours to
-    see. XLA's all-reduce combiner merges the independent psums of one call into one
-    all-reduce, so one ``2(p−1)``-round schedule is counted per call, not one per leaf
-    (XLA:CPU merges up to 256 operands into one op: larger trees take more rounds than
-    counted; docs/compression.md).
-    """
-    return costmodel.Traffic(2 * (p - 1), traffic.bytes_sent) if traffic.bytes_sent else traffic
-
-
-def allreduce_traffic(tree: PyTree, ctx: CommContext, dtype: Any = None) -> costmodel.Traffic:
-    """What ``ctx.allreduce(tree)`` sends: leaf by leaf or bucket by bucket, ``psum`` as one op."""
-    traffic = costmodel.dense_allreduce_traffic(tree, ctx.size, _modelled(ctx.algorithm), dtype, ctx.inner,
-                                                ctx.bucket_bytes)
-    return psum_traffic(traffic, ctx.size) if ctx.algorithm == "psum" else traffic
+    caps: Capabilities = Capabilities()
 
 
 def _stats(traffic: costmodel.Traffic, payload_bytes: int, grads: PyTree) -> Stats:
@@ -147,9 +96,7 @@ def _zeros32(params: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
 
 
-def _index(ctx: CommContext) -> jax.Array:
-    return lax.axis_index(ctx.axes) if ctx.axes else jnp.zeros((), jnp.int32)
-
+_GATHERED = Capabilities(allreduce=False)  # payloads that all-gather / all-to-all, not allreduce
 
 # ----------------------------------------------------------------------------- dense
 def none(**_) -> Compressor:
@@ -159,7 +106,7 @@ def none(**_) -> Compressor:
         del key
         return ctx.allreduce(grads), state, traffic_stats(allreduce_traffic(grads, ctx))
 
-    return Compressor("none", lambda params: {}, update)
+    return Compressor("none", lambda params: {}, update, Capabilities(identity=True))
 
 
 WIRE_DTYPES = ("bfloat16", "float16", "float32")
@@ -259,7 +206,7 @@ def topk(fraction: float = 0.01, error_feedback: bool = True, momentum: float = 
         mean = treedef.unflatten([m.reshape(l.shape).astype(l.dtype) for m, l in zip(means, leaves)])
         return mean, new_state, stats
 
-    return Compressor("topk", init, update)
+    return Compressor("topk", init, update, _GATHERED)
 
 
 def randomk(fraction: float = 0.01, error_feedback: bool = True, **_) -> Compressor:
@@ -306,7 +253,7 @@ def _quantized(name: str, quantizer: quantize.Quantizer, error_feedback: bool) -
         v = [x.astype(jnp.float32) for x in leaves]
         if error_feedback:
             v = [r + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
-        index = _index(ctx)
+        index = worker_index(ctx)
         server = jax.tree.leaves(state["server"]) if error_feedback else None
         mean, sent, server = quantize.compressed_allreduce(v, server, quantizer, jax.random.fold_in(key, index),
                                                            ctx.axes, ctx.size, index)
@@ -319,7 +266,7 @@ def _quantized(name: str, quantizer: quantize.Quantizer, error_feedback: bool) -
         mean = treedef.unflatten([m.astype(l.dtype) for m, l in zip(mean, leaves)])
         return mean, new_state, _stats(traffic, ctx.size * row, grads)
 
-    return Compressor(name, init, update)
+    return Compressor(name, init, update, _GATHERED)
 
 
 def sign(error_feedback: bool = True, **_) -> Compressor:

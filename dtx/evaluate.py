@@ -43,7 +43,8 @@ from jax.sharding import PartitionSpec
 from ml_collections import ConfigDict
 
 from dtx import checkpoint as checkpoint_lib
-from dtx import compress, datasets, preflight, userdata
+from dtx import comm as comm_lib
+from dtx import datasets, preflight, userdata
 from dtx import tasks as tasks_lib
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
@@ -299,7 +300,7 @@ def _evaluated_params(run: Restored):
     if not run.parts.strategy.local_models:
         return run.state.params
     axes = mesh_lib.batch_axes(run.mesh)
-    comm = compress.CommContext(axes, mesh_lib.data_parallel_size(run.mesh),
+    comm = comm_lib.CommContext(axes, mesh_lib.data_parallel_size(run.mesh),
                                 lambda tree: jax.lax.pmean(tree, axes))
 
     def body(state):  # each worker sees its own slice of the per-worker state, as in the eval step

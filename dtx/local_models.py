@@ -9,7 +9,7 @@ by name in :data:`dtx.strategies.STRATEGIES`, which holds the types they use.
 does: the averaging, outer or elastic step runs inside a ``lax.cond`` branch (the collectives
 really run only on those steps), and gossip's step holds nothing but its neighbour exchanges.
 ``comm_bytes`` / ``comm_rounds`` count, on each step, exactly the collectives that step runs, in
-the configured allreduce's schedule and bucketing (:func:`dtx.compress.allreduce_traffic`);
+the configured allreduce's schedule and bucketing (:func:`dtx.comm.allreduce_traffic`);
 the tests read the compiled step (:mod:`dtx.hlo`) to hold the program to it.
 """
 
@@ -25,10 +25,13 @@ from jax import lax
 
 from dtx import costmodel
 from dtx import topology as topology_lib
-from dtx.compress import allreduce_traffic, count_scalar, traffic_stats
+from dtx.comm import Capabilities, allreduce_traffic, count_scalar, traffic_stats
 from dtx.strategies import Strategy, StrategyError, _global, _integer, _number
 from dtx.topology import TOPOLOGIES
 
+
+# Workers step on their own models; the step reduces no gradient (so no loss scaling, no compression).
+LOCAL = Capabilities(reduces_once=False, local_models=True, allreduce=False)
 
 def _local_init(params, opt_state):
     return {"params": params, "opt_state": opt_state}, {}
@@ -60,7 +63,7 @@ def _every(step, period):
 
 
 def _allreduce_stats(tree, comm, communicates):
-    """``comm.allreduce(tree)`` (:func:`dtx.compress.allreduce_traffic`: its algorithm and buckets, a
+    """``comm.allreduce(tree)`` (:func:`dtx.comm.allreduce_traffic`: its algorithm and buckets, a
     ``psum`` call as the one op XLA combines it into) on steps that communicate, nothing on the others."""
     stats = traffic_stats(allreduce_traffic(tree, comm))
     return {k: jnp.where(communicates, v, jnp.zeros_like(v)) for k, v in stats.items()}
@@ -98,7 +101,7 @@ def local_sgd(period: int = 1, sync_steps: int = 0, **_) -> Strategy:
         local, params = lax.cond(average, averaged, lambda: (local, state.params))
         return _with_local(state, local, opt_state).replace(params=params), _allreduce_stats(local, ctx.comm, average)
 
-    return Strategy("local_sgd", _local_init, _local_params, apply, _workers_mean, local_models=True)
+    return Strategy("local_sgd", _local_init, _local_params, apply, _workers_mean, LOCAL)
 
 
 def diloco(period: int = 1, outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, **_) -> Strategy:
@@ -135,7 +138,7 @@ def diloco(period: int = 1, outer_learning_rate: float = 0.7, outer_momentum: fl
         new = _with_local(state, local, opt_state).replace(params=params, shared={"outer_opt_state": outer_state})
         return new, _allreduce_stats(local, ctx.comm, sync_now)
 
-    return Strategy("diloco", init, _local_params, apply, _global, local_models=True)
+    return Strategy("diloco", init, _local_params, apply, _global, LOCAL)
 
 
 def easgd(period: int = 1, rho: float = 0.1, moving_rate: float = 0.5, **_) -> Strategy:
@@ -168,7 +171,7 @@ def easgd(period: int = 1, rho: float = 0.1, moving_rate: float = 0.5, **_) -> S
         return _with_local(state, local, opt_state).replace(params=center), _allreduce_stats(local, ctx.comm,
                                                                                                exchange)
 
-    return Strategy("easgd", _local_init, _local_params, apply, _global, local_models=True)
+    return Strategy("easgd", _local_init, _local_params, apply, _global, LOCAL)
 
 
 def gossip(topology: str = "ring", mixing: tuple[float, ...] = (1 / 3, 1 / 3, 1 / 3), consensus_every: int = 0,
@@ -237,4 +240,4 @@ def gossip(topology: str = "ring", mixing: tuple[float, ...] = (1 / 3, 1 / 3, 1 
         return (new.replace(params=params, shared={"consensus_distance": distance}),
                 {**stats, "consensus_distance": distance})
 
-    return Strategy("gossip", init, _local_params, apply, _workers_mean, local_models=True)
+    return Strategy("gossip", init, _local_params, apply, _workers_mean, LOCAL)

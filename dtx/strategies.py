@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dtx.compress import CommContext
+from dtx.comm import Capabilities, CommContext
 from dtx.precision import select_tree
 from dtx.topology import TOPOLOGIES, mixing_matrix  # noqa: F401  (public here, for the tests and docs)
 
@@ -104,8 +104,7 @@ class Strategy(NamedTuple):
         and model state are the step's business) and metrics, at least
         ``comm_bytes`` and ``comm_rounds`` for this worker this step.
       eval_params: ``(state, comm) -> params`` to evaluate (inside the eval step).
-      local_models: whether workers hold their own parameters (then gradients
-        are not reduced every step, and loss scaling is unavailable).
+      caps: what it does (:class:`dtx.comm.Capabilities`): the step reads these, never the name.
     """
 
     name: str
@@ -113,7 +112,12 @@ class Strategy(NamedTuple):
     grad_params: Callable[[Any, StepContext], PyTree]
     apply: Callable[[Any, PyTree, StepContext], tuple[Any, Stats]]
     eval_params: Callable[[Any, CommContext], PyTree]
-    local_models: bool = False
+    caps: Capabilities = Capabilities()
+
+    @property
+    def local_models(self) -> bool:
+        """Workers hold their own parameters (then gradients are not reduced every step)."""
+        return self.caps.local_models
 
 
 # ------------------------------------------------------------- gradient averaging
@@ -133,7 +137,7 @@ def _global(state, comm):
 def sync() -> Strategy:
     """Synchronous data-parallel SGD: average every step, apply the same update everywhere."""
     return Strategy("sync", lambda params, opt_state: ({}, {}), lambda state, ctx: state.params, _server_update,
-                    _global)
+                    _global, Capabilities(identity=True))
 
 
 def async_sgd(staleness: int = 0, random_delay: bool = False, **_) -> Strategy:

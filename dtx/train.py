@@ -327,7 +327,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
     compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
     strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
-    if config.parallel.name != "data" and (config.strategy.name != "sync" or config.compression.name != "none"):
+    if config.parallel.name != "data" and not (strategy.caps.identity and compressor.caps.identity):
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r} with strategy.name={config.strategy.name!r} / "
             f"compression.name={config.compression.name!r}: strategies and compression replace the gradient "
@@ -506,7 +506,7 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
     split = {path.rsplit("/", 1)[0] for path, sharding in _shardings_by_path(parts.shardings.params)
              if not sharding.is_fully_replicated}
     columns = all(tuple(spec)[-1:] == (mesh_lib.MODEL_AXIS,) and not any(tuple(spec)[:-1]) for spec in kernels.values())
-    if (parts.strategy.name == "sync" and parts.compressor.name == "none" and split <= set(kernels) and columns
+    if (parts.strategy.caps.identity and parts.compressor.caps.identity and split <= set(kernels) and columns
             and set(kernels) <= {layer.name for layer in layers}):
         group = mesh.shape[mesh_lib.MODEL_AXIS] if kernels else 1
         e = np.dtype(parts.policy.reduce).itemsize

@@ -40,7 +40,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dtx import batchnorm, costmodel
+from dtx import batchnorm, body, costmodel
 from dtx import mesh as mesh_lib
 from dtx import step as step_lib
 from dtx import strategies
@@ -116,25 +116,20 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage
 
     def gradients(params, model_state, loss_scale, step_rng, batch):
         rng = jax.random.fold_in(step_rng, lax.axis_index(axes))  # independent dropout per worker
-        denominator = step_lib._denominator(task, batch, axes, accum_steps, strategies.sync())
-        loss_fn = step_lib.make_loss_fn(model, policy, task, contextlib.nullcontext, list(model_state), denominator,
-                                        functools.partial(loss_scaler.scale_loss, loss_scale))
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        denominator = body.valid_denominator(task, batch, axes, accum_steps, strategies.sync())
+        loss_fn = body.make_loss_fn(model, policy, task, contextlib.nullcontext, list(model_state), denominator,
+                                    functools.partial(loss_scaler.scale_loss, loss_scale))
         params = lax.pcast(params, axes, to="varying")  # this worker's own gradient, reduced by us
-        if accum_steps == 1:
-            (_, (loss, values, model_state)), grads = grad_fn(params, model_state, batch, rng)
-        else:
-            per_micro = scatter if stage == 2 else None
-            init = None
-            if stage == 2:  # a 1/p accumulator, zero without a collective
-                init = jax.tree.map(jnp.zeros_like, jax.eval_shape(scatter, params))  # typed like the slices
-            grads, loss, values, model_state = step_lib._accumulate(
-                grad_fn, params, model_state, batch, rng, accum_steps, 1, lambda x: x, axes, per_micro, init)
+        per_micro = init = None
+        if stage == 2 and accum_steps > 1:  # each micro-batch scattered into a 1/p accumulator, zero without a collective
+            per_micro, init = scatter, jax.tree.map(jnp.zeros_like, jax.eval_shape(scatter, params))
+        grads, loss, values, model_state = body.gradients(loss_fn, params, model_state, batch, rng, accum_steps, 1,
+                                                          lambda x: x, axes, per_micro, init)
         finite_here = all_finite(policy.cast_to_reduce(grads)) if loss_scaler.enabled else None
-        if stage == 1 or accum_steps == 1:
+        if per_micro is None:
             grads = scatter(grads)
-        loss, values, finite, model_state, _ = step_lib._averages(axes, loss, values, finite_here, model_state)
-        return grads, loss, values, finite, model_state
+        mean = body.averages(axes, loss, values, finite_here, model_state)
+        return grads, mean.loss, mean.values, mean.finite, mean.model_state
 
     def out_specs():
         flag = PartitionSpec() if loss_scaler.enabled else None
@@ -184,7 +179,7 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage
 def _averages_traffic(values: dict, model_state: Any, p: int, loss_scaler: LossScaler,
                       task: task_lib.Task) -> costmodel.Traffic:
     """The one all-reduce that averages loss, metrics (and the overflow flag) and the batch-norm
-    statistics (:func:`dtx.step._averages`), and with padding the valid-element count's."""
+    statistics (:func:`dtx.body.averages`), and with padding the valid-element count's."""
     vector = jnp.zeros((1 + len(values) + int(loss_scaler.enabled),), jnp.float32)
     ring = costmodel.dense_allreduce_traffic((vector, model_state), p, "ring")
     parts = [costmodel.Traffic(2 * (p - 1), ring.bytes_sent)]

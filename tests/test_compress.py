@@ -39,7 +39,8 @@ from dtx import models
 from dtx import collectives, compress, datasets, optim, precision, quantize, sparsify, strategies
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
-from dtx.compress import CommContext, CompressionError
+from dtx.comm import CommContext
+from dtx.compress import CompressionError
 from dtx.data import TrainLoader
 from dtx.state import abstract_train_state, init_train_state
 from dtx.step import StepError, check_combination, make_train_step

@@ -225,8 +225,7 @@ def test_relaxed_strategies_and_compression_refuse_the_jit_driver(meshes):
     from dtx import compress, precision, strategies
     from dtx.step import StepError, check_combination
 
-    local = strategies.sync()._replace(name="local_sgd", local_models=True)
-    topk = compress.none()._replace(name="topk")
+    local, topk = strategies.make_strategy("local_sgd", period=2), compress.make_compressor("topk")
     with pytest.raises(StepError, match="need --config.driver=shard_map"):
         check_combination("jit", local, compress.none(), precision.LossScaler())
     with pytest.raises(StepError, match="need --config.driver=shard_map"):

@@ -1,0 +1,252 @@
+"""The per-worker training and evaluation bodies that both drivers of :mod:`dtx.step` run.
+
+One step of data-parallel SGD (Das et al., arXiv 1602.06709, §2), job by job, each a
+named helper here or a collaborator passed in:
+
+1. keys — the step's, each worker's (dropout), and one shared by all (:func:`step_keys`);
+2. the loss — the task's (:mod:`dtx.tasks`) on the model's forward pass in the precision
+   policy's dtypes (:func:`make_loss_fn`);
+3. gradients — per worker, summed over micro-batches into one accumulator (:func:`gradients`);
+4. the reduction — the compressor around the configured allreduce, in the reduce dtype,
+   with the finiteness verdict of what is applied (:func:`make_reduce`);
+5. the update — the strategy's (:mod:`dtx.strategies`), which calls the reduction;
+6. the averages — loss, metrics, overflow flags and batch-norm statistics in one
+   all-reduce, and their bytes (:func:`averages`);
+7. loss scaling — skip the step everywhere when any gradient overflowed (:func:`skip_unless_finite`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from dtx import comm as comm_lib
+from dtx import costmodel, strategies
+from dtx import tasks as task_lib
+from dtx.precision import Policy, all_finite, select_tree
+from dtx.tasks import Task
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+class BodyError(ValueError):
+    """A body configuration that cannot work (accumulation that does not split the batch, ...)."""
+
+
+def train_body(state, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor, comm, axes,
+               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False):
+    """One training step on this worker's batch (module docstring): ``(state, metrics)``."""
+    rng, step_rng, shared_key, index = step_keys(state, axes)
+    denominator = valid_denominator(task, batch, axes, accum_steps, strategy)
+    loss_fn = make_loss_fn(model, policy, task, layout, list(state.model_state), denominator,
+                           functools.partial(scaler.scale_loss, state.loss_scale))
+    reduce = make_reduce(compressor, policy, scaler, state.loss_scale, comm, grad_norm)
+    ctx = strategies.StepContext(tx=tx, comm=comm, reduce=reduce, key=shared_key, index=index)
+    params = strategy.grad_params(state, ctx)
+    if axes and not strategy.caps.local_models:
+        # Differentiate per-device copies: each gradient is then its own batch's, and *we* choose how
+        # to combine them (shard_map would otherwise sum them when transposing the cast).
+        params = lax.pcast(params, axes, to="varying")
+    grads, loss, values, model_state = gradients(loss_fn, params, state.model_state, batch, step_rng, accum_steps,
+                                                 shards, constrain, axes, split_micro)
+    grads = split_grads(grads)  # ZeRO under jit: reduce-scattered to the optimizer state's layout
+    # Each worker's verdict on what it is about to send, before any compressor sees it: a compressor may
+    # leave overflowing entries out of the average, and the step must be skipped all the same
+    # (Micikevicius et al. 2018, §3.2).
+    finite_here = all_finite(policy.cast_to_reduce(grads)) if scaler.enabled else None
+    mean = averages(axes, loss, values, finite_here, model_state)
+    new_state, stats = strategy.apply(state, grads, ctx)
+    applied_finite = stats.pop("grads_finite", None)
+    if scaler.enabled and applied_finite is None:
+        raise BodyError(f"loss scaling needs strategy {strategy.name!r} to reduce the gradients once per step "
+                        "and return the reduction's stats")
+    metrics = {"loss": mean.loss, **mean.values, **stats, **averages_traffic(stats, mean, task, axes, strategy,
+                                                                             compressor, comm)}
+    if scaler.enabled:
+        finite = jnp.logical_and(mean.finite, applied_finite)
+        new_state, model_state = skip_unless_finite(finite, new_state, mean.model_state, state)
+        metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32))
+        new_state = new_state.replace(loss_scale=scaler.update(state.loss_scale, finite))
+        metrics["skipped_steps"] = new_state.loss_scale.skipped_steps
+    else:
+        model_state = mean.model_state
+    return new_state.replace(step=state.step + 1, model_state=model_state, rng=jax.random.key_data(rng)), metrics
+
+
+def step_keys(state, axes):
+    """``(carried rng, this worker's step key, a key shared by all workers, worker index)``."""
+    rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+    shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
+    index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
+    if axes:  # independent dropout per device; the carried rng stays replicated
+        step_rng = jax.random.fold_in(step_rng, index)
+    return rng, step_rng, shared_key, index
+
+
+def make_reduce(compressor, policy: Policy, scaler, loss_scale, comm: comm_lib.CommContext, grad_norm: bool):
+    """The gradient reduction a strategy calls: ``(grads, compress_state, key) -> (grads, state, stats)``.
+
+    The synchronisation point of data-parallel SGD: one averaged gradient for all, compressed as
+    configured and communicated in the reduce dtype, unscaled. With loss scaling ``stats`` carries
+    ``grads_finite``, the verdict on the applied gradient (a float16 sum of finite gradients can
+    itself overflow); the body takes it out of the metrics.
+    """
+
+    def reduce(grads, compress_state, key):
+        grads, compress_state, stats = compressor.update(policy.cast_to_reduce(grads), compress_state, key, comm)
+        grads = scaler.unscale(loss_scale, policy.cast_to_params(grads))
+        if scaler.enabled:
+            stats = {**stats, "grads_finite": all_finite(grads)}
+        if grad_norm:  # of the gradient every replica applies (unscaled, after compression)
+            stats = {**stats, "grad_norm": optax.tree.norm(grads)}
+        return grads, compress_state, stats
+
+    return reduce
+
+
+def make_loss_fn(model, policy: Policy, task: Task, layout, mutable: list, denominator, scale=lambda loss: loss):
+    """``(params, model_state, micro_batch, rng) -> (scaled loss, (loss, metrics, model_state))``: the
+    forward pass in the policy's compute dtype inside the activation ``layout``, scored by the task."""
+
+    def loss_fn(params, model_state, micro, micro_rng):
+        variables = {"params": policy.cast_to_compute(params), **model_state}
+        inputs = policy.cast_to_compute(micro["inputs"])
+        with layout():
+            out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
+        logits, model_state = out if mutable else (out, model_state)
+        loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(logits), micro["labels"], denominator)
+        return scale(loss), (loss, values, model_state)
+
+    return loss_fn
+
+
+def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None,
+              init_grads=None):
+    """``(grads, loss, metrics, model_state)`` of the batch: one pass, or ``k`` micro-batches summed into one
+    accumulator (no k-fold copies). Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice,
+    so each stays spread over all devices and both drivers see the same ones. ``split_micro`` lays each
+    micro-batch's gradient out as the accumulator is (ZeRO-2), ``init_grads`` is that accumulator's zero."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        (_, (loss, values, model_state)), grads = grad_fn(params, model_state, batch, rng)
+        return grads, loss, values, model_state
+
+    def split(x):
+        if x.shape[0] % (shards * k):
+            raise BodyError(f"accum_steps={k} must divide the per-device batch {x.shape[0] // shards}; "
+                            "see dtx.step.check_accumulation")
+        x = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:])
+        return constrain(jnp.swapaxes(x, 0, 1).reshape((k, -1) + x.shape[3:]))
+
+    micro_batches = jax.tree.map(split, batch)
+    split_micro = split_micro or (lambda tree: tree)
+
+    def one(carry, inputs):
+        grads_sum, loss_sum, values_sum, model_state = carry
+        micro, index = inputs
+        (_, (loss, values, model_state)), grads = grad_fn(params, model_state, micro, jax.random.fold_in(rng, index))
+        grads_sum = jax.tree.map(jnp.add, grads_sum, split_micro(grads))
+        return (grads_sum, loss_sum + loss, jax.tree.map(jnp.add, values_sum, values), model_state), None
+
+    zero = jnp.zeros((), jnp.float32)
+    if axes:  # the running sums hold per-device values: type them so for shard_map's checker
+        zero = lax.pcast(zero, axes, to="varying")
+    # The metrics' names, from the first micro-batch's shapes (tracing only, nothing runs).
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    names = jax.eval_shape(lambda: grad_fn(params, model_state, first, rng)[0][1][1])
+    if init_grads is None:
+        init_grads = split_micro(jax.tree.map(jnp.zeros_like, params))
+    init = (init_grads, zero, {name: zero for name in names}, model_state)
+    (grads, loss, values, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
+    return jax.tree.map(lambda g: g / k, grads), loss / k, {n: v / k for n, v in values.items()}, model_state
+
+
+class Averages(NamedTuple):
+    """The step's averages over the workers (:func:`averages`)."""
+
+    loss: jax.Array
+    values: dict
+    finite: jax.Array | None  # every worker's gradients finite (loss scaling), else None
+    model_state: Any
+    traffic: costmodel.Traffic
+
+
+def averages(axes, loss, values, finite, model_state) -> Averages:
+    """Loss and the task's metrics (the records), whether every worker's gradients are finite (with loss
+    scaling) and the model state (batch-norm statistics), averaged in one all-reduce of one float32 vector
+    (one ring of a few entries, not one per scalar), with that all-reduce's traffic."""
+    names = list(values)
+    scalars = [loss.astype(jnp.float32), *(values[n].astype(jnp.float32) for n in names)]
+    if finite is not None:  # 1 where this worker overflowed: the mean is 0 only if no worker did
+        scalars.append(jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
+    vector = jnp.stack(scalars)
+    traffic = costmodel.Traffic(0, 0)
+    if axes:
+        vector, model_state = lax.pmean((vector, model_state), axes)
+        traffic = comm_lib.pmean_traffic((vector, model_state), math.prod(lax.axis_size(a) for a in axes))
+    everywhere = None if finite is None else vector[-1] == 0
+    return Averages(vector[0], {n: vector[1 + i] for i, n in enumerate(names)}, everywhere, model_state, traffic)
+
+
+def averages_traffic(stats: Metrics, mean: Averages, task: Task, axes, strategy, compressor,
+                     comm: comm_lib.CommContext) -> Metrics:
+    """The step's ``comm_bytes``/``comm_rounds``: the strategy's plus the averages' and the valid-element
+    count's. XLA's all-reduce combiner merges independent all-reduces: where the gradients travel by
+    psum every step, the averages ride in that op (their bytes, no rounds of their own)."""
+    if not axes:
+        return {}
+    merged = comm.explicit and comm.algorithm == "psum" and strategy.caps.reduces_once and compressor.caps.allreduce
+    counted = count_traffic(task, axes, strategy)
+    return {"comm_bytes": stats["comm_bytes"] + mean.traffic.bytes_sent + counted.bytes_sent,
+            "comm_rounds": stats["comm_rounds"] + (0 if merged else mean.traffic.messages) + counted.messages}
+
+
+def skip_unless_finite(finite, new_state, model_state, state):
+    """Dynamic loss scaling's skip: a step with any overflow leaves everything the update wrote as it was
+    (parameters, optimizer, per-worker and shared state, delay buffers, batch-norm statistics), on every
+    replica alike. Returns ``(state, model_state)``."""
+    return select_tree(finite, (new_state, model_state), (state, state.model_state))
+
+
+def valid_denominator(task: Task, batch: Batch, axes, accum_steps: int, strategy):
+    """What each (micro-)batch's sums are divided by so that averaging over micro-batches and workers
+    gives the mean over the *global* batch's valid elements (``None``: every element counts, a plain mean).
+
+    With padding the workers hold different numbers of valid tokens, so a mean of per-worker means is not
+    the global mean; sum / (global count / (workers · micro-batches)) is. Workers with their own models
+    (local SGD, ...) average over their own batch: no collective enters their local steps.
+    """
+    if task.valid is None:
+        return None
+    count = task_lib.valid_count(task, batch["labels"])
+    workers = 1
+    if axes and not strategy.caps.local_models:
+        count = lax.psum(count, axes)
+        workers = math.prod(lax.axis_size(a) for a in axes)
+    return jnp.maximum(count, 1).astype(jnp.float32) / (workers * accum_steps)
+
+
+def count_traffic(task: Task, axes, strategy) -> costmodel.Traffic:
+    """The all-reduce of the valid-element count (:func:`valid_denominator`): an int32 scalar, on its own
+    (the gradients depend on it, so XLA cannot merge it into their all-reduce)."""
+    if task.valid is None or not axes or strategy.caps.local_models:
+        return costmodel.Traffic(0, 0)
+    return comm_lib.pmean_traffic(jnp.zeros((), jnp.int32), math.prod(lax.axis_size(a) for a in axes))
+
+
+def eval_body(model, policy: Policy, reduce_sum, strategy, comm: comm_lib.CommContext, layout, state, batch: Batch,
+              *, task: Task) -> Metrics:
+    """Sums over the real examples of an evaluation batch (:func:`dtx.tasks.eval_sums`) at the strategy's
+    global parameters."""
+    params = strategy.eval_params(state, comm)
+    variables = {"params": policy.cast_to_compute(params), **state.model_state}
+    with layout():
+        logits = model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
+    return reduce_sum(task_lib.eval_sums(task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))
