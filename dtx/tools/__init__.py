@@ -1,0 +1,1 @@
+"""The commands (cli, bench, simulate, launch, plots): tools that stand on the library, off its floor."""
