@@ -45,7 +45,7 @@ def main():
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from dtx import bench
+    from dtx.tools import bench
     from dtx import config as config_lib
 
     started = time.perf_counter()

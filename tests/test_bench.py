@@ -6,7 +6,8 @@ import re
 import jax
 import pytest
 
-from dtx import bench, costmodel
+from dtx import costmodel
+from dtx.tools import bench
 from dtx.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

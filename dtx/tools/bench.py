@@ -158,7 +158,7 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 def write_plot(rows: list[dict], path: str, title: str) -> None:
     """Measured (solid) and predicted (dashed) time, and bus bandwidth, against size."""
-    from dtx import plots
+    from dtx.tools import plots
 
     times, bandwidths = {}, {}
     for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
