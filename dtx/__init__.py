@@ -26,8 +26,8 @@ from dtx.state import TrainState, init_train_state
 from dtx.step import make_eval_step, make_train_step
 from dtx.strategies import make_strategy
 
-# Bound after the submodule import on purpose: ``dtx.train`` is the function, not the module.
-from dtx.train import TrainResult, train  # noqa: E402  isort: skip
+# ``dtx.train`` is the function; the module that defines it is ``dtx.trainer``.
+from dtx.trainer import TrainResult, train  # noqa: E402
 
 __all__ = [
     "ConfigError", "LossScaler", "MeshError", "Policy", "TrainResult", "TrainState", "base_config",

@@ -25,7 +25,6 @@ import argparse
 import ast
 import dataclasses
 import hashlib
-import importlib
 import inspect
 import json
 import math
@@ -51,8 +50,7 @@ from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches
 from dtx.step import make_eval_step, state_specs
 
-# The module, not the function ``dtx.train`` (which the package binds to that name).
-train_lib = importlib.import_module("dtx.train")
+from dtx import trainer as train_lib  # noqa: E402
 
 VARIABLES_FILE, MODEL_FILE, SOURCE_FILE = "variables.msgpack", "model.json", "model.py"
 

@@ -24,7 +24,7 @@ from dtx import mesh as mesh_lib
 from dtx import metrics
 from dtx.checkpoint import Checkpointer, CheckpointError, abstract_target, state_digest
 from dtx.state import abstract_train_state, init_train_state, replicated_shardings
-from dtx.train import train
+from dtx.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")

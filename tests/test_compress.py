@@ -480,7 +480,7 @@ def test_two_axis_mesh_equals_one_axis(trained):
 
 def test_resume_with_error_feedback_equals_an_uninterrupted_run(tmp_path):
     """The residuals are per-worker state in the checkpoint: resuming at step 3 changes nothing."""
-    from dtx.train import train
+    from dtx.trainer import train
 
     config = config_lib.load(
         os.path.join(REPO, "experiments", "digits_mlp.py"),

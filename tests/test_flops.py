@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from dtx import config as config_lib
 from dtx import flops, metrics
 from dtx import mesh as mesh_lib
-from dtx.train import train
+from dtx.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -134,7 +134,7 @@ def test_records_carry_mfu_when_a_peak_is_set_and_start_up_compiles_nothing_more
     # The same run without compiling the step ahead of the loop compiles exactly as many programs.
     import sys
 
-    monkeypatch.setattr(sys.modules["dtx.train"], "_compiled_step", lambda *args: None)  # dtx.train: the function
+    monkeypatch.setattr(sys.modules["dtx.trainer"], "_compiled_step", lambda *args: None)
     before = len(_compiles)
     train(config_lib.load(DEFAULT, TINY), tmp_path / "plain")
     assert len(_compiles) - before == with_flops > 0

@@ -26,7 +26,7 @@ from dtx import optim
 from dtx.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, abstract_target, state_digest
 from dtx.launch import _free_port
 from dtx.state import abstract_train_state, init_train_state, replicated_shardings
-from dtx.train import train
+from dtx.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")

@@ -277,7 +277,7 @@ def test_notebook_bar_throttles_and_shows_the_last_step_on_close():
 
 def test_profile_steps_write_a_trace(tmp_path):
     from dtx import config as config_lib
-    from dtx.train import train
+    from dtx.trainer import train
 
     experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                               "digits_mlp.py")

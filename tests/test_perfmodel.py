@@ -416,7 +416,7 @@ def test_the_trainer_runs_the_planners_rules(tmp_path):
     from dtx import perfmodel as pm
     from dtx.clusters import get_cluster
     from dtx.simulate import plan_overrides
-    from dtx.train import train
+    from dtx.trainer import train
 
     experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                               "digits_mlp.py")

@@ -32,7 +32,7 @@ from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, Policy, PrecisionError, all_finite, parse_policy, select_tree
 from dtx.state import init_train_state
 from dtx.step import make_train_step
-from dtx.train import _check_loss_scale, train
+from dtx.trainer import _check_loss_scale, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")

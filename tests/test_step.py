@@ -19,7 +19,7 @@ from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches
 from dtx.state import init_train_state
 from dtx.step import make_eval_step, make_train_step
-from dtx.train import evaluate
+from dtx.trainer import evaluate
 
 STEPS = 10
 BATCH = 64

@@ -24,7 +24,7 @@ from dtx.data import TrainLoader, eval_batches
 from dtx.state import init_train_state
 from dtx.step import cross_entropy, make_eval_step, make_train_step
 from dtx.strategies import StrategyError, make_strategy, mixing_matrix
-from dtx.train import evaluate, train
+from dtx.trainer import evaluate, train
 
 STEPS = 6
 BATCH = 64

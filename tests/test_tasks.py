@@ -22,7 +22,7 @@ from dtx.data import TrainLoader, eval_batches
 from dtx.datasets import Split
 from dtx.state import init_train_state
 from dtx.step import make_eval_step, make_train_step
-from dtx.train import evaluate
+from dtx.trainer import evaluate
 
 PARAM_TOL = dict(atol=1e-6, rtol=1e-5)
 STEPS = 4
@@ -272,7 +272,7 @@ TINY_LM_RUNS = {"jit": {"driver": "jit"},
 def tiny_lm_runs(tmp_path_factory):
     """experiments/tiny_lm.py shrunk to a few seconds a run: width 32, 1 block, 16-byte windows, 3 steps."""
     from dtx.experiments import tiny_lm  # the experiment ships inside dtx
-    from dtx.train import train
+    from dtx.trainer import train
 
     base = config_lib.override(
         tiny_lm.get_config(), **{"num_steps": 3, "optimizer.warmup_steps": 1, "progress": False,

@@ -17,7 +17,7 @@ from dtx import config as config_lib
 from dtx import metrics, perfmodel, verify
 from dtx.clusters import get_cluster
 from dtx.simulate import simulate_main
-from dtx.train import train
+from dtx.trainer import train
 from dtx.models import build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

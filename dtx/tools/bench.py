@@ -237,7 +237,7 @@ def build_steps(config):
     from dtx import datasets
     from dtx.data import TrainLoader
     from dtx.state import init_train_state
-    from dtx.train import build_parts, make_step  # the same readings of the config as a run's
+    from dtx.trainer import build_parts, make_step  # the same readings of the config as a run's
 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)

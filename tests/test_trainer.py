@@ -12,8 +12,8 @@ import pytest
 from dtx import config as config_lib
 from dtx import datasets, metrics
 from dtx import mesh as mesh_lib
-from dtx.cli import main
-from dtx.train import train
+from dtx.tools.cli import main
+from dtx.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -114,7 +114,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys):
 def test_dtx_train_command(tmp_path):
     """The installed ``dtx`` command, as a user runs it, in a fresh process."""
     script = os.path.join(os.path.dirname(sys.executable), "dtx")
-    command = [script] if os.path.exists(script) else [sys.executable, "-m", "dtx.cli"]
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "dtx.tools.cli"]
     run = subprocess.run(
         command + ["train", DEFAULT, "--workdir", str(tmp_path), *TINY[:-1], "--config.driver=jit"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -170,7 +170,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
     import signal
     import time
 
-    command = [sys.executable, "-m", "dtx.cli", "train", DEFAULT, "--workdir", str(tmp_path), *TINY,
+    command = [sys.executable, "-m", "dtx.tools.cli", "train", DEFAULT, "--workdir", str(tmp_path), *TINY,
                "--config.num_steps=100000", "--config.log_every=1", "--config.checkpoint.every_steps=100000"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -197,7 +197,7 @@ def test_sigterm_during_start_up_stops_cleanly_and_the_same_call_then_trains(tmp
     never interrupted -- bit for bit the loss of an uninterrupted run."""
     import signal
 
-    train_module = sys.modules["dtx.train"]  # the module: dtx.train is rebound to the function
+    train_module = sys.modules["dtx.trainer"]
     compile_step = train_module._compiled_step
 
     def terminated_while_compiling(*args):
