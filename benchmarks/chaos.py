@@ -37,9 +37,9 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
 
 def _command(kind: str, workdir: str) -> list[str]:
     if kind == "launch":
-        return [sys.executable, "-m", "dtx.cli", "launch", "--processes", "2", "--devices-per-process", "4",
+        return [sys.executable, "-m", "dtx.tools.cli", "launch", "--processes", "2", "--devices-per-process", "4",
                 EXPERIMENT, "--workdir", workdir, *SETTINGS]
-    return [sys.executable, "-m", "dtx.cli", "train", EXPERIMENT, "--workdir", workdir, *SETTINGS]
+    return [sys.executable, "-m", "dtx.tools.cli", "train", EXPERIMENT, "--workdir", workdir, *SETTINGS]
 
 
 def _outcome(workdir: str) -> tuple:

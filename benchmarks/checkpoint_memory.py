@@ -118,7 +118,7 @@ def worker(directory: str) -> dict:
 
 def _run(processes: int) -> list[dict]:
     from dtx import mesh as mesh_lib
-    from dtx.launch import _free_port
+    from dtx.tools.launch import _free_port
 
     directory = tempfile.mkdtemp(prefix="dtx-checkpoint-memory-")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "DTX_BENCH_DEVICES": str(8 // processes)}

@@ -64,7 +64,7 @@ def main():
     import report
 
     out = report.figures_dir(args.update_docs)
-    subprocess.run([sys.executable, "-m", "dtx.cli", "bench", "collectives", "--out", out, *extra], check=True,
+    subprocess.run([sys.executable, "-m", "dtx.tools.cli", "bench", "collectives", "--out", out, *extra], check=True,
                    cwd=REPO)
     with open(os.path.join(out, "collectives.csv"), newline="") as f:
         table = excerpt(list(csv.DictReader(f)))

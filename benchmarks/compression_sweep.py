@@ -98,7 +98,7 @@ def main():
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
     import report
-    from dtx import plots
+    from dtx.tools import plots
     from dtx.experiments.compression_sweep import VARIANTS
 
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -19,7 +19,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PLAIN = "plain flax+optax loop, 1 device"
-DTX = [sys.executable, "-m", "dtx.cli", "train", os.path.join(REPO, "experiments", "digits_mlp.py"),
+DTX = [sys.executable, "-m", "dtx.tools.cli", "train", os.path.join(REPO, "experiments", "digits_mlp.py"),
        "--config.progress=False"]
 
 COMMANDS = {
@@ -42,7 +42,7 @@ SHOWN = {
 
 def run_once(command):
     with tempfile.TemporaryDirectory() as workdir:
-        extra = ["--workdir", os.path.join(workdir, "run")] if "dtx.cli" in command else []
+        extra = ["--workdir", os.path.join(workdir, "run")] if "dtx.tools.cli" in command else []
         start = time.perf_counter()
         out = subprocess.run(command + extra, capture_output=True, text=True, check=True, cwd=REPO,
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -46,7 +46,7 @@ def main():
     started = time.perf_counter()
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
-    from dtx import plots
+    from dtx.tools import plots
 
     batches = [int(b) for b in args.batches.split(",")]
     optimizers = args.optimizers.split(",")

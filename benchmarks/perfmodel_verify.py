@@ -25,7 +25,7 @@ import report  # noqa: E402
 
 from dtx import perfmodel, verify  # noqa: E402
 from dtx.clusters import get_cluster  # noqa: E402
-from dtx.simulate import _plan_text  # noqa: E402
+from dtx.tools.simulate import _plan_text  # noqa: E402
 from dtx.models import build_model  # noqa: E402
 
 CASES = [(name, nodes, "auto", None) for name in ("vgg_a", "overfeat_fast", "speech_dnn") for nodes in (2, 4, 8)]

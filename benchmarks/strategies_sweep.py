@@ -65,7 +65,8 @@ def main():
     import report
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
-    from dtx import metrics, plots
+    from dtx import metrics
+    from dtx.tools import plots
 
     only = set(filter(None, args.only.split(",")))
     experiment = os.path.join(REPO, "experiments", "sync_strategies.py")

@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 STEPS_PER_EPOCH = 11  # 1,437 training digits // batch 128, as experiments/digits_mlp.py trains them
-DTX = [sys.executable, "-m", "dtx.cli", "train", os.path.join(REPO, "experiments", "digits_mlp.py"),
+DTX = [sys.executable, "-m", "dtx.tools.cli", "train", os.path.join(REPO, "experiments", "digits_mlp.py"),
        "--config.progress=False", f"--config.eval_every={STEPS_PER_EPOCH}"]
 CONTENDERS = {
     "plain flax + optax loop, 1 device (`benchmarks/plain_loop.py`)":

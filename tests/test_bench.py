@@ -8,7 +8,7 @@ import pytest
 
 from dtx import costmodel
 from dtx.tools import bench
-from dtx.cli import main
+from dtx.tools.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")

@@ -34,7 +34,7 @@ EXAMPLE = jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32)
 
 def _dtx(*args):
     script = os.path.join(os.path.dirname(sys.executable), "dtx")
-    return ([script] if os.path.exists(script) else [sys.executable, "-m", "dtx.cli"]) + list(args)
+    return ([script] if os.path.exists(script) else [sys.executable, "-m", "dtx.tools.cli"]) + list(args)
 
 
 def _losses(workdir):

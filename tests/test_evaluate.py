@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dtx import evaluate, metrics
-from dtx.cli import main
+from dtx.tools.cli import main
 
 EXPERIMENT = textwrap.dedent('''
     """A tiny run for tests/test_evaluate.py."""

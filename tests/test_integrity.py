@@ -24,7 +24,7 @@ from dtx import integrity
 from dtx import mesh as mesh_lib
 from dtx import optim
 from dtx.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, abstract_target, state_digest
-from dtx.launch import _free_port
+from dtx.tools.launch import _free_port
 from dtx.state import abstract_train_state, init_train_state, replicated_shardings
 from dtx.trainer import train
 
@@ -259,7 +259,7 @@ def guarded(tree, *args, **kwargs):
         raise AssertionError("process_allgather of an array on the checkpoint path:\\n" + stack)
     return gather(tree, *args, **kwargs)
 multihost_utils.process_allgather = guarded
-from dtx.cli import main
+from dtx.tools.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -21,7 +21,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _dtx(*args):
-    return [sys.executable, "-m", "dtx.cli", *args]
+    return [sys.executable, "-m", "dtx.tools.cli", *args]
 
 
 def _losses(workdir):

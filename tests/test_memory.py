@@ -20,7 +20,7 @@ from dtx import mesh as mesh_lib
 from dtx import optim, parallel
 from dtx.clusters import HASWELL_FDR, get_cluster
 from dtx.perfmodel import Layer
-from dtx.simulate import simulate_main
+from dtx.tools.simulate import simulate_main
 from dtx.state import abstract_train_state
 
 TOLERANCE = 0.15

@@ -46,7 +46,7 @@ USER_FILES = {
         dtx_imported_models = "models" in sys.modules
         import models  # the user's, imported after dtx
         import dtx.experiments
-        from dtx import cli
+        from dtx.tools import cli
         from dtx.models import build_model
 
         status, last = None, {}

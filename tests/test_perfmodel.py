@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from dtx import costmodel, perfmodel
 from dtx.clusters import PRESETS, Cluster, ClusterError, get_cluster
 from dtx.mesh import make_mesh
-from dtx.simulate import simulate_main
+from dtx.tools.simulate import simulate_main
 from dtx.models import build_model
 
 HASWELL = get_cluster("haswell_fdr")
@@ -415,7 +415,7 @@ def test_the_trainer_runs_the_planners_rules(tmp_path):
     from dtx import config as config_lib
     from dtx import perfmodel as pm
     from dtx.clusters import get_cluster
-    from dtx.simulate import plan_overrides
+    from dtx.tools.simulate import plan_overrides
     from dtx.trainer import train
 
     experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",

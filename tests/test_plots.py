@@ -2,8 +2,8 @@
 
 import json
 
-from dtx.cli import main
-from dtx.plots import metric_series
+from dtx.tools.cli import main
+from dtx.tools.plots import metric_series
 
 
 def _run(path, records):
@@ -49,7 +49,7 @@ def test_quality_metrics_against_time_and_bytes(tmp_path):
 
 
 def test_panels_share_colours_and_styles(tmp_path):
-    from dtx.plots import Line, Panel, panels_plot
+    from dtx.tools.plots import Line, Panel, panels_plot
 
     path = panels_plot([Panel({"a": ([1, 2], [1, 4]), "a model": Line([1, 2], [1, 3], "--", same_color_as="a")},
                               xlabel="x", logx=True, logy=True),

@@ -16,7 +16,7 @@ import pytest
 from dtx import config as config_lib
 from dtx import metrics, perfmodel, verify
 from dtx.clusters import get_cluster
-from dtx.simulate import simulate_main
+from dtx.tools.simulate import simulate_main
 from dtx.trainer import train
 from dtx.models import build_model
 

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 
 # Commands with parsers of their own: (module, function, one-line help). Imported only when used.
 _COMMANDS = {
-    "launch": ("dtx.launch", "launch_main", "run an experiment as several local processes (jax.distributed)"),
-    "simulate": ("dtx.simulate", "simulate_main", "predict iteration time and scaling (Das et al. model)"),
-    "plot": ("dtx.plots", "plot_main", "compare runs: PNG plots of their metrics"),
+    "launch": ("dtx.tools.launch", "launch_main", "run an experiment as several local processes (jax.distributed)"),
+    "simulate": ("dtx.tools.simulate", "simulate_main", "predict iteration time and scaling (Das et al. model)"),
+    "plot": ("dtx.tools.plots", "plot_main", "compare runs: PNG plots of their metrics"),
     "eval": ("dtx.evaluate", "eval_main", "evaluate a run's checkpoint (newest or --step N) on the test split"),
     "export": ("dtx.evaluate", "export_main", "write a run's checkpoint for plain flax (--out DIR)"),
-    "bench collectives": ("dtx.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
-    "bench step": ("dtx.bench", "step_main", "split a train step's time into compute and communication"),
+    "bench collectives": ("dtx.tools.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
+    "bench step": ("dtx.tools.bench", "step_main", "split a train step's time into compute and communication"),
 }
 
 
@@ -95,7 +95,7 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
 
     from dtx.checkpoint import CheckpointError
     from dtx.preflight import show_on_terminal
-    from dtx.train import train
+    from dtx.trainer import train
 
     show_on_terminal()
 

@@ -49,7 +49,7 @@ def launch_main(argv: list[str]) -> int:
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     port = _free_port()
-    command = [sys.executable, "-m", "dtx.cli", "train", args.experiment, "--workdir", workdir, *rest,
+    command = [sys.executable, "-m", "dtx.tools.cli", "train", args.experiment, "--workdir", workdir, *rest,
                f"--config.emulate_cpu_devices={args.devices_per_process}"]
     processes = []
     for rank in range(args.processes):

@@ -311,7 +311,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = perfmodel.layer_report(points[-1].plan, cluster, args.algorithm)
 
-    from dtx.plots import line_plot
+    from dtx.tools.plots import line_plot
 
     nodes = [p.nodes for p in points]
     ys = {bound: [p.plan.times[bound] for p in points] for bound in perfmodel.OVERLAPS}
