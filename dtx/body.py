@@ -29,10 +29,10 @@ from jax import lax
 from dtx import comm as comm_lib
 from dtx import costmodel, strategies
 from dtx import tasks as task_lib
+from dtx.data import Batch
 from dtx.precision import Policy, all_finite, select_tree
 from dtx.tasks import Task
 
-Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 

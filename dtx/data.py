@@ -22,7 +22,9 @@ from jax.sharding import Mesh
 
 from dtx import mesh as mesh_lib
 from dtx.datasets import Split
-from dtx.step import Batch
+
+# What a step consumes: the input pipeline's product, so its type lives here and the step imports it.
+Batch = dict[str, jax.Array]  # "inputs", "labels"; eval batches add "mask"
 
 
 class DataError(ValueError):

@@ -43,12 +43,12 @@ from dtx import tasks as task_lib
 from dtx import mesh as mesh_lib
 from dtx import batchnorm
 from dtx.compress import Compressor
+from dtx.data import Batch
 from dtx.precision import LossScaler, Policy
 from dtx.state import TrainState
 from dtx.strategies import Strategy
 from dtx.tasks import Task, cross_entropy  # noqa: F401  (cross_entropy: public here too)
 
-Batch = dict[str, jax.Array]  # "inputs", "labels"; eval batches add "mask"
 Metrics = dict[str, jax.Array]
 TrainStep = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 EvalStep = Callable[[TrainState, Batch], Metrics]
