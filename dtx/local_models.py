@@ -104,6 +104,14 @@ def local_sgd(period: int = 1, sync_steps: int = 0, **_) -> Strategy:
     return Strategy("local_sgd", _local_init, _local_params, apply, _workers_mean, LOCAL)
 
 
+def outer_optimizer(outer_learning_rate: float, outer_momentum: float) -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer, SGD with Nesterov momentum (plain SGD for momentum 0), from the
+    checked ``strategy.outer_learning_rate`` and ``strategy.outer_momentum`` (also Streaming DiLoCo's)."""
+    rate = _number("outer_learning_rate", outer_learning_rate, 0.0, math.inf, "the outer SGD rate", open_low=True)
+    mu = _number("outer_momentum", outer_momentum, 0.0, 1.0, "the outer Nesterov momentum", open_high=True)
+    return optax.sgd(rate, momentum=mu or None, nesterov=bool(mu))
+
+
 def diloco(period: int = 1, outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, **_) -> Strategy:
     """DiLoCo (Douillard et al., *Distributed low-communication training of language models*,
     arXiv 2311.08105, 2023, Algorithm 1): ``H`` inner steps of ``config.optimizer`` (AdamW in
@@ -115,9 +123,7 @@ def diloco(period: int = 1, outer_learning_rate: float = 0.7, outer_momentum: fl
     ``sync`` with the inner optimizer (for one linear in the gradient).
     """
     H = _integer("period", period, 1, "H inner steps between outer steps")
-    rate = _number("outer_learning_rate", outer_learning_rate, 0.0, math.inf, "the outer SGD rate", open_low=True)
-    mu = _number("outer_momentum", outer_momentum, 0.0, 1.0, "the outer Nesterov momentum", open_high=True)
-    outer = optax.sgd(rate, momentum=mu or None, nesterov=bool(mu))
+    outer = outer_optimizer(outer_learning_rate, outer_momentum)
 
     def init(params, opt_state):
         return {"params": params, "opt_state": opt_state}, {"outer_opt_state": outer.init(params)}

@@ -56,6 +56,7 @@ import optax
 
 from dtx.comm import Capabilities, CommContext
 from dtx.precision import select_tree
+from dtx.stragglers import Stragglers
 from dtx.topology import TOPOLOGIES, mixing_matrix  # noqa: F401  (public here, for the tests and docs)
 
 PyTree = Any
@@ -64,8 +65,10 @@ Stats = dict[str, jax.Array]
 # precision-cast allreduce of the step (identity plus accounting under the jit driver).
 Reduce = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, Stats]]
 
-SETTINGS = ("staleness", "random_delay", "period", "sync_steps", "outer_learning_rate", "outer_momentum", "rho",
-            "moving_rate", "topology", "mixing", "consensus_every")  # the keys of config.strategy besides name
+SETTINGS = ("backup_workers", "staleness", "random_delay", "period", "sync_steps", "outer_learning_rate", "outer_momentum", "rho",
+            "moving_rate", "topology", "mixing", "consensus_every",
+            "fragments", "overlap", "outer_bits", "merge_alpha",  # streaming_diloco
+            "warmup_steps")  # onebit_adam / onebit_lamb; the keys of config.strategy besides name
 _DELAY_SALT = 0x64656C61  # separates async's delay draws from other users of the step key
 
 
@@ -181,7 +184,8 @@ def async_sgd(staleness: int = 0, random_delay: bool = False, **_) -> Strategy:
             new = new.replace(shared={"history": history})
         return new, {**stats, "staleness": jnp.mean(delays(state.step, ctx).astype(jnp.float32))}
 
-    return Strategy("async", init, grad_params, apply, _global)
+    # The clock lets a worker run up to tau steps ahead (dtx.simclock); the math uses its own delays.
+    return Strategy("async", init, grad_params, apply, _global, Capabilities(runs_ahead=tau))
 
 
 def draw_delays(key: jax.Array, step: jax.Array, tau: int, p: int, random_delay: bool) -> jax.Array:
@@ -224,7 +228,41 @@ def ssp(staleness: int = 0, **_) -> Strategy:
         stats = {k: v * (1 + pulling) / 2 if k in ("comm_bytes", "comm_rounds") else v for k, v in stats.items()}
         return new, {**stats, "staleness": jnp.mean(all_ages.astype(jnp.float32))}
 
-    return Strategy("ssp", lambda params, opt_state: ({"cache": params}, {}), grad_params, apply, _global)
+    return Strategy("ssp", lambda params, opt_state: ({"cache": params}, {}), grad_params, apply, _global,
+                    Capabilities(runs_ahead=s))
+
+
+def backup(backup_workers: int = 0, stragglers: Stragglers | None = None, **_) -> Strategy:
+    """Synchronous SGD with backup workers (Chen et al., *Revisiting Distributed Synchronous SGD*,
+    arXiv 1604.00981, 2016): of ``p = N + b`` workers, each step applies the mean of the first ``N``
+    gradients to arrive and drops the ``b`` late ones, so no step waits for its ``b`` slowest workers.
+
+    Who arrives first is :mod:`dtx.stragglers`' draw for the run's seed and the step, the same one the
+    simulated clock (:mod:`dtx.simclock`) times, so the gradients applied and the time charged agree.
+    The masked mean is one allreduce (``ctx.reduce``, compression and precision included) of
+    ``w_i·g_i·p/N`` with ``w_i`` 1 for the first ``N`` arrivals, 0 otherwise: its mean over the ``p``
+    workers is ``Σ_chosen g_i / N``. ``N`` needs no message: every worker computes all ``p`` weights
+    from the same draw. Bytes are the allreduce's (dropped workers' zeros travel too: one collective).
+    Reports ``dropped``, the workers left out.
+    """
+    b = _integer("backup_workers", backup_workers, 0, "b, workers whose late gradients each step drops")
+    stragglers = stragglers or Stragglers()
+
+    def apply(state, grads, ctx):
+        p = ctx.comm.size
+        if b >= p:
+            raise StrategyError(f"strategy.backup_workers={b} leaves no gradient of the {p} workers; use at most "
+                                f"{p - 1} (N = p - b >= 1)")
+        keys = stragglers.arrival_keys(state.step, p, jnp)
+        rank = jnp.argsort(jnp.argsort(keys))  # this worker's place in the arrival order
+        chosen = rank[ctx.index] < p - b
+        # where, not a product: a dropped worker's non-finite gradient must not reach the mean
+        masked = jax.tree.map(lambda g: jnp.where(chosen, g * jnp.asarray(p / (p - b), g.dtype), 0), grads)
+        new, stats = _server_update(state, masked, ctx)
+        return new, {**stats, "dropped": jnp.asarray(b, jnp.float32)}
+
+    return Strategy("backup", lambda params, opt_state: ({}, {}), lambda state, ctx: state.params, apply, _global,
+                    Capabilities(drops=b))
 
 
 # ---------------------------------------------------------------- settings
@@ -246,15 +284,22 @@ def _number(key: str, value: Any, low: float, high: float, meaning: str, open_lo
 # ---------------------------------------------------------------- registry
 # The local-model strategies use the types above; dtx/__init__ imports this module first.
 from dtx.local_models import diloco, easgd, gossip, local_sgd  # noqa: E402
+from dtx.onebit import onebit_adam, onebit_lamb  # noqa: E402
+from dtx.streaming import streaming_diloco  # noqa: E402
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "sync": lambda **_: sync(), "async": async_sgd, "ssp": ssp, "local_sgd": local_sgd, "diloco": diloco,
     "easgd": easgd, "gossip": gossip,
+    "backup": backup,
+    "streaming_diloco": streaming_diloco, "onebit_adam": onebit_adam, "onebit_lamb": onebit_lamb,
 }
 
 
-def make_strategy(name: str, **settings) -> Strategy:
+def make_strategy(name: str, *, stragglers: Stragglers | None = None, **settings) -> Strategy:
     """The strategy ``name`` built from ``config.strategy``'s other keys (:data:`SETTINGS`).
+
+    ``stragglers``: the run's straggler model (:mod:`dtx.stragglers`, from ``config.cluster`` and
+    ``config.seed``), which decides the arrival order of ``backup``; the others ignore it.
 
     Keys a strategy does not use are ignored (the config block is shared); keys that
     are no strategy's, and settings out of range, raise :class:`StrategyError`.
@@ -264,4 +309,4 @@ def make_strategy(name: str, **settings) -> Strategy:
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise StrategyError(f"unknown strategy setting(s) {unknown}; strategy settings are {list(SETTINGS)}")
-    return STRATEGIES[name](**settings)
+    return STRATEGIES[name](**settings, stragglers=stragglers)
