@@ -192,3 +192,35 @@ def get_cluster(name: str) -> Cluster:
     if name not in PRESETS:
         raise ClusterError(f"unknown cluster preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
+
+
+def from_settings(name: str, *, node_flops: float = 0.0, memory_bandwidth: float = 0.0, bandwidth: float = 0.0,
+                  latency: float = -1.0) -> Cluster | None:
+    """The cluster of ``config.cluster`` (the simulated clock's block): ``None`` when ``name`` is empty.
+
+    ``name`` is a preset whose numbers the positive values replace (0 keeps the preset's;
+    ``latency`` >= 0 replaces, -1 keeps), or ``custom``, which needs all four. Errors name
+    the ``cluster.*`` key and the fix.
+    """
+    if not name:
+        return None
+    given = {"node_flops": node_flops, "memory_bandwidth": memory_bandwidth, "bandwidth": bandwidth}
+    for key, value in given.items():
+        if value < 0 or not math.isfinite(value):
+            raise ClusterError(f"cluster.{key}={value!r} must be a positive number (0: the preset's)")
+    if latency < 0 and latency != -1 or not math.isfinite(latency):
+        raise ClusterError(f"cluster.latency={latency!r} must be >= 0 seconds (-1: the preset's)")
+    changes = {key: float(value) for key, value in given.items() if value > 0}
+    if latency >= 0:
+        changes["latency"] = float(latency)
+    if name == "custom":
+        missing = [f"cluster.{key}" for key in (*given, "latency") if key not in changes]
+        if missing:
+            raise ClusterError(f"cluster.name='custom' needs {', '.join(missing)} (e.g. --config.cluster.bandwidth="
+                               f"1.25e9 bytes/s, --config.cluster.latency=5e-5 s); or name a preset: "
+                               f"{', '.join(sorted(PRESETS))}")
+        return Cluster("custom", **changes, description="custom cluster (config.cluster)")
+    if name not in PRESETS:
+        raise ClusterError(f"cluster.name={name!r} is unknown; choose a preset ({', '.join(sorted(PRESETS))}), "
+                           "'custom' with cluster.node_flops/memory_bandwidth/bandwidth/latency, or '' for no clock")
+    return PRESETS[name].replace(**changes)

@@ -50,12 +50,18 @@ class Capabilities(NamedTuple):
       local_models: workers hold their own parameters (no gradient reduction most steps).
       allreduce: a compressor whose payload travels by ``ctx.allreduce`` (a ``psum`` then merges
         with the step's metric averages); the others all-gather or all-to-all their payloads.
+      drops: a strategy's step applies all gradients but those of the ``drops`` slowest workers
+        (backup workers): the simulated clock (:mod:`dtx.simclock`) waits for the others only.
+      runs_ahead: a strategy lets a worker run up to this many steps ahead of the slowest (async,
+        ssp: the staleness bound); 0: every step waits for the workers it reduces.
     """
 
     identity: bool = False
     reduces_once: bool = True
     local_models: bool = False
     allreduce: bool = True
+    drops: int = 0
+    runs_ahead: int = 0
 
 
 class CommContext(NamedTuple):

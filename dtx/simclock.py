@@ -1,0 +1,207 @@
+"""A simulated clock: the modelled time of a run on a real cluster, step by step.
+
+On the emulated mesh wall-clock time says nothing about a network (eight "devices"
+share the host's cores), so a technique that saves bytes or waiting cannot show what
+it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
+:mod:`dtx.clusters`; ``--config.cluster=NAME`` for short) every training record carries
+``sim_time_s``, the time the run so far would have taken on that cluster:
+
+* **compute** — each worker's forward + backward from the perf model's per-layer
+  roofline (:func:`dtx.perfmodel.layer_cost`, the function ``dtx simulate``'s plans are
+  made of: ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)`` per Dense or
+  Conv layer at the worker's batch; element-wise layers and attention's einsums are not
+  counted). Modelled, never measured on this machine.
+* **communication** — from what the step actually sent, the accountant's
+  ``comm_bytes`` and ``comm_rounds`` per worker (:mod:`dtx.comm`): the α-β model of
+  :mod:`dtx.costmodel`, ``α·rounds + bytes/bandwidth``, plus the reduction's
+  ``γ = 3/memory bandwidth`` per reduced byte (the configured algorithm's reduced ÷
+  sent ratio, :func:`dtx.costmodel.cost_terms`). The link is the one ``p`` workers
+  share: a preset's NVLink when they fit in one machine (``p`` divides ``local_size``),
+  else the inter-node network for every byte — an upper bound where a hierarchical
+  allreduce would send most bytes locally.
+* **overlap** — ``cluster.overlap = f ∈ [0, 1]``: communication hides behind a
+  fraction ``f`` of the backward pass (2/3 of the compute by the FLOP convention):
+  ``T = c + m − f·min(m, 2c/3)``. ``f = 0`` is ``dtx simulate``'s ``overlap=none``.
+* **stragglers** — worker ``i``'s compute at step ``t`` is ``c·s_i(t)``, ``s`` drawn by
+  :mod:`dtx.stragglers` from the run's seed. Who waits for whom is the strategy's
+  declaration (:class:`dtx.comm.Capabilities`), never its name:
+
+  - synchronous (the default, and every strategy that declares nothing): the step ends
+    when the slowest worker's gradient is in: ``t_k = t_{k−1} + max_i T_i``. The
+    local-model strategies are charged so too: their per-step metric average is a
+    collective in this program (modelled; a deployment would log asynchronously);
+  - ``drops = b`` (backup workers, Chen et al. 2016): the step ends with the
+    ``N = p − b``-th arrival, ``t_k = t_{k−1} + T_(N)`` (the N-th order statistic);
+  - ``runs_ahead = s`` (async, ssp): a worker starts step ``k`` as soon as its own
+    step ``k−1`` is done and every worker has finished step ``k−1−s`` (its gradient is
+    then at most ``s`` updates stale): ``F_i(k) = max(F_i(k−1), max_j F_j(k−1−s)) +
+    T_i(k)``; update ``k`` is applied when the last gradient of step ``k`` arrives,
+    ``t_k = max_j F_j(k)``. Workers never wait beyond the bound and never for less;
+    the strategies' own delays (async's fixed ``τ``) are what they compute with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dtx import costmodel, perfmodel
+from dtx import clusters
+from dtx.clusters import Cluster, ClusterError
+from dtx.stragglers import Stragglers
+
+class ClockError(ValueError):
+    """A cluster block or a model the clock cannot use; the message names the config key and the fix."""
+
+
+def cluster_from_config(block: Any) -> Cluster | None:
+    """The :class:`Cluster` of ``config.cluster`` (:func:`dtx.clusters.from_settings`); ``None``: no clock."""
+    try:
+        return clusters.from_settings(block.name, node_flops=block.node_flops,
+                                      memory_bandwidth=block.memory_bandwidth, bandwidth=block.bandwidth,
+                                      latency=block.latency)
+    except ClusterError as e:
+        raise ClockError(str(e)) from None
+
+
+def stragglers_from_config(config: Any) -> Stragglers:
+    """``config.cluster``'s straggler model bound to ``config.seed``."""
+    block = config.cluster
+    try:
+        return Stragglers(block.straggler, int(config.seed), float(block.sigma), float(block.slow_fraction),
+                          float(block.slow_factor)).check()
+    except ValueError as e:
+        raise ClockError(str(e)) from None
+
+
+def compute_seconds(layers: Sequence[perfmodel.Layer], cluster: Cluster, nodes: int, global_batch: int, *,
+                    accum_steps: int = 1, group: int = 1, sharded: Sequence[str] = ()) -> float:
+    """One worker's forward + backward per step: the per-layer roofline of :func:`dtx.perfmodel.layer_cost`.
+
+    ``accum_steps`` micro-batches of ``global_batch / accum_steps`` each; layers named in
+    ``sharded`` are split in groups of ``group`` (model parallel), as in a plan.
+    """
+    micro = global_batch / accum_steps
+    return accum_steps * sum(
+        perfmodel.layer_cost(layer, cluster, nodes, micro, group, layer.name in sharded).compute for layer in layers)
+
+
+def link(cluster: Cluster, workers: int) -> tuple[float, float]:
+    """``(α, bandwidth)`` of the link ``workers`` workers talk over (module docstring)."""
+    if cluster.local_size > 1 and workers <= cluster.local_size and cluster.local_size % workers == 0:
+        return cluster.local_latency, cluster.local_bandwidth
+    return cluster.latency, cluster.bandwidth
+
+
+class CommTime(NamedTuple):
+    """A step's communication seconds by term of the α-β-γ model."""
+
+    latency_s: float  # α · rounds
+    bandwidth_s: float  # bytes / bandwidth
+    reduce_s: float  # γ · reduced bytes
+
+    @property
+    def total(self) -> float:
+        return self.latency_s + self.bandwidth_s + self.reduce_s
+
+
+class ClockModel(NamedTuple):
+    """What the clock needs to time one step (host-side, static for a run).
+
+    Attributes:
+      compute_s: one worker's compute per step without noise.
+      latency / bandwidth: the link's α (s) and bandwidth (bytes/s).
+      reduce_s_per_byte: γ times the reduced ÷ sent bytes ratio of the allreduce algorithm.
+      overlap: fraction of the backward pass communication hides behind, in [0, 1].
+      workers: ``p``, the data-parallel workers.
+      stragglers: the noise model (:mod:`dtx.stragglers`).
+      drops: gradients of the slowest ``drops`` workers a step does not wait for (backup workers).
+      runs_ahead: steps a worker may run ahead of the slowest (async, ssp); 0: waits every step.
+    """
+
+    compute_s: float
+    latency: float
+    bandwidth: float
+    reduce_s_per_byte: float
+    overlap: float
+    workers: int
+    stragglers: Stragglers = Stragglers()
+    drops: int = 0
+    runs_ahead: int = 0
+
+    def comm(self, comm_bytes: float, comm_rounds: float) -> CommTime:
+        """Seconds of sending ``comm_bytes`` in ``comm_rounds`` rounds (one worker, one step)."""
+        return CommTime(self.latency * comm_rounds, comm_bytes / self.bandwidth, comm_bytes * self.reduce_s_per_byte)
+
+    def worker_times(self, step: int, comm_s: float) -> np.ndarray:
+        """``T_i`` of each worker at ``step``: its noisy compute, plus ``comm_s`` less what overlap hides."""
+        compute = self.compute_s * self.stragglers.multipliers(step, self.workers)
+        return compute + comm_s - self.overlap * np.minimum(comm_s, 2 * compute / 3)
+
+
+def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: int, global_batch: int,
+               nodes: int | None = None, accum_steps: int = 1, algorithm: str = "psum", overlap: float = 0.0,
+               stragglers: Stragglers = Stragglers(), drops: int = 0, runs_ahead: int = 0, group: int = 1,
+               sharded: Sequence[str] = ()) -> ClockModel:
+    """The :class:`ClockModel` of a run: ``workers`` data-parallel workers (``nodes`` devices, default the same)."""
+    if not 0 <= overlap <= 1:
+        raise ClockError(f"cluster.overlap={overlap!r} must be in [0, 1] (fraction of the backward pass "
+                         "communication hides behind; 0: none, as dtx simulate's overlap=none)")
+    if drops and runs_ahead:
+        raise ClockError("a strategy either drops late gradients or lets workers run ahead, not both")
+    if not 0 <= drops < workers:
+        raise ClockError(f"strategy.backup_workers={drops} must be < the {workers} workers (N = p - b >= 1)")
+    nodes = nodes or workers
+    alpha, bandwidth = link(cluster, workers)
+    terms = costmodel.cost_terms(costmodel.schedule("ring" if algorithm == "hierarchical" else algorithm), 1.0,
+                                 max(workers, 2))
+    gamma = 3.0 / cluster.memory_bandwidth * terms.reduced_bytes / terms.path_bytes
+    compute = compute_seconds(layers, cluster, nodes, global_batch, accum_steps=accum_steps, group=group,
+                              sharded=sharded)
+    return ClockModel(compute, alpha, bandwidth, gamma, float(overlap), workers, stragglers, int(drops),
+                      int(runs_ahead))
+
+
+class SimClock:
+    """The run's simulated time, advanced once per step on the host (module docstring for the rules)."""
+
+    def __init__(self, model: ClockModel, saved: dict | None = None):
+        self.model = model
+        saved = saved or {}
+        self.time = float(saved.get("time", 0.0))
+        # runs_ahead: each worker's finish times of the last s+1 steps (oldest first), and the step of the last
+        self.finish = [list(map(float, row)) for row in saved.get("finish", [])]
+
+    def step_time(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
+        """Seconds step ``step`` adds under synchronous waiting (all, or the first ``p − drops``)."""
+        times = np.sort(self.model.worker_times(step, self.model.comm(comm_bytes, comm_rounds).total))
+        return float(times[self.model.workers - self.model.drops - 1])
+
+    def advance(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
+        """Account step ``step`` (0-based) that sent ``comm_bytes`` in ``comm_rounds``; the time after it."""
+        s = self.model.runs_ahead
+        if not s:
+            self.time += self.step_time(step, comm_bytes, comm_rounds)
+            return self.time
+        p = self.model.workers
+        times = self.model.worker_times(step, self.model.comm(comm_bytes, comm_rounds).total)
+        mine = np.array(self.finish[-1]) if self.finish else np.zeros(p)
+        # step k may start once every worker finished step k-1-s: the oldest of the s+1 rows kept
+        gate = max(self.finish[0]) if len(self.finish) == s + 1 else 0.0
+        done = np.maximum(mine, gate) + times
+        self.finish = (self.finish + [done.tolist()])[-(s + 1):]
+        self.time = float(done.max())
+        return self.time
+
+    def saved(self) -> dict:
+        """The clock's state for a checkpoint (a resume continues the same history)."""
+        return {"time": self.time, "finish": self.finish}
+
+
+def cluster_summary(model: ClockModel) -> dict[str, float]:
+    """The clock's static figures for a run's first record."""
+    return {"sim_compute_s_per_step": model.compute_s, "sim_latency_s": model.latency,
+            "sim_bandwidth": model.bandwidth if math.isfinite(model.bandwidth) else 0.0}

@@ -1,0 +1,208 @@
+"""The simulated clock: a synchronous step costs what ``dtx simulate`` predicts, communication
+scales with the link, stragglers make synchronous SGD wait for the slowest, bounded staleness
+lets workers run ahead, and the straggler draws are the same on the host and in a jitted step.
+
+Tolerances: the clock and the perf model add the same float64 terms in another order: ``rtol=1e-12``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtx import clusters, comm, models, perfmodel, simclock
+from dtx import config as config_lib
+from dtx.stragglers import Stragglers, StragglerError
+
+TIGHT = dict(rel=1e-12, abs=0)
+P, BATCH = 8, 64
+
+
+def _model(features=(), num_classes=16, dtype=jnp.float32):
+    """A model whose leaves all split evenly over 8 workers (no ring padding), analysed and its parameter shapes."""
+    model = models.build_model("mlp", features=features, num_classes=num_classes, dtype=dtype, param_dtype=dtype)
+    layers = perfmodel.analyze(model, (64,), dtype=dtype)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 64), dtype)))["params"]
+    return layers, params
+
+
+def _sent(params, algorithm="psum", p=P):
+    """What the step's gradient allreduce sends, counted by the accountant the records' comm_bytes come from."""
+    traffic = comm.allreduce_traffic(params, comm.CommContext(("data",), p, lambda t: t, algorithm))
+    return traffic.bytes_sent, traffic.messages
+
+
+@pytest.mark.parametrize("name", ["cloud_10gbe", "haswell_fdr", "h100_nvlink_ndr"])
+def test_a_synchronous_step_costs_what_dtx_simulate_predicts(name):
+    """One Dense layer, 8 workers, batch 64: the clock's step from the roofline plus the bytes and rounds
+    the psum sends equals make_plan's data-parallel ``overlap=none`` time (what ``dtx simulate`` prints),
+    on a 10 GbE and an InfiniBand cluster and inside one NVLink machine (its local link, bf16)."""
+    cluster = clusters.get_cluster(name)
+    layers, params = _model(dtype=jnp.bfloat16 if cluster.bytes_per_element == 2 else jnp.float32)
+    predicted = perfmodel.make_plan(layers, cluster, P, BATCH, mode="data", overlap="none",
+                                    algorithm="ring").times["none"]
+    model = simclock.make_model(cluster, layers, workers=P, global_batch=BATCH)
+    assert simclock.SimClock(model).advance(0, *_sent(params)) == pytest.approx(predicted, **TIGHT)
+    assert model.compute_s == pytest.approx(sum(c.compute for c in perfmodel.make_plan(
+        layers, cluster, P, BATCH, mode="data").costs), **TIGHT)
+
+
+def test_deeper_models_differ_from_dtx_simulate_only_by_the_rounds_xla_fuses():
+    """Three layers: dtx simulate allreduces each layer (3 × 2(p−1) rounds), the psum step sends one fused
+    2(p−1)-round schedule: the clock is faster by exactly 2 × 2(p−1) α; bytes and compute agree."""
+    cluster = clusters.get_cluster("cloud_10gbe")
+    layers, params = _model(features=(32, 32))
+    plan = perfmodel.make_plan(layers, cluster, P, BATCH, mode="data", overlap="none", algorithm="ring")
+    clock = simclock.SimClock(simclock.make_model(cluster, layers, workers=P, global_batch=BATCH))
+    fused = 2 * 2 * (P - 1) * cluster.latency
+    assert clock.advance(0, *_sent(params)) == pytest.approx(plan.times["none"] - fused, **TIGHT)
+
+
+def test_doubling_the_bandwidth_halves_the_bandwidth_term_and_nothing_else():
+    layers, params = _model(features=(32,))
+    base = clusters.get_cluster("cloud_10gbe")
+    slow = simclock.make_model(base, layers, workers=P, global_batch=BATCH)
+    fast = simclock.make_model(base.replace(bandwidth=2 * base.bandwidth), layers, workers=P, global_batch=BATCH)
+    a, b = slow.comm(*_sent(params)), fast.comm(*_sent(params))
+    assert b.bandwidth_s == pytest.approx(a.bandwidth_s / 2, **TIGHT) and a.bandwidth_s > 0
+    assert (b.latency_s, b.reduce_s, fast.compute_s) == (a.latency_s, a.reduce_s, slow.compute_s)
+    # without latency (and reduction, far below the network) the whole communication halves
+    free = base.replace(latency=0.0, memory_bandwidth=1e30)
+    halves = [simclock.make_model(free.replace(bandwidth=f * base.bandwidth), layers, workers=P,
+                                  global_batch=BATCH).comm(*_sent(params)).total for f in (1, 2)]
+    assert halves[1] == pytest.approx(halves[0] / 2, **TIGHT)
+
+
+def test_overlap_hides_communication_behind_the_backward_pass_only():
+    layers, _ = _model()
+    model = simclock.make_model(clusters.get_cluster("cloud_10gbe"), layers, workers=P, global_batch=BATCH,
+                                overlap=1.0)
+    c = model.compute_s
+    assert model.worker_times(0, c / 3)[0] == pytest.approx(c, **TIGHT)  # fully hidden
+    assert model.worker_times(0, 2 * c)[0] == pytest.approx(c + 2 * c - 2 * c / 3, **TIGHT)  # only 2c/3 hidden
+    half = model._replace(overlap=0.5)
+    assert half.worker_times(0, c / 3)[0] == pytest.approx(c + c / 6, **TIGHT)
+
+
+def _noisy(**kwargs):
+    layers, _ = _model()
+    return simclock.make_model(clusters.get_cluster("cloud_10gbe"), layers, workers=P, global_batch=BATCH,
+                               stragglers=Stragglers("lognormal", 5, 0.5).check(), **kwargs)
+
+
+def test_synchronous_sgd_waits_for_the_slowest_and_backup_workers_for_the_nth():
+    sync, backup = _noisy(), _noisy(drops=3)
+    for clock_model, rank in ((sync, P - 1), (backup, P - 3 - 1)):
+        clock, total = simclock.SimClock(clock_model), 0.0
+        for step in range(4):
+            times = clock_model.worker_times(step, 1e-3)
+            total += np.sort(times)[rank]
+            assert clock.advance(step, *(_bytes_rounds_for(clock_model, 1e-3))) == pytest.approx(total, **TIGHT)
+        assert len(set(np.round(times, 12))) == P  # the noise is per worker
+
+
+def _bytes_rounds_for(model, seconds):
+    """Bytes that take ``seconds`` on the model's link, zero rounds."""
+    return seconds / (1 / model.bandwidth + model.reduce_s_per_byte), 0
+
+
+class _Fixed(simclock.ClockModel):
+    """Worker times given by hand (a NamedTuple subclass adds no fields): ``_times`` per worker, every step."""
+
+    def worker_times(self, step, comm_s):
+        return _TIMES
+
+
+_TIMES = None
+
+
+def test_bounded_staleness_lets_fast_workers_run_exactly_s_steps_ahead():
+    """Worker 0 takes 3c every step, the others c, bound s = 2. Update k needs every worker's step-k gradient,
+    so it is applied at 3c(k+1), as under sync; the fast workers run ahead until their gradient would be
+    more than s updates stale: from step s+1 on, each starts step k when update k-1-s is applied,
+    finishing at 3c(k-s) + c."""
+    global _TIMES
+    layers, _ = _model()
+    s, c = 2, 1.0
+    _TIMES = np.array([3 * c] + [c] * (P - 1))
+    base = simclock.make_model(clusters.get_cluster("cloud_10gbe"), layers, workers=P, global_batch=BATCH,
+                               runs_ahead=s)
+    clock = simclock.SimClock(_Fixed(*base))
+    assert [clock.advance(k, 0, 0) for k in range(6)] == pytest.approx([3 * c * (k + 1) for k in range(6)], **TIGHT)
+    assert np.array(clock.finish)[:, 1] == pytest.approx([3 * c * (k - s) + c for k in (3, 4, 5)], **TIGHT)
+
+
+def test_bounded_staleness_beats_sync_on_transient_stragglers_and_bound_zero_is_sync():
+    """Transient stragglers (each worker slow 4x with probability 0.25 at each step): sync pays the slowest of
+    every step; a bound lets the workers' noise average out. No bound can beat max_i sum_k T_i(k), each
+    worker's own total, and s = 0 is sync exactly."""
+    layers, _ = _model()
+    cluster = clusters.get_cluster("cloud_10gbe")
+    noise = Stragglers("slow", 1, slow_fraction=0.25, slow_factor=4.0)
+    totals = {}
+    for s in (0, 2, 8):
+        model = simclock.make_model(cluster, layers, workers=P, global_batch=BATCH, runs_ahead=s, stragglers=noise)
+        clock = simclock.SimClock(model)
+        totals[s] = [clock.advance(k, 0, 0) for k in range(40)][-1]
+    sync = simclock.SimClock(simclock.make_model(cluster, layers, workers=P, global_batch=BATCH, stragglers=noise))
+    assert totals[0] == pytest.approx([sync.advance(k, 0, 0) for k in range(40)][-1], **TIGHT)
+    own = max(sum(model.worker_times(k, 0.0)[i] for k in range(40)) for i in range(P))
+    assert totals[0] > 1.5 * totals[8] and totals[0] > totals[2] > totals[8] >= own * (1 - 1e-12)
+
+
+def test_the_clock_resumes_where_it_stopped():
+    model = _noisy(runs_ahead=2)
+    whole = simclock.SimClock(model)
+    times = [whole.advance(k, 1e4, 14) for k in range(6)]
+    first = simclock.SimClock(model)
+    for k in range(3):
+        first.advance(k, 1e4, 14)
+    resumed = simclock.SimClock(model, saved=first.saved())
+    assert [resumed.advance(k, 1e4, 14) for k in range(3, 6)] == times[3:]
+
+
+@pytest.mark.parametrize("model", ["none", "lognormal", "slow"])
+def test_straggler_draws_agree_between_the_host_and_a_jitted_step(model):
+    s = Stragglers(model, 11, 0.4, 0.3, 5.0).check()
+    keys = jax.jit(lambda t: s.arrival_keys(t, P, jnp))
+    for step in (0, 1, 7, 2**20 + 3):
+        np.testing.assert_array_equal(np.asarray(keys(step)), s.arrival_keys(step, P))
+        order = s.arrival_order(step, P)
+        assert np.all(np.diff(s.multipliers(step, P)[order]) >= 0)  # arrival order = order of the times
+    other = Stragglers(model, 12, 0.4, 0.3, 5.0)
+    assert any((s.arrival_order(t, P) != other.arrival_order(t, P)).any() for t in range(4))  # seeded
+
+
+def test_straggler_models_have_the_stated_distribution():
+    draws = np.concatenate([Stragglers("lognormal", 0, 0.5).multipliers(t, P) for t in range(1000)])
+    assert abs(draws.mean() - 1) < 0.03 and abs(np.log(draws).std() - 0.5) < 0.02
+    slow = np.concatenate([Stragglers("slow", 0, 0, 0.1, 4.0).multipliers(t, P) for t in range(1000)])
+    assert set(np.unique(slow)) == {1.0, 4.0} and abs((slow > 1).mean() - 0.1) < 0.015
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--config.cluster=nope"], r"cluster.name='nope' is unknown; choose a preset"),
+    (["--config.cluster.name=custom", "--config.cluster.latency=0"], r"needs cluster.node_flops"),
+    (["--config.cluster=cloud_10gbe", "--config.cluster.latency=-2"], r"cluster.latency=-2.0 must be >= 0"),
+    (["--config.cluster=cloud_10gbe", "--config.cluster.bandwidth=-3"], r"cluster.bandwidth=-3.0 must be a positive"),
+    (["--config.cluster=cloud_10gbe", "--config.cluster.overlap=1.5"], r"cluster.overlap=1.5 must be in \[0, 1\]"),
+    (["--config.cluster.straggler=gamma"], r"cluster.straggler='gamma' is unknown"),
+    (["--config.cluster.slow_factor=0.5"], r"cluster.slow_factor=0.5 must be >= 1"),
+    (["--config.strategy.backup_workers=-1"], r"strategy.backup_workers=-1 must be >= 0"),
+])
+def test_bad_cluster_settings_are_refused_with_the_key_and_the_fix(overrides, match):
+    with pytest.raises(config_lib.ConfigError, match=match):
+        config_lib.load("digits_mlp", overrides)
+
+
+def test_cluster_by_name_or_custom_numbers():
+    config = config_lib.load("digits_mlp", ["--config.cluster=h100_nvlink_ndr", "--config.cluster.bandwidth=1e9"])
+    cluster = simclock.cluster_from_config(config.cluster)
+    assert (cluster.name, cluster.bandwidth, cluster.local_size) == ("h100_nvlink_ndr", 1e9, 8)
+    custom = simclock.cluster_from_config(config_lib.load("digits_mlp", [
+        "--config.cluster.name=custom", "--config.cluster.node_flops=1e12", "--config.cluster.memory_bandwidth=1e11",
+        "--config.cluster.bandwidth=1e9", "--config.cluster.latency=0"]).cluster)
+    assert (custom.node_flops, custom.latency, custom.bandwidth) == (1e12, 0.0, 1e9)
+    assert simclock.cluster_from_config(config_lib.base_config().cluster) is None
+    with pytest.raises(StragglerError, match="cluster.sigma"):
+        Stragglers("lognormal", 0, -1.0).check()
