@@ -72,7 +72,6 @@ def base_config() -> ConfigDict:
     c.strategy.mixing = (1 / 3, 1 / 3, 1 / 3)  # gossip ring: weights of (self, left, right), >= 0, summing to 1
     c.strategy.consensus_every = 0  # gossip: steps between global averages of the workers (0: never in the step)
     c.strategy.backup_workers = 0  # backup: b of the p workers whose late gradients each step drops (N = p - b)
-    c.strategy.backup_workers = 0  # backup: b of the p workers whose late gradients each step drops (N = p - b)
     c.strategy.fragments = 1  # streaming_diloco: P fragments on staggered outer steps, 1 <= P <= period
     c.strategy.overlap = 0  # streaming_diloco: tau inner steps before a fragment's outer update is merged, < period
     c.strategy.outer_bits = 0  # streaming_diloco: bits per outer-gradient entry (0: float32; 2..8: QSGD codes)
@@ -82,19 +81,6 @@ def base_config() -> ConfigDict:
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
-
-    # Simulated clock (dtx.simclock): records carry sim_time_s, the run's modelled time on this cluster.
-    c.cluster = ConfigDict()
-    c.cluster.name = ""  # "": no clock | a dtx simulate preset (cloud_10gbe, haswell_fdr, ...) | custom
-    c.cluster.node_flops = 0.0  # peak FLOP/s per node (0: the preset's)
-    c.cluster.memory_bandwidth = 0.0  # bytes/s per node (0: the preset's)
-    c.cluster.bandwidth = 0.0  # network bytes/s per node and direction (0: the preset's)
-    c.cluster.latency = -1.0  # network latency alpha, seconds (-1: the preset's)
-    c.cluster.overlap = 0.0  # fraction of the backward pass communication hides behind, in [0, 1]
-    c.cluster.straggler = "none"  # none | lognormal (sigma) | slow (slow_fraction, slow_factor); seeded by seed
-    c.cluster.sigma = 0.3  # lognormal: sigma of each worker's compute-time multiplier (mean 1)
-    c.cluster.slow_fraction = 0.1  # slow: probability a worker is slow at a step
-    c.cluster.slow_factor = 4.0  # slow: how many times slower it then is
 
     # Simulated clock (dtx.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()
@@ -374,28 +360,9 @@ def validate(config: ConfigDict) -> None:
             "(its learning rate, schedule and weight decay then give the step)")
     _check_task(config)
     _check_cluster(config)
-    _check_cluster(config)
     if "model" not in config or "name" not in config.model:
         raise ConfigError("config.model needs a 'name' (e.g. 'mlp')")
     _check_numbers(config)
-
-
-def _check_cluster(config: ConfigDict) -> None:
-    """The simulated clock's block (dtx.simclock): a known cluster, physical numbers, a straggler model."""
-    from dtx import clusters, stragglers  # pure Python, no JAX: the clock's own checks, before anything runs
-
-    block = config.cluster
-    try:
-        clusters.from_settings(block.name, node_flops=block.node_flops, memory_bandwidth=block.memory_bandwidth,
-                               bandwidth=block.bandwidth, latency=block.latency)
-        stragglers.Stragglers(block.straggler, 0, block.sigma, block.slow_fraction, block.slow_factor).check()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if not 0 <= config.cluster.overlap <= 1:
-        raise ConfigError(f"cluster.overlap={config.cluster.overlap!r} must be in [0, 1] (fraction of the backward "
-                          "pass communication hides behind; 0: none)")
-    if config.strategy.backup_workers < 0:
-        raise ConfigError(f"strategy.backup_workers={config.strategy.backup_workers} must be >= 0")
 
 
 def _check_cluster(config: ConfigDict) -> None:

@@ -57,7 +57,6 @@ import optax
 from dtx.comm import Capabilities, CommContext
 from dtx.precision import select_tree
 from dtx.stragglers import Stragglers
-from dtx.stragglers import Stragglers
 from dtx.topology import TOPOLOGIES, mixing_matrix  # noqa: F401  (public here, for the tests and docs)
 
 PyTree = Any
@@ -266,39 +265,6 @@ def backup(backup_workers: int = 0, stragglers: Stragglers | None = None, **_) -
                     Capabilities(drops=b))
 
 
-def backup(backup_workers: int = 0, stragglers: Stragglers | None = None, **_) -> Strategy:
-    """Synchronous SGD with backup workers (Chen et al., *Revisiting Distributed Synchronous SGD*,
-    arXiv 1604.00981, 2016): of ``p = N + b`` workers, each step applies the mean of the first ``N``
-    gradients to arrive and drops the ``b`` late ones, so no step waits for its ``b`` slowest workers.
-
-    Who arrives first is :mod:`dtx.stragglers`' draw for the run's seed and the step, the same one the
-    simulated clock (:mod:`dtx.simclock`) times, so the gradients applied and the time charged agree.
-    The masked mean is one allreduce (``ctx.reduce``, compression and precision included) of
-    ``w_i·g_i·p/N`` with ``w_i`` 1 for the first ``N`` arrivals, 0 otherwise: its mean over the ``p``
-    workers is ``Σ_chosen g_i / N``. ``N`` needs no message: every worker computes all ``p`` weights
-    from the same draw. Bytes are the allreduce's (dropped workers' zeros travel too: one collective).
-    Reports ``dropped``, the workers left out.
-    """
-    b = _integer("backup_workers", backup_workers, 0, "b, workers whose late gradients each step drops")
-    stragglers = stragglers or Stragglers()
-
-    def apply(state, grads, ctx):
-        p = ctx.comm.size
-        if b >= p:
-            raise StrategyError(f"strategy.backup_workers={b} leaves no gradient of the {p} workers; use at most "
-                                f"{p - 1} (N = p - b >= 1)")
-        keys = stragglers.arrival_keys(state.step, p, jnp)
-        rank = jnp.argsort(jnp.argsort(keys))  # this worker's place in the arrival order
-        chosen = rank[ctx.index] < p - b
-        # where, not a product: a dropped worker's non-finite gradient must not reach the mean
-        masked = jax.tree.map(lambda g: jnp.where(chosen, g * jnp.asarray(p / (p - b), g.dtype), 0), grads)
-        new, stats = _server_update(state, masked, ctx)
-        return new, {**stats, "dropped": jnp.asarray(b, jnp.float32)}
-
-    return Strategy("backup", lambda params, opt_state: ({}, {}), lambda state, ctx: state.params, apply, _global,
-                    Capabilities(drops=b))
-
-
 # ---------------------------------------------------------------- settings
 def _integer(key: str, value: Any, low: int, meaning: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -324,7 +290,6 @@ from dtx.streaming import streaming_diloco  # noqa: E402
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "sync": lambda **_: sync(), "async": async_sgd, "ssp": ssp, "local_sgd": local_sgd, "diloco": diloco,
     "easgd": easgd, "gossip": gossip,
-    "backup": backup,
     "backup": backup,
     "streaming_diloco": streaming_diloco, "onebit_adam": onebit_adam, "onebit_lamb": onebit_lamb,
 }
