@@ -42,7 +42,6 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -201,7 +200,58 @@ class SimClock:
         return {"time": self.time, "finish": self.finish}
 
 
-def cluster_summary(model: ClockModel) -> dict[str, float]:
-    """The clock's static figures for a run's first record."""
-    return {"sim_compute_s_per_step": model.compute_s, "sim_latency_s": model.latency,
-            "sim_bandwidth": model.bandwidth if math.isfinite(model.bandwidth) else 0.0}
+class Recorder:
+    """``sim_time_s`` for the train loop's records: a :class:`dtx.steplog.StepLog` extra.
+
+    Called with each record, it advances the clock over the steps since the previous
+    record, each charged that window's mean bytes and rounds per step (from the
+    record's ``comm_bytes_total`` and ``comm_rounds_per_step``, the accountant's sums).
+    That is each step's own figure where every step sends the same (sync, backup,
+    async, compression) and, at ``overlap=0`` with synchronous waiting, exact for any
+    strategy (communication then adds the same to every worker); ``log_every=1`` makes
+    it exact everywhere. :meth:`saved` goes into a checkpoint, so a resume continues.
+    """
+
+    def __init__(self, model: ClockModel, saved: dict | None = None):
+        saved = saved or {}
+        self.clock = SimClock(model, saved.get("clock"))
+        self.step = int(saved.get("step", 0))
+        self.bytes, self.rounds = float(saved.get("bytes", 0.0)), float(saved.get("rounds", 0.0))
+
+    def __call__(self, step: int, record: dict) -> dict:
+        if step > self.step:
+            sent = float(record.get("comm_bytes_total", 0.0))
+            rounds = float(record.get("comm_rounds_per_step", 0.0)) * step
+            n = step - self.step
+            for k in range(self.step, step):  # step k's stragglers are those the strategy drew at state.step = k
+                self.clock.advance(k, (sent - self.bytes) / n, (rounds - self.rounds) / n)
+            self.step, self.bytes, self.rounds = step, sent, rounds
+        return {"sim_time_s": self.clock.time}
+
+    def saved(self) -> dict:
+        return {"clock": self.clock.saved(), "step": self.step, "bytes": self.bytes, "rounds": self.rounds}
+
+
+def recorder_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype: Any, *, workers: int,
+                     caps: Any, saved: dict | None = None) -> Recorder | None:
+    """The run's :class:`Recorder` (``None`` without ``config.cluster.name``).
+
+    ``model`` is analysed by :func:`dtx.perfmodel.analyze` on examples of ``input_shape``;
+    ``workers`` is the data-parallel size; ``caps`` the strategy's
+    :class:`dtx.comm.Capabilities` (who waits for whom). Compute is timed as data parallel
+    (every worker computes its share of every layer, as in ``dtx simulate --plan data``).
+    """
+    cluster = cluster_from_config(config.cluster)
+    if cluster is None:
+        return None
+    try:
+        layers = perfmodel.analyze(model, input_shape, dtype=dtype)
+    except (perfmodel.PerfModelError, TypeError, ValueError) as e:
+        raise ClockError(f"cluster.name={config.cluster.name!r}: the simulated clock times compute with the perf "
+                         f"model's per-layer roofline, which cannot analyse this model ({e}); run without "
+                         "--config.cluster") from None
+    model_ = make_model(cluster, layers, workers=workers, global_batch=config.global_batch_size,
+                        accum_steps=config.grad_accum_steps, algorithm=config.allreduce,
+                        overlap=config.cluster.overlap, stragglers=stragglers_from_config(config),
+                        drops=caps.drops, runs_ahead=caps.runs_ahead)
+    return Recorder(model_, saved)

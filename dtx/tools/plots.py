@@ -1,6 +1,6 @@
 """PNG plots (matplotlib, headless) for studies and benchmarks, and ``dtx plot`` to compare runs.
 
-    dtx plot RUN_DIR [RUN_DIR ...] [--out DIR] [--metrics loss,accuracy,...] [--x step,time,bytes]
+    dtx plot RUN_DIR [RUN_DIR ...] [--out DIR] [--metrics loss,accuracy,...] [--x step,time,bytes,sim_time]
 
 ``dtx plot`` draws one PNG per metric and x axis, one line per run (named by its
 folder): every metric against the step (``loss.png``), and the quality metrics
@@ -8,7 +8,8 @@ folder): every metric against the step (``loss.png``), and the quality metrics
 (``loss_vs_time.png``, from ``elapsed_s``) and against the bytes one worker has
 sent (``loss_vs_bytes.png``, from ``comm_bytes_total``) — how runs with different
 allreduce algorithms, compressors or strategies trade time and traffic for
-accuracy. A step logged twice (a resumed run re-logs the steps after its
+accuracy — and, for runs with a simulated clock (``--config.cluster``), against
+the modelled time on that cluster (``loss_vs_sim_time.png``, from ``sim_time_s``). A step logged twice (a resumed run re-logs the steps after its
 checkpoint) keeps its last record.
 
 Every PNG dtx writes — ``dtx plot``, ``dtx simulate``, ``dtx bench collectives``,
@@ -103,7 +104,9 @@ DEFAULT_METRICS = ("loss", "accuracy", "test_accuracy", "examples_per_sec", "ste
                    "comm_bytes_per_step", "learning_rate")
 QUALITY_METRICS = ("loss", "accuracy", "test_accuracy")  # also drawn against time and bytes
 X_AXES = {"step": ("step", "step"), "time": ("elapsed_s", "seconds since the run started"),
-          "bytes": ("comm_bytes_total", "bytes sent per worker")}
+          "bytes": ("comm_bytes_total", "bytes sent per worker"),
+          # the modelled time on --config.cluster (dtx.simclock); runs without one draw no such plot
+          "sim_time": ("sim_time_s", "simulated seconds on the cluster")}
 
 
 def metric_series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
@@ -153,7 +156,8 @@ def plot_main(argv: list[str]) -> int:
     parser.add_argument("--out", default=".", help="folder for the PNGs (default: current folder)")
     parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated record keys")
     parser.add_argument("--x", default=",".join(X_AXES),
-                        help="x axes: step (every metric), time and bytes (loss and accuracies); default all")
+                        help="x axes: step (every metric), time, bytes and sim_time (loss and accuracies); "
+                        "default all")
     args = parser.parse_args(argv)
     x_axes = [x for x in args.x.split(",") if x]
     unknown = [x for x in x_axes if x not in X_AXES]
