@@ -206,3 +206,33 @@ def test_cluster_by_name_or_custom_numbers():
     assert simclock.cluster_from_config(config_lib.base_config().cluster) is None
     with pytest.raises(StragglerError, match="cluster.sigma"):
         Stragglers("lognormal", 0, -1.0).check()
+
+
+def test_the_records_clock_charges_each_window_its_mean_traffic_and_resumes():
+    """The step log's extra: records every 2 steps of a run sending 1e4 bytes in 14 rounds per step give the
+    times of a clock advanced step by step; restored from its saved state mid-run it continues the same."""
+    model = _noisy(drops=2)
+    exact = simclock.SimClock(model)
+    times = [exact.advance(k, 1e4, 14) for k in range(6)]
+    recorder = simclock.Recorder(model)
+    record = lambda step: {"comm_bytes_total": 1e4 * step, "comm_rounds_per_step": 14.0}  # noqa: E731
+    assert recorder(2, record(2))["sim_time_s"] == pytest.approx(times[1], **TIGHT)
+    resumed = simclock.Recorder(model, saved=recorder.saved())
+    for step in (4, 6):
+        assert recorder(step, record(step)) == resumed(step, record(step))
+        assert resumed(step, record(step))["sim_time_s"] == pytest.approx(times[step - 1], **TIGHT)
+
+
+def test_dtx_plot_draws_accuracy_against_the_simulated_time(tmp_path):
+    import json
+
+    from dtx.tools.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "loss": 1.0 / s, "sim_time_s": 0.25 * s} for s in (1, 2, 3)] + [
+        {"step": 3, "test_accuracy": 0.9}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(run), "--out", str(tmp_path / "p"), "--x", "sim_time"]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["loss_vs_sim_time.png",
+                                                                  "test_accuracy_vs_sim_time.png"]
