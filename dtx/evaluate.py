@@ -50,6 +50,7 @@ from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches
 from dtx.step import make_eval_step, state_specs
 
+from dtx import rundir, setup
 from dtx import trainer as train_lib  # noqa: E402
 
 VARIABLES_FILE, MODEL_FILE, SOURCE_FILE = "variables.msgpack", "model.json", "model.py"
@@ -65,7 +66,7 @@ class Restored(NamedTuple):
     config: ConfigDict
     mesh: Any
     dataset: datasets.Dataset
-    parts: train_lib.Parts
+    parts: setup.Parts
     state: Any
     step: int
     directory: str  # the checkpoint directory
@@ -171,14 +172,14 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
                        f"{userdata.fingerprint(dataset)}, the run recorded {recorded}); pass the run's data")
     loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
-    parts = train_lib.build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model,
-                                  optimizer=optimizer, task=task)
+    parts = setup.build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model,
+                              optimizer=optimizer, task=task)
     directory = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory) or not any(n.isdigit() for n in os.listdir(directory)):
         raise RunError(f"{workdir} has no checkpoint in {directory}: only runs that save checkpoints can be "
                        "evaluated or exported; train with --config.checkpoint.every_steps=N (it also saves the "
                        "last step)")
-    checkpointer = checkpoint_lib.Checkpointer(directory, hmac_key=train_lib._hmac_key(config.checkpoint.hmac_key_env),
+    checkpointer = checkpoint_lib.Checkpointer(directory, hmac_key=rundir.hmac_key(config.checkpoint.hmac_key_env),
                                                read_only=True)
     try:
         steps = checkpointer.steps()

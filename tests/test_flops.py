@@ -134,7 +134,7 @@ def test_records_carry_mfu_when_a_peak_is_set_and_start_up_compiles_nothing_more
     # The same run without compiling the step ahead of the loop compiles exactly as many programs.
     import sys
 
-    monkeypatch.setattr(sys.modules["dtx.trainer"], "_compiled_step", lambda *args: None)
+    monkeypatch.setattr(sys.modules["dtx.setup"], "compile_step", lambda *args: None)
     before = len(_compiles)
     train(config_lib.load(DEFAULT, TINY), tmp_path / "plain")
     assert len(_compiles) - before == with_flops > 0

@@ -32,7 +32,8 @@ from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, Policy, PrecisionError, all_finite, parse_policy, select_tree
 from dtx.state import init_train_state
 from dtx.step import make_train_step
-from dtx.trainer import _check_loss_scale, train
+from dtx.steplog import check_loss_scale
+from dtx.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -448,9 +449,9 @@ def test_check_loss_scale(skipped, scale, raises):
     metrics = {"skipped": np.int32(skipped), "loss_scale": np.float32(scale)}
     if raises:
         with pytest.raises(FloatingPointError, match=r"step 7: .*loss_scale\.min_scale=1\.0"):
-            _check_loss_scale(7, metrics, scaler)
+            check_loss_scale(7, metrics, scaler)
     else:
-        _check_loss_scale(7, metrics, scaler)
+        check_loss_scale(7, metrics, scaler)
 
 
 def test_bfloat16_trains_as_well_as_float32(tmp_path):

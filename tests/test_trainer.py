@@ -197,8 +197,9 @@ def test_sigterm_during_start_up_stops_cleanly_and_the_same_call_then_trains(tmp
     never interrupted -- bit for bit the loss of an uninterrupted run."""
     import signal
 
-    train_module = sys.modules["dtx.trainer"]
-    compile_step = train_module._compiled_step
+    from dtx import setup
+
+    compile_step = setup.compile_step
 
     def terminated_while_compiling(*args):
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread before the next bytecode
@@ -206,7 +207,7 @@ def test_sigterm_during_start_up_stops_cleanly_and_the_same_call_then_trains(tmp
 
     args = ["train", DEFAULT, "--workdir", str(tmp_path / "run"), *TINY, "--config.checkpoint.every_steps=6"]
     with monkeypatch.context() as patched:
-        patched.setattr(train_module, "_compiled_step", terminated_while_compiling)
+        patched.setattr(setup, "compile_step", terminated_while_compiling)
         assert main(args) == 0
     assert "preempted at step 0 before anything new was saved" in capsys.readouterr().out
     assert not any(n.isdigit() for n in os.listdir(tmp_path / "run" / "checkpoints"))

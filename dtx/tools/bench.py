@@ -227,35 +227,23 @@ STEP_HEADER = ("| setting | step (ms) | compute (ms) | communication (ms) | comm
 def build_steps(config):
     """The experiment's train step and its no-collective twin, with a state for each and a batch.
 
-    Built the way :func:`dtx.train.train` builds them (same mesh, data, model,
-    optimizer, policy, compressor and strategy). Returns ``(steps, states, batch,
-    policy)`` where ``steps``/``states`` map ``"full"`` and (``shard_map`` driver only)
-    ``"compute"`` to the step and its own state.
+    Built by :mod:`dtx.setup`, as :func:`dtx.train` builds a run (same mesh, data, model,
+    optimizer, policy, compressor and strategy). Returns ``(steps, states, batch, policy)``
+    where ``steps``/``states`` map ``"full"`` and (``shard_map`` driver only) ``"compute"``
+    to the step and its own state.
     """
-    import math
-
-    from dtx import datasets
-    from dtx.data import TrainLoader
-    from dtx.state import init_train_state
-    from dtx.trainer import build_parts, make_step  # the same readings of the config as a run's
+    from dtx import setup  # the same readings of the config as a run's
 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
-    mesh = mesh_lib.make_mesh(config.mesh)
-    mesh_lib.check_batch_size(config.global_batch_size, mesh)
-    dataset = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
-                                    synthetic=config.dataset.synthetic.to_dict())
-    loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
-    num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
-    parts = build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps)
+    mesh = setup.make_mesh(config)
+    inputs = setup.load_data(config, mesh)
+    parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps,
+                              task=inputs.task)
     kinds = {"full": True, "compute": False} if config.driver == "shard_map" else {"full": True}
-    steps = {kind: make_step(config, parts, mesh, communicate=communicate) for kind, communicate in kinds.items()}
-    states = {kind: init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
-                                     parts.shardings, parts.strategy, parts.compressor)
-              for kind in steps}
-    batch = loader.batch(0)
-    policy = parts.policy
-    return steps, states, batch, policy
+    steps = {kind: setup.make_step(config, parts, mesh, communicate=communicate) for kind, communicate in kinds.items()}
+    states = {kind: setup.init_state(config, parts, mesh) for kind in steps}
+    return steps, states, inputs.loader.batch(0), parts.policy
 
 
 def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
@@ -265,13 +253,11 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
     noise hits both alike), every call waiting on the previous one's output (lag-1:
     XLA:CPU deadlocks with many steps in flight, docs/data_parallel.md).
     """
-    from dtx import flops
+    from dtx import flops, hlo, setup
 
     step_fns, states, batch, policy = build_steps(config)
-    from dtx import hlo
-
-    compiled = step_fns["full"].lower(states["full"], batch).compile()  # the first call reuses it
-    per_device_flops = None if config.grad_accum_steps > 1 else flops.compiled_flops(compiled)
+    compiled = setup.compile_step(step_fns["full"], states["full"], batch)  # the first call reuses it
+    per_device_flops = setup.step_flops(config, compiled)
     program_bytes = float(hlo.total(compiled).bytes_sent)  # under jit the step cannot count what XLA places
     times = {kind: [] for kind in step_fns}
     comm_bytes = []
