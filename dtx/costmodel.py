@@ -201,10 +201,6 @@ def add_traffic(*traffics: Traffic) -> Traffic:
     return Traffic(sum(t.messages for t in traffics), sum(t.bytes_sent for t in traffics))
 
 
-def scale_traffic(traffic: Traffic, times: int) -> Traffic:
-    return Traffic(traffic.messages * times, traffic.bytes_sent * times)
-
-
 def all_gather_traffic(nbytes: int, p: int) -> Traffic:
     """Ring all-gather of ``nbytes`` from each device: each forwards ``p − 1`` blocks."""
     if p <= 1 or nbytes == 0:

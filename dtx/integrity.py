@@ -62,6 +62,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dtx import paths
+
 MANIFEST_VERSION = 2
 HEADER_FILE = "manifest.json"
 LEGACY_FILE = "metadata"  # version 1: one whole-array SHA-256 per array, written by orbax's JSON handler
@@ -86,8 +88,7 @@ def part_file(process: int) -> str:
 
 def flatten(tree) -> list[tuple[str, Any]]:
     """``(path, leaf)`` pairs, paths like ``params/Dense_0/kernel``."""
-    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    return paths.named_leaves(tree)
 
 
 def sha256_hex(array: np.ndarray) -> str:

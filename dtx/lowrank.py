@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dtx.paths import path_str
+
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int, bool]:
     """``(n, m, transposed)``: the leaf as an ``n × m`` matrix with ``n <= m``.
@@ -54,7 +56,7 @@ def matrices(tree: Any) -> list[tuple[int, str, tuple[int, ...], int, int]]:
     for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
         if jnp.ndim(x) >= 2:
             n, m, _ = matrix_shape(jnp.shape(x))
-            found.append((i, jax.tree_util.keystr(path, simple=True, separator="/"), tuple(jnp.shape(x)), n, m))
+            found.append((i, path_str(path), tuple(jnp.shape(x)), n, m))
     return found
 
 

@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from dtx.paths import path_str
 from dtx.perfmodel import Layer, Plan, analyze
 from dtx.precision import Policy
 
@@ -317,7 +318,7 @@ def model_terms(model: Any, input_shape: Sequence[int]) -> dict[str, Any]:
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape)), train=False))
     layers = {layer.name for layer in analyze(model, input_shape)}
     other = [tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
-             if jax.tree_util.keystr(path[:-1], simple=True, separator="/") not in layers]
+             if path_str(path[:-1]) not in layers]
     state = sum(math.prod(v.shape) * v.dtype.itemsize for key, tree in variables.items() if key != "params"
                 for v in jax.tree.leaves(tree))
     return dict(stash=activation_profile(model, input_shape), input_bytes=math.prod(input_shape) * 4 + 4,

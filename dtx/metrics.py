@@ -101,9 +101,6 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-PROGRESS_MODES = ("off", "notebook", "terminal", "plain")
-
-
 def progress_mode(enabled: bool, console: Console) -> str:
     """How to show progress: ``off``; ``notebook`` inside a Jupyter/Colab kernel (a bar
     redrawn in place in the cell's output); ``terminal`` (rich's live bar); ``plain``

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import jax
 import optax
 
+from dtx.paths import path_str
+
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars", "lamb")
 SCHEDULES = ("constant", "cosine", "polynomial", "step")
 SCALING_RULES = ("none", "linear", "sqrt")
@@ -108,7 +110,7 @@ def path_mask(exclude: str):
         raise OptimizerError(f"optimizer.exclude={exclude!r} is not a valid regular expression: {e}") from None
 
     def mask(params):
-        return jax.tree_util.tree_map_with_path(lambda path, _: not pattern.search(_path_str(path)), params)
+        return jax.tree_util.tree_map_with_path(lambda path, _: not pattern.search(path_str(path)), params)
 
     return mask
 
@@ -165,7 +167,3 @@ def make_optimizer(
             optax.scale_by_learning_rate(learning_rate),
         )
     raise OptimizerError(f"unknown optimizer.name {name!r}; choose one of {list(OPTIMIZERS)}")
-
-
-def _path_str(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")

@@ -68,6 +68,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
+from dtx.paths import named_leaves, path_str
 
 PARALLELISMS = ("data", "model", "hybrid", "fsdp", "zero1", "zero2", "rules")
 ZERO_STAGES = {"zero1": 1, "zero2": 2}
@@ -112,7 +113,7 @@ def make_rules(name: str, mesh: Mesh, abstract_params: Any = None, explicit: Seq
     if abstract_params is None:
         raise PartitionError(f"parallel.name={name!r} derives its rules from the parameters; pass abstract_params")
     rules = []
-    leaves = dict(_paths_and_leaves(abstract_params))
+    leaves = dict(named_leaves(abstract_params))
     for path, leaf in leaves.items():
         spec = _spec_for(name, path, leaf.shape, mesh)
         if spec != PartitionSpec():
@@ -125,7 +126,7 @@ def make_rules(name: str, mesh: Mesh, abstract_params: Any = None, explicit: Seq
 
 def check_rules_match(rules: Rules, abstract_params: Any) -> None:
     """Every rule but the catch-all must name at least one parameter (a typo would silently run data parallel)."""
-    paths = [path for path, _ in _paths_and_leaves(abstract_params)]
+    paths = [path for path, _ in named_leaves(abstract_params)]
     for regex, spec in rules:
         if regex != ".*" and not any(re.search(regex, path) for path in paths):
             raise PartitionError(
@@ -139,7 +140,7 @@ def param_specs(rules: Rules, abstract_params: Any, mesh: Mesh) -> Any:
     compiled = [(re.compile(regex), spec) for regex, spec in rules]
 
     def spec_of(path, leaf):
-        name = _path_str(path)
+        name = path_str(path)
         spec = next((s for pattern, s in compiled if pattern.search(name)), PartitionSpec())
         _check_fits(name, leaf.shape, spec, mesh)
         return spec
@@ -169,12 +170,12 @@ def state_shardings(abstract_state: Any, rules: Rules, mesh: Mesh, opt_rules: Ru
     by_path = {}
     specs = param_specs(rules, abstract_state.params, mesh)
     opt_specs = specs if opt_rules is None else param_specs(opt_rules, abstract_state.params, mesh)
-    for (path, leaf), spec in zip(_paths_and_leaves(abstract_state.params), jax.tree.leaves(
+    for (path, leaf), spec in zip(named_leaves(abstract_state.params), jax.tree.leaves(
             opt_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))):
         by_path[path] = (tuple(leaf.shape), spec)
 
     def follow(path, leaf):
-        name = _path_str(path)
+        name = path_str(path)
         for param_path, (shape, spec) in by_path.items():
             if (name == param_path or name.endswith("/" + param_path)) and tuple(leaf.shape) == shape:
                 return NamedSharding(mesh, spec)
@@ -323,7 +324,7 @@ def activation_layout(specs: Any, mesh: Mesh) -> ActivationLayout | None:
     does, is storage, not a model-parallel computation).
     """
     kernels = {}
-    for path, spec in _paths_and_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+    for path, spec in named_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
         if path.endswith("/kernel") and any(axes in (mesh_lib.MODEL_AXIS, (mesh_lib.MODEL_AXIS,)) for axes in spec):
             kernels[path[: -len("/kernel")]] = spec
     return ActivationLayout(mesh, kernels) if kernels else None
@@ -400,11 +401,3 @@ def _as_spec(spec) -> PartitionSpec:
     if isinstance(spec, PartitionSpec):
         return spec
     return PartitionSpec(*[tuple(a) if isinstance(a, list) else a for a in spec])
-
-
-def _paths_and_leaves(tree, is_leaf=None):
-    return [(_path_str(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)]
-
-
-def _path_str(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")

@@ -43,6 +43,7 @@ from dtx import tasks as task_lib
 from dtx import mesh as mesh_lib
 from dtx import batchnorm
 from dtx.compress import Compressor
+from dtx.config import DRIVERS
 from dtx.data import Batch
 from dtx.precision import LossScaler, Policy
 from dtx.state import TrainState
@@ -53,7 +54,6 @@ Metrics = dict[str, jax.Array]
 TrainStep = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 EvalStep = Callable[[TrainState, Batch], Metrics]
 
-DRIVERS = ("shard_map", "jit")
 
 
 class StepError(ValueError):

@@ -72,12 +72,6 @@ def mixing_matrix(topology: str, weights: Sequence[float], p: int, round_: int =
     return matrix
 
 
-def second_eigenvalue(matrix: np.ndarray) -> float:
-    """``|λ₂|``: the largest eigenvalue magnitude of ``W`` off the consensus direction."""
-    p = len(matrix)
-    return float(np.max(np.abs(np.linalg.eigvals(matrix - np.full((p, p), 1.0 / p))))) if p > 1 else 0.0
-
-
 def neighbours(terms: Terms) -> int:
     """Peers a worker sends to in one mixing step (one ppermute per nonzero shift)."""
     return sum(1 for _, shift in terms if shift)
