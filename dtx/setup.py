@@ -21,7 +21,7 @@ from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx import tasks as tasks_lib
 from dtx import userdata
-from dtx import compress, flops, hlo, models, optim, parallel, perfmodel, precision, strategies
+from dtx import compress, flops, hlo, models, optim, parallel, perfmodel, precision, simclock, strategies
 from dtx.data import TrainLoader
 from dtx.state import TrainState, abstract_train_state, init_train_state
 from dtx.step import check_accumulation, check_combination, make_train_step
@@ -108,7 +108,9 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
         trust_coefficient=opt.trust_coefficient)
     check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
     compressor = compress.make_compressor(config.compression.name, **_settings(config.compression))
-    strategy = strategies.make_strategy(config.strategy.name, **_settings(config.strategy))
+    # backup's arrival order is the straggler model's, the one the simulated clock times (dtx.simclock)
+    strategy = strategies.make_strategy(config.strategy.name, stragglers=simclock.stragglers_from_config(config),
+                                        **_settings(config.strategy))
     if config.parallel.name != "data" and not (strategy.caps.identity and compressor.caps.identity):
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r} with strategy.name={config.strategy.name!r} / "

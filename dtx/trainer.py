@@ -26,7 +26,7 @@ from dtx import checkpoint as checkpoint_lib
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx import metrics as metrics_lib
-from dtx import preflight, rundir, setup, steplog
+from dtx import preflight, rundir, setup, simclock, steplog
 from dtx import tasks as tasks_lib
 from dtx import userdata
 from dtx import costmodel, flops
@@ -120,7 +120,8 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
                     run.checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
                                                              "data_digest": data_digest, "workers": run.parts.workers,
-                                                             "user_data": run.user_data, "comm": log.comm_saved()})
+                                                             "user_data": run.user_data, "comm": log.comm_saved(),
+                                                             **({"clock": run.clock.saved()} if run.clock else {})})
             if preempted:
                 break
         log.flush()  # the last step, whatever log_every says
@@ -155,6 +156,7 @@ class _Run(NamedTuple):
     user_data: str | None  # the fingerprint of train(..., data=); a resume checks it
     writer: metrics_lib.MetricWriter
     log: steplog.StepLog
+    clock: simclock.Recorder | None = None  # --config.cluster: sim_time_s in the records
 
 
 def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool, run_start: float, *,
@@ -190,6 +192,9 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                             user_data) if resuming else None
     state = resumed.state if resuming else setup.init_state(config, parts, mesh)
     saved = resumed.metadata if resuming else {}
+    # --config.cluster: every record's sim_time_s, the run's modelled time on that cluster (dtx.simclock)
+    clock = simclock.recorder_for_run(config, parts.model, parts.example.shape[1:], parts.policy.compute,
+                                      workers=parts.workers, caps=parts.strategy.caps, saved=saved.get("clock"))
     start_step = int(to_host(state.step))
     if resuming and jax.process_index() == 0:
         print(f"dtx: resumed from step {start_step} ({checkpoint_dir})", file=sys.stderr, flush=True)
@@ -230,9 +235,10 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         utilisation=lambda seconds: flops.utilisation(program.get("model_flops_per_step"), step_flops, mesh.size,
                                                       seconds, peak_flops),
         peak_learning_rate=parts.peak_learning_rate if optimizer is None else None,
-        bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process), run_start=run_start)
+        bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process), run_start=run_start,
+        extras=(clock,) if clock else ())
     return _Run(parts, loader, num_steps, train_step, eval_step, tests, checkpointer, state, start_step,
-                saved.get("data_digest", ""), user_data, writer, log)
+                saved.get("data_digest", ""), user_data, writer, log, clock)
 
 
 def evaluate(eval_step: EvalStep, state: TrainState, batches, task: tasks_lib.Task | None = None) -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dtx import clusters, comm, models, perfmodel, simclock
+from dtx import metrics as metrics_lib
 from dtx import config as config_lib
 from dtx.stragglers import Stragglers, StragglerError
 
@@ -236,3 +237,37 @@ def test_dtx_plot_draws_accuracy_against_the_simulated_time(tmp_path):
     assert main(["plot", str(run), "--out", str(tmp_path / "p"), "--x", "sim_time"]) == 0
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["loss_vs_sim_time.png",
                                                                   "test_accuracy_vs_sim_time.png"]
+
+
+def test_a_run_records_its_simulated_time_and_a_resume_continues_it(tmp_path, monkeypatch):
+    """dtx.train with --config.cluster, ssp (s = 2: pulls, hence bytes, vary by step) under lognormal stragglers:
+    3 steps, a checkpoint, a resume to 6. Every record's sim_time_s is a host clock advanced step by step with
+    that step's recorded comm_bytes and comm_rounds, the straggler draws of the run's seed and workers running
+    at most 2 steps ahead; the strategy was built with the same straggler model (backup's arrival order)."""
+    from dtx import strategies
+    from dtx.trainer import train
+
+    built = []
+    make = strategies.make_strategy
+    monkeypatch.setattr(strategies, "make_strategy", lambda *a, **k: built.append(k["stragglers"]) or make(*a, **k))
+    # a slow custom node: compute (~16 ms, spread by sigma = 1) outweighs communication (~1 ms), so fast workers
+    # reach the bound and wait, and how the varying bytes fall on the steps matters (a resume must know it)
+    cluster = ["--config.cluster=custom", "--config.cluster.node_flops=1e7", "--config.cluster.memory_bandwidth=1e11",
+               "--config.cluster.bandwidth=1e8", "--config.cluster.latency=1e-4"]
+    overrides = cluster + ["--config.cluster.straggler=lognormal", "--config.cluster.sigma=1.0", "--config.seed=4",
+                 "--config.strategy.name=ssp", "--config.strategy.staleness=2", "--config.log_every=1",
+                 "--config.model.features=(16,)", "--config.progress=False", "--config.checkpoint.every_steps=3",
+                 "--config.checkpoint.async_save=False", "--config.eval_batch_size=360"]
+    for steps in (3, 6):
+        train(config_lib.load("digits_mlp", overrides + [f"--config.num_steps={steps}"]), tmp_path)
+    noise = Stragglers("lognormal", 4, 1.0, 0.1, 4.0)
+    assert built == [noise, noise]
+    records = [r for r in metrics_lib.read_metrics(str(tmp_path)) if "sim_time_s" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and len({r["comm_bytes"] for r in records}) > 1
+    model = models.build_model("mlp", features=(16,))
+    host = simclock.SimClock(simclock.make_model(
+        clusters.Cluster("custom", node_flops=1e7, memory_bandwidth=1e11, bandwidth=1e8, latency=1e-4),
+        perfmodel.analyze(model, (64,)), workers=P, global_batch=128, stragglers=noise, runs_ahead=2))
+    for k, record in enumerate(records):
+        assert record["sim_time_s"] == pytest.approx(host.advance(k, record["comm_bytes"], record["comm_rounds"]),
+                                                     **TIGHT)
