@@ -1,0 +1,30 @@
+"""dtx.rundir: what a resumed run may change, and a checkpoint older than a config key."""
+
+import json
+
+import pytest
+
+from dtx import config as config_lib
+from dtx.rundir import check_resumable
+
+
+def _saved(config):
+    return json.loads(config.to_json())
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_under_its_default():
+    """A run saved before ``task`` and ``dataset.seq_len`` existed ran with what their defaults mean."""
+    config = config_lib.base_config()
+    old = _saved(config)
+    del old["task"], old["dataset"]["seq_len"]
+    check_resumable(old, config)  # no error: the missing keys take their defaults
+    with pytest.raises(config_lib.ConfigError, match="task differ"):
+        check_resumable(old, config_lib.override(config, **{"task.name": "regression"}))
+
+
+def test_what_a_resume_may_and_may_not_change():
+    config = config_lib.base_config()
+    saved = _saved(config)
+    check_resumable(saved, config_lib.override(config, num_steps=7, driver="jit"))
+    with pytest.raises(config_lib.ConfigError, match="seed differ"):
+        check_resumable(saved, config_lib.override(config, seed=config.seed + 1))
