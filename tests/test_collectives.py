@@ -220,31 +220,6 @@ def test_counts_match_smooth_model_when_sizes_divide(algorithm):
         assert counted == Traffic(terms.rounds // share, terms.path_bytes // share)
 
 
-def test_predict_time_consistent_with_formulas():
-    alpha, beta, gamma = 5e-6, 1 / 1.25e9, 1e-10
-    sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
-    for p in (2, 3, 6, 8, 16):
-        for algorithm in ALGORITHMS:
-            inner = (2 if p % 2 == 0 else p) if algorithm == "hierarchical" else None
-            times = [costmodel.predict_time(algorithm, n, p, alpha, beta, gamma, inner) for n in sizes]
-            assert all(a < b for a, b in zip(times, times[1:])), (algorithm, p)  # monotone in bytes
-            for n in sizes:
-                terms = costmodel.cost_terms(algorithm, n, p, inner)
-                assert costmodel.predict_time(algorithm, n, p, 1.0, 0.0, 0.0, inner) == terms.rounds
-                t = costmodel.predict_time(algorithm, n, p, alpha, beta, gamma, inner)
-                assert t == pytest.approx(terms.rounds * alpha + terms.path_bytes * beta + terms.reduced_bytes * gamma)
-                # Nothing beats the bandwidth bound; ring and 2D meet it (plus latency).
-                assert t >= costmodel.bandwidth_lower_bound(n, p, beta)
-            ring = costmodel.predict_time("ring", sizes[-1], p, 0.0, beta)
-            assert ring == pytest.approx(costmodel.bandwidth_lower_bound(sizes[-1], p, beta))
-    # Thakur et al.'s point: latency-bound small messages favour recursive doubling,
-    # bandwidth-bound large ones favour the ring.
-    small, large = 1 << 10, 64 << 20
-    assert costmodel.predict_time("recursive_doubling", small, 8, alpha, beta) < costmodel.predict_time("ring", small, 8, alpha, beta)
-    assert costmodel.predict_time("ring", large, 8, alpha, beta) < costmodel.predict_time("recursive_doubling", large, 8, alpha, beta)
-    assert costmodel.predict_time("ring", 0, 1, alpha, beta) == 0.0
-
-
 def _sgd_step(reduce, check_vma, invariant=False):
     """A data-parallel SGD step in the shape of dtx.step's shard_map driver."""
     mesh = _mesh([("data", 8)])

@@ -1,8 +1,6 @@
-"""Tests for the analytic performance model, the planner and ``dtx simulate`` (Das et al., arXiv 1602.06709)."""
-import math
-import json
+"""Tests for the analytic performance model and the planner (Das et al., arXiv 1602.06709); the layer analysis
+is tested in test_layers.py, ``dtx simulate`` in test_simulate.py."""
 import os
-import re
 import time
 
 import flax.linen as nn
@@ -14,93 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtx import costmodel, perfmodel
-from dtx.clusters import PRESETS, Cluster, ClusterError, get_cluster
+from dtx.clusters import PRESETS, get_cluster
 from dtx.mesh import make_mesh
-from dtx.tools.simulate import simulate_main
 from dtx.models import build_model
+from test_layers import _ValidCNN  # an unpadded CNN: its conv layers are what the rules split
 
 HASWELL = get_cluster("haswell_fdr")
-
-# ------------------------------------------------------------------ hand counts from the layer tables
-# Per layer: (name, forward multiply-adds per image, parameters incl. biases).
-# MACs = H_out * W_out * C_out * (k * k * C_in); params = k * k * C_in * C_out + C_out.
-
-# Simonyan & Zisserman 2015, Table 1 config A: 3x3 convs, padding 1, 2x2 pools; 224x224x3 input.
-VGG_A_TABLE = [
-    ("conv1", 86_704_128, 1_792),  # 224*224*64*(9*3);       9*3*64 + 64
-    ("conv2", 924_844_032, 73_856),  # 112*112*128*(9*64);    9*64*128 + 128
-    ("conv3_1", 924_844_032, 295_168),  # 56*56*256*(9*128);  9*128*256 + 256
-    ("conv3_2", 1_849_688_064, 590_080),  # 56*56*256*(9*256); 9*256*256 + 256
-    ("conv4_1", 924_844_032, 1_180_160),  # 28*28*512*(9*256); 9*256*512 + 512
-    ("conv4_2", 1_849_688_064, 2_359_808),  # 28*28*512*(9*512); 9*512*512 + 512
-    ("conv5_1", 462_422_016, 2_359_808),  # 14*14*512*(9*512)
-    ("conv5_2", 462_422_016, 2_359_808),  # 14*14*512*(9*512)
-    ("fc6", 102_760_448, 102_764_544),  # (7*7*512)*4096;      + 4096
-    ("fc7", 16_777_216, 16_781_312),  # 4096*4096;             + 4096
-    ("fc8", 4_096_000, 4_097_000),  # 4096*1000;               + 1000
-]
-
-# Sermanet et al. 2014, Table 1 (fast model), 231x231x3 input: conv1 11x11/4 -> 56 (pool 28), conv2 5x5 -> 24
-# (pool 12), conv3-5 3x3 pad 1 -> 12 (pool 6), fc6 6*6*1024 -> 3072, fc7 -> 4096, fc8 -> 1000.
-OVERFEAT_FAST_TABLE = [
-    ("conv1", 109_283_328, 34_944),  # 56*56*96*(11*11*3);     363*96 + 96
-    ("conv2", 353_894_400, 614_656),  # 24*24*256*(5*5*96);     2400*256 + 256
-    ("conv3", 169_869_312, 1_180_160),  # 12*12*512*(9*256);    2304*512 + 512
-    ("conv4", 679_477_248, 4_719_616),  # 12*12*1024*(9*512);   4608*1024 + 1024
-    ("conv5", 1_358_954_496, 9_438_208),  # 12*12*1024*(9*1024); 9216*1024 + 1024
-    ("fc6", 113_246_208, 113_249_280),  # 36864*3072;            + 3072
-    ("fc7", 12_582_912, 12_587_008),  # 3072*4096;               + 4096
-    ("fc8", 4_096_000, 4_097_000),  # 4096*1000;                 + 1000
-]
-
-
-@pytest.mark.parametrize("name, table, macs_total", [
-    ("vgg_a", VGG_A_TABLE, 7_609_090_048),  # "7.6 G" (Simonyan & Zisserman Table 2 counts multiply-adds)
-    ("overfeat_fast", OVERFEAT_FAST_TABLE, 2_801_403_904),  # "2.81 G" (Sermanet et al. Table 4)
-])
-def test_per_layer_flops_and_params_match_the_layer_tables(name, table, macs_total):
-    model = build_model(name)
-    layers = perfmodel.analyze(model, type(model).default_input_shape)
-    assert [(l.name, l.macs, l.weights) for l in layers] == table
-    assert all(l.forward_flops == 2 * l.computed_macs and l.train_flops == 6 * l.computed_macs for l in layers)
-    assert sum(l.macs for l in layers) == macs_total
-    # What runs skips the taps that fall on padding: fewer MACs for padded convolutions only.
-    assert all(l.computed_macs == l.macs for l in layers if l.kind == "dense")
-    assert all(l.computed_macs <= l.macs for l in layers)
-    assert 0.9 * macs_total < sum(l.computed_macs for l in layers) < macs_total
-    fc6 = layers[-3]
-    assert (fc6.kind, fc6.in_elements, fc6.out_elements) == ("dense", fc6.kernel_shape[0], fc6.kernel_shape[1])
-
-
-class _ValidCNN(nn.Module):
-    """No padding: XLA's cost analysis counts only taps that hit real pixels, the papers count padded ones."""
-
-    @nn.compact
-    def __call__(self, x, train=False):
-        x = nn.relu(nn.Conv(16, (5, 5), padding="VALID", name="conv1")(x))
-        x = nn.relu(nn.Conv(32, (3, 3), strides=2, padding="VALID", name="conv2")(x))
-        x = nn.relu(nn.Dense(64, name="fc1")(x.reshape(x.shape[0], -1)))
-        return nn.Dense(10, name="fc2")(x)
-
-
-def _xla_flops(fn, *args) -> float:
-    cost = jax.jit(fn).lower(*args).cost_analysis()
-    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-
-
-def test_flops_agree_with_xla_cost_analysis():
-    model, batch = _ValidCNN(), 4
-    layers = perfmodel.analyze(model, (20, 20, 3))
-    x = jax.ShapeDtypeStruct((batch, 20, 20, 3), jnp.float32)
-    variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    forward = batch * sum(l.forward_flops for l in layers)
-    # XLA also counts bias adds and ReLUs: within 2 %.
-    assert _xla_flops(model.apply, variables, x) == pytest.approx(forward, rel=0.02)
-    # Backward = 2x forward, except that nothing asks for the gradient of the input images.
-    train = 3 * forward - batch * layers[0].forward_flops
-    grad = jax.grad(lambda v, x: jnp.sum(model.apply(v, x)))
-    assert _xla_flops(grad, variables, x) == pytest.approx(train, rel=0.02)
-
 
 # ------------------------------------------------------------------ roofline, communication, balance
 
@@ -256,70 +173,6 @@ def test_bad_input_is_refused_with_the_fix():
         perfmodel.make_plan(layers, HASWELL, 8, 64, algorithm="mesh")
     with pytest.raises(perfmodel.PerfModelError, match=r"exactly one of global_batch"):
         perfmodel.scaling(layers, HASWELL, [1, 2], global_batch=8, per_node_batch=2)
-    with pytest.raises(ClusterError, match=r"unknown cluster preset 'dgx'; choose one of cloud_10gbe, h100"):
-        get_cluster("dgx")
-    with pytest.raises(ClusterError, match=r"bandwidth must be a positive number, got -1"):
-        Cluster("x", node_flops=1e12, memory_bandwidth=1e11, latency=1e-6, bandwidth=-1)
-    with pytest.raises(ClusterError, match=r"efficiency\['conv'\] must be in \(0, 1\], got 1.5"):
-        HASWELL.replace(efficiency={"conv": 1.5, "dense": 0.7})
-
-
-# ------------------------------------------------------------------ CLI
-
-def test_simulate_json_reports_speedup_per_node_count(tmp_path, capsys):
-    argv = ["--model", "vgg_a", "--global-batch", "512", "--nodes", "1,2,4,8,16,32,64,128", "--node-flops", "2.3e12",
-            "--memory-bandwidth", "1.36e11", "--bandwidth", "6.8e9", "--latency", "2e-6", "--out", str(tmp_path),
-            "--json"]
-    assert simulate_main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
-    speedup = result["speedup"]
-    assert list(speedup) == ["1", "2", "4", "8", "16", "32", "64", "128"]
-    assert speedup["1"] == pytest.approx(1) and all(speedup[k] <= int(k) for k in speedup)
-    assert 60 < speedup["128"] < 128  # Das et al. §5 measure 90x for VGG-A at 128 nodes, batch 512
-    last = result["points"][-1]
-    assert last["mesh"] == [["data", 128 // last["group_size"]], ["model", last["group_size"]]]
-    assert last["rules"][-1] == [".*", []] and ["^fc6/kernel$", [None, "model"]] in last["rules"]
-    assert [row["layer"] for row in result["layers"]][-3:] == ["fc6", "fc7", "fc8"]
-    assert os.path.getsize(result["plot"]) > 0 and result["plot"].startswith(str(tmp_path))
-
-
-def test_simulate_table_with_a_preset(tmp_path, capsys):
-    argv = ["--model", "speech_dnn", "--cluster", "cloud_10gbe", "--per-node-batch", "16", "--nodes", "1,4,16",
-            "--overlap", "ideal", "--plan", "hybrid", "--out", str(tmp_path)]
-    assert simulate_main(argv) == 0
-    out = capsys.readouterr().out
-    assert "weak scaling, 16 per node" in out and "G=" in out and "fc7" in out
-    assert (tmp_path / "simulate_speech_dnn_cloud_10gbe.png").exists()
-
-
-def test_simulate_writes_no_file_unless_asked(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert simulate_main(["--model", "speech_dnn", "--cluster", "cloud_10gbe", "--nodes", "1,4"]) == 0
-    assert "pass --out DIR to save the speedup plot" in capsys.readouterr().out
-    assert simulate_main(["--model", "speech_dnn", "--cluster", "cloud_10gbe", "--nodes", "1,4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plot"] is None
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "alexnet", "--cluster", "haswell_fdr"], r"unknown model 'alexnet'.*vgg_a"),
-    (["--model", "vgg_a", "--cluster", "nope"], r"unknown cluster preset 'nope'"),
-    (["--model", "vgg_a", "--node-flops", "2.3e12"], r"without --cluster, give --memory-bandwidth, --bandwidth, "
-                                                     r"--latency"),
-    (["--model", "vgg_a", "--cluster", "haswell_fdr", "--bandwidth", "-5"], r"--bandwidth: must be a positive"),
-    (["--model", "vgg_a", "--cluster", "haswell_fdr", "--nodes", "1,two"], r"--nodes: expected comma-separated"),
-    (["--model", "vgg_a", "--cluster", "haswell_fdr", "--nodes", "1,3"], r"global batch 512 does not split evenly "
-                                                                          r"over 3 nodes"),
-    (["--model", "vgg_a", "--cluster", "haswell_fdr", "--group-size", "3", "--nodes", "1,2,4"],
-     r"group size 3 does not divide the 2 nodes of the \(data, model\) mesh; choose one of \[1, 2\]"),
-    (["--model", "vgg_a", "--cluster", "haswell_fdr", "--nodes", "4", "--group-size", "8"],
-     r"group size 8 does not divide the 4 nodes"),
-    (["--model", "mlp", "--cluster", "haswell_fdr"], r"no default input shape; pass --input-shape"),
-    (["--model", "vgg_a", "--cluster", "haswell_fdr", "--efficiency", "gpu=0.5"], r"unknown layer kind 'gpu'"),
-])
-def test_simulate_bad_input_exits_2_naming_the_fix(argv, message, capsys, tmp_path):
-    assert simulate_main(argv + ["--out", str(tmp_path)]) == 2
-    assert re.search(message, capsys.readouterr().err, flags=re.S)
 
 
 # ------------------------------------------------------------------ calibration on this machine
@@ -432,26 +285,3 @@ def test_the_trainer_runs_the_planners_rules(tmp_path):
     assert not kernel.sharding.is_fully_replicated  # the plan's layout is what ran
     for a, b in zip(jax.tree.leaves(planned.state.params), jax.tree.leaves(data.state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("padding, size, kernel, stride", [
-    ("SAME", 8, 3, 1), ("VALID", 8, 3, 1), ("SAME", 2, 3, 1), (((1, 1), (1, 1)), 5, 3, 1), ("SAME", 9, 4, 2),
-    ((2, 0), 7, 5, 2), ("CAUSAL", 6, 3, 1),
-])
-def test_conv_flops_are_what_xla_counts(padding, size, kernel, stride):
-    """Forward FLOPs of a convolution == XLA's cost analysis of it (which counts only in-bounds taps),
-    less the bias additions (one per output element), which the model leaves out."""
-
-    class OneConv(nn.Module):
-        @nn.compact
-        def __call__(self, x, train=False):
-            return nn.Conv(16, (kernel,) if padding == "CAUSAL" else (kernel, kernel), strides=stride,
-                           padding=padding)(x)
-
-    shape = (size, 8) if padding == "CAUSAL" else (size, size, 8)
-    model, x = OneConv(), jnp.zeros((1, *shape))
-    params = model.init(jax.random.key(0), x)
-    out = jax.eval_shape(model.apply, params, x)
-    xla = jax.jit(model.apply).lower(params, x).compile().cost_analysis()["flops"]
-    (layer,) = perfmodel.analyze(model, shape)
-    assert layer.forward_flops + math.prod(out.shape) == xla

@@ -1,0 +1,51 @@
+"""dtx.watchdog: a process stuck between steps exits with EXIT_CODE naming its step and rank; one still
+compiling (no step yet) or making progress is left alone. Each case runs in a child process (the watchdog ends
+its process with os._exit)."""
+import os
+import subprocess
+import sys
+import time
+
+from dtx.watchdog import EXIT_CODE
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The module by its path: the child skips importing JAX through dtx/__init__.py (seconds on a busy machine).
+_LOAD = """
+import importlib.util
+spec = importlib.util.spec_from_file_location("watchdog", "dtx/watchdog.py")
+watchdog_lib = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(watchdog_lib)
+StepWatchdog = watchdog_lib.StepWatchdog
+"""
+
+
+_STUCK = _LOAD + """
+import time
+with StepWatchdog(0.5, rank=3) as watchdog:
+    watchdog.tick(41)
+    time.sleep(30)  # a step that never finishes
+"""
+
+
+def test_watchdog_aborts_a_stuck_process_naming_step_and_rank():
+    start = time.time()
+    run = subprocess.run([sys.executable, "-c", _STUCK], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == EXIT_CODE == 86 and time.time() - start < 20
+    assert "rank 3" in run.stderr and "step 41" in run.stderr
+
+
+
+_ALIVE = _LOAD + """
+import time
+with StepWatchdog(1.0, rank=0) as watchdog:
+    time.sleep(1.5)  # compiling: not armed before the first tick
+    for step in range(5):  # steps of 0.1 s, each well inside the timeout
+        watchdog.tick(step)
+        time.sleep(0.1)
+print("done")
+"""
+
+
+def test_watchdog_waits_for_the_first_step_and_spares_a_live_process():
+    run = subprocess.run([sys.executable, "-c", _ALIVE], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr
