@@ -30,9 +30,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -43,6 +41,7 @@ from etils import epath
 
 from dtx import integrity
 from dtx.integrity import CheckpointDamaged, CheckpointError, flatten
+from dtx.preemption import PreemptionWatcher  # noqa: F401  (public here too: a run's other half of stopping)
 
 MANIFEST_VERSION = integrity.MANIFEST_VERSION
 SUPERSEDED = "superseded"  # where a resume moves the steps newer than the one it restored
@@ -388,44 +387,3 @@ def _check_matches(manifest: integrity.Manifest, target: Any, step_dir: str) -> 
                 f"checkpoint {step_dir}: {path!r} was saved as {saved_dtype}{saved_shape} "
                 f"but this run expects {dtype}{shape}; dtx never casts, pads or truncates on restore"
             )
-
-
-class PreemptionWatcher:
-    """SIGTERM -> stop at the next step boundary (after saving), instead of dying mid-step.
-
-    With several processes JAX's own preemption sync point decides, so every process
-    stops at the same step; there JAX installs the signal notifier itself (a handler
-    installed after ``jax.distributed.initialize`` would silently disable it).
-    """
-
-    def __init__(self, enabled: bool = True, multi_process: bool | None = None):
-        self.enabled = enabled
-        # Asked of the caller where it is known: jax.process_count() would start JAX's backend.
-        self._multi_process = multi_process
-        self._flag = threading.Event()
-        self._previous = None
-
-    @property
-    def multi_process(self) -> bool:
-        if self._multi_process is None:
-            self._multi_process = jax.process_count() > 1
-        return self._multi_process
-
-    def requested(self, step: int) -> bool:
-        if not self.enabled:
-            return False
-        if self.multi_process:
-            from jax.experimental import multihost_utils
-
-            return bool(multihost_utils.reached_preemption_sync_point(step))
-        return self._flag.is_set()
-
-    def __enter__(self) -> PreemptionWatcher:
-        if self.enabled and not self.multi_process and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
