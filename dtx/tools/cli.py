@@ -117,11 +117,12 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
               f"preempted at step {step} before anything new was saved; run the same command to start again")
         return 0
     final = result.metrics
-    print(
-        f"step {int(result.state.step)}: test_accuracy {final['test_accuracy']:.4f}  "
-        f"test_loss {final['test_loss']:.4f}  ({final['test_examples']} test examples, "
-        f"{config.driver} driver)"
-    )
+    # Whatever the task scores (accuracy, mae, perplexity ...), the loss first; none without a test split.
+    scores = sorted((k for k in final if k.startswith("test_") and k != "test_examples" and k != "test_tokens"),
+                    key=lambda k: (k != "test_loss", k))
+    shown = "  ".join(f"{k} {final[k]:.4f}" for k in scores) or "no test split"
+    examples = f"{final['test_examples']} test examples, " if "test_examples" in final else ""
+    print(f"step {int(result.state.step)}: {shown}  ({examples}{config.driver} driver)")
     print(f"records: {os.path.join(workdir, 'metrics.jsonl')}  (tensorboard --logdir {workdir})")
     return 0
 
