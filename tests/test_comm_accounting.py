@@ -59,6 +59,10 @@ for _name, _settings, _steps in [("async", dict(staleness=2), 1), ("ssp", dict(s
                                  ("easgd", dict(period=2), 2), ("gossip", {}, 1),
                                  ("gossip_exponential", dict(topology="exponential"), 3)]:
     CASES["strategy:" + _name] = dict(strategy=_name.split("_exp")[0], settings=_settings, steps=_steps)
+# Streaming DiLoCo's fragments (a lax.switch) and 1-bit Adam/LAMB's two stages (a lax.cond): a step of each branch.
+for _name, _settings in [("streaming_diloco", dict(period=2, fragments=2)), ("onebit_adam", dict(warmup_steps=1)),
+                         ("onebit_lamb", dict(warmup_steps=1))]:
+    CASES["strategy:" + _name] = dict(strategy=_name, settings=_settings, steps=2)
 # The averaging in a branch with dtx's own ring: no combiner, so the two agree exactly.
 CASES["strategy:local_sgd+ring"] = dict(strategy="local_sgd", settings=dict(period=2), steps=2, allreduce="ring")
 # float16 with loss scaling: the flag rides in the psum (psum, randomk) or in the averages' own op (the rest).
@@ -189,10 +193,17 @@ KNOWN_DIFFERENCES = {
     "strategy:gossip_exponential": "a reading convention: the reader lists every branch of the lax.switch over the "
                                    "⌈lg p⌉ = 3 mixing rounds, of which a step runs one: the sum of steps 0-2's "
                                    "mixing, and the averages once",
+    "strategy:streaming_diloco": "a reading convention: the reader lists both fragments' branches of the lax.switch, "
+                                 "of which a step runs one: the sum of steps 0-1's outer steps, and the averages once",
+    "strategy:onebit_adam": "a reading convention: the reader lists both stages' branches of the lax.cond (the "
+                            "gradient psum of the warm-up, the codes' all-to-all and all-gather after it): the sum of "
+                            "steps 0-1, and the averages once",
+    "strategy:onebit_lamb": "as strategy:onebit_adam",
 }
 PREDICT = {
     "tree": tree, "tree+bucket": tree, "compress:cast": cast, "strategy:ssp": ssp,
-    "strategy:gossip_exponential": every_branch,
+    "strategy:gossip_exponential": every_branch, "strategy:streaming_diloco": every_branch,
+    "strategy:onebit_adam": every_branch, "strategy:onebit_lamb": every_branch,
 }
 
 
