@@ -77,6 +77,7 @@ def base_config() -> ConfigDict:
     c.strategy.outer_bits = 0  # streaming_diloco: bits per outer-gradient entry (0: float32; 2..8: QSGD codes)
     c.strategy.merge_alpha = 0.5  # streaming_diloco with overlap: share of its own fragment a worker keeps
     c.strategy.warmup_steps = 100  # onebit_adam / onebit_lamb: full-precision Adam steps before 1-bit momentum
+    c.strategy.adam_eps = 0.0  # onebit_adam / onebit_lamb: Adam's epsilon (0: optax.adam's 1e-8 / dtx lamb's 1e-6)
 
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)

@@ -68,7 +68,7 @@ Reduce = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, Stats]]
 SETTINGS = ("backup_workers", "staleness", "random_delay", "period", "sync_steps", "outer_learning_rate", "outer_momentum", "rho",
             "moving_rate", "topology", "mixing", "consensus_every",
             "fragments", "overlap", "outer_bits", "merge_alpha",  # streaming_diloco
-            "warmup_steps")  # onebit_adam / onebit_lamb; the keys of config.strategy besides name
+            "warmup_steps", "adam_eps")  # onebit_adam / onebit_lamb; the keys of config.strategy besides name
 _DELAY_SALT = 0x64656C61  # separates async's delay draws from other users of the step key
 
 

@@ -187,5 +187,7 @@ def test_compressed_steps_send_over_5x_fewer_bytes_than_the_float32_ring(setup, 
 def test_bad_settings_name_the_key_and_the_fix():
     with pytest.raises(StrategyError, match=r"strategy.warmup_steps=0 must be an integer >= 1"):
         make_strategy("onebit_adam", warmup_steps=0)
+    with pytest.raises(StrategyError, match=r"strategy.adam_eps=-1.0 must be in \[0, 1\]"):
+        make_strategy("onebit_lamb", adam_eps=-1.0)
     with pytest.raises(config_lib.ConfigError, match=r"set --config.optimizer.name=sgd"):
         config_lib.override(config_lib.base_config(), **{"strategy.name": "onebit_lamb"})
