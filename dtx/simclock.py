@@ -255,3 +255,16 @@ def recorder_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype:
                         overlap=config.cluster.overlap, stragglers=stragglers_from_config(config),
                         drops=caps.drops, runs_ahead=caps.runs_ahead)
     return Recorder(model_, saved)
+
+
+def retime(records: Sequence[dict], model: ClockModel) -> dict[int, float]:
+    """``step -> sim_time_s`` of a run's training records on another clock (cluster, overlap, stragglers).
+
+    The run's bytes and rounds do not depend on the cluster, so its records re-timed by a
+    fresh :class:`Recorder` are what the run would have recorded there (its updates must not
+    depend on the straggler model either: backup's do, so train it once per model).
+    A step logged twice (a resumed run) counts once, its last record.
+    """
+    by_step = {r["step"]: r for r in records if "comm_bytes_total" in r or "loss" in r}
+    recorder = Recorder(model)
+    return {step: recorder(step, by_step[step])["sim_time_s"] for step in sorted(by_step) if step > 0}

@@ -271,3 +271,18 @@ def test_a_run_records_its_simulated_time_and_a_resume_continues_it(tmp_path, mo
     for k, record in enumerate(records):
         assert record["sim_time_s"] == pytest.approx(host.advance(k, record["comm_bytes"], record["comm_rounds"]),
                                                      **TIGHT)
+
+
+def test_records_retimed_on_their_own_clock_give_their_own_times_and_scale_with_the_link():
+    model = _noisy()
+    recorder = simclock.Recorder(model)
+    records = [{"step": 0, "num_params": 1}]
+    for step in (2, 4, 6):
+        records.append({"step": step, "loss": 1.0, "comm_bytes_total": 1e5 * step, "comm_rounds_per_step": 14.0})
+        records[-1].update(recorder(step, records[-1]))
+    records.append({"step": 6, "test_accuracy": 0.5})
+    assert simclock.retime(records, model) == {r["step"]: r["sim_time_s"] for r in records if "sim_time_s" in r}
+    no_latency = model._replace(latency=0.0, stragglers=Stragglers(), compute_s=0.0, reduce_s_per_byte=0.0)
+    times = [simclock.retime(records, no_latency._replace(bandwidth=f * model.bandwidth))[6] for f in (1, 2)]
+    assert times[1] == pytest.approx(times[0] / 2, **TIGHT)
+    assert times[0] == pytest.approx(6e5 / model.bandwidth, **TIGHT)
