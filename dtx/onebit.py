@@ -104,8 +104,9 @@ def make_onebit(name: str, warmup_steps: int, lamb: bool, b1: float, b2: float, 
             # Where the frozen variance is 0 (a gradient that was 0 all through the warm-up, e.g. the weights of an
             # always-blank pixel) the direction is 0, as Adam's would be: a sign code cannot say 0, and its ±scale
             # over ε would throw the parameter away.
-            direction = jax.tree.map(lambda m, n: jnp.where(n > 0, (m / (1 - b1 ** count)) / (jnp.sqrt(n / frozen) + eps),
-                                                            0.0), mu, moments.nu)
+            direction = jax.tree.map(
+                lambda m, n: jnp.where(n > 0, (m / (1 - b1 ** count)) / (jnp.sqrt(n / frozen) + eps), 0.0), mu,
+                moments.nu)
             worker = {"residual": treedef.unflatten([x - s for x, s in zip(v, sent)]),
                       "server": treedef.unflatten(server)}
             t = traffic(leaves, ctx.comm)

@@ -117,8 +117,8 @@ def _reference_step(setup, before, t, eps, ratios=None):
     out = {"params": [], "mu": [], "residual": [], "server": []}
     leaves = jax.tree.leaves(params)
     for j, (x, m, v) in enumerate(zip(leaves, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu))):
-        local = np.stack([(1 - B1) * np.asarray(g[j], np.float64).reshape(-1) + B1 * np.asarray(m, np.float64).reshape(-1)
-                          for g in grads])
+        momentum = np.asarray(m, np.float64).reshape(-1)
+        local = np.stack([(1 - B1) * np.asarray(g[j], np.float64).reshape(-1) + B1 * momentum for g in grads])
         residual = np.asarray(jax.tree.leaves(before.worker["strategy"]["residual"])[j], np.float64).reshape(P, -1)
         server = np.asarray(jax.tree.leaves(before.worker["strategy"]["server"])[j], np.float64).reshape(P, -1)
         mean, sent, server = _sign_allreduce(local + residual, server)
@@ -137,8 +137,9 @@ def _check_against_reference(setup, states, eps, ratios=None):
     for t in range(W, STEPS):
         want = _reference_step(setup, states[t - 1], t, eps, ratios)
         got = states[t]
-        for name, tree in [("params", got.params), ("mu", got.shared["adam"].mu),
-                           ("residual", got.worker["strategy"]["residual"]), ("server", got.worker["strategy"]["server"])]:
+        mine = got.worker["strategy"]
+        for name, tree in [("params", got.params), ("mu", got.shared["adam"].mu), ("residual", mine["residual"]),
+                           ("server", mine["server"])]:
             for a, b in zip(jax.tree.leaves(tree), want[name]):
                 np.testing.assert_allclose(a, b, **TOL, err_msg=f"{name}, step {t}")
         for a, b in zip(jax.tree.leaves(got.shared["adam"].nu), jax.tree.leaves(states[W - 1].shared["adam"].nu)):
@@ -158,7 +159,8 @@ def test_onebit_lamb_freezes_the_warmup_trust_ratios(setup):
     ratios = []
     for (path, x), m, v in zip(jax.tree_util.tree_leaves_with_path(last), jax.tree.leaves(adam.mu),
                                jax.tree.leaves(adam.nu)):
-        u = (np.asarray(m, np.float64) / _correction(B1, W)) / (np.sqrt(np.asarray(v, np.float64) / _correction(B2, W)) + 1e-6)
+        v_hat = np.asarray(v, np.float64) / _correction(B2, W)
+        u = (np.asarray(m, np.float64) / _correction(B1, W)) / (np.sqrt(v_hat) + 1e-6)
         excluded = jax.tree_util.keystr(path).endswith("['bias']")  # biases: no trust ratio, as dtx's lamb
         ratios.append(1.0 if excluded else float(np.linalg.norm(x) / np.linalg.norm(u)))
     np.testing.assert_allclose(jax.tree.leaves(states[W - 1].shared["trust"]), ratios, rtol=1e-5)

@@ -66,7 +66,8 @@ def test_one_fragment_without_overlap_is_diloco_exactly(setup, diloco_run):
     streaming = run(setup, make_strategy("streaming_diloco", period=2, fragments=1, outer_learning_rate=0.7,
                                          outer_momentum=0.9), 4)
     for a, b in zip(streaming["states"], diloco_run["states"]):
-        for x, y in zip(jax.tree.leaves((a.params, a.worker["strategy"])), jax.tree.leaves((b.params, b.worker["strategy"]))):
+        for x, y in zip(jax.tree.leaves((a.params, a.worker["strategy"])),
+                        jax.tree.leaves((b.params, b.worker["strategy"]))):
             np.testing.assert_array_equal(x, y)
         # The one fragment's outer momentum is DiLoCo's, flattened.
         np.testing.assert_array_equal(a.shared["outer_opt_state"][0][0].trace, np.concatenate(
@@ -173,7 +174,10 @@ def test_quantised_outer_gradients_send_4_bit_codes(setup):
     assert [int(r["comm_bytes"]) - METRICS_BYTES for r in out["records"]] == [expected, expected]
     assert expected * 7 < _ring(n)  # 4 bits + a scale per 512 entries vs 32 bits
     # Every worker decoded the same mean: the global model stays replicated, workers restart from it.
-    for leaf, mine in zip(jax.tree.leaves(out["state"].params), jax.tree.leaves(out["state"].worker["strategy"]["params"])):
+    for leaf, mine in zip(jax.tree.leaves(out["states"][-1].params),
+                          jax.tree.leaves(out["states"][-1].worker["strategy"]["params"])):
+        assert all(np.array_equal(leaf, worker) for worker in mine)  # H = 1: every worker restarts from θ
+    for leaf in jax.tree.leaves(out["state"].params):
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
         assert all(np.array_equal(shards[0], s) for s in shards[1:])
 
