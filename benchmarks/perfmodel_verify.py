@@ -25,7 +25,7 @@ import report  # noqa: E402
 
 from dtx import perfmodel, verify  # noqa: E402
 from dtx.clusters import get_cluster  # noqa: E402
-from dtx.tools.simulate import _plan_text  # noqa: E402
+from dtx.tools.simulate import plan_text  # noqa: E402
 from dtx.models import build_model  # noqa: E402
 
 CASES = [(name, nodes, "auto", None) for name in ("vgg_a", "overfeat_fast", "speech_dnn") for nodes in (2, 4, 8)]
@@ -53,7 +53,7 @@ def main() -> int:
         worst = max([worst] + [abs(r - 1) for c in layers + list(groups.values()) + [step]
                                for r in (c.flops_ratio, c.bytes_ratio) if r is not None])
         split = groups.get("model") or groups.get("hybrid")
-        rows.append(f"| {name} | {nodes} | {_plan_text(plan)} | {_cell(groups.get('data'))} | {_cell(split)} "
+        rows.append(f"| {name} | {nodes} | {plan_text(plan)} | {_cell(groups.get('data'))} | {_cell(split)} "
                     f"| {step.predicted_flops / 1e9:,.1f} | {step.compiled_flops / 1e9:,.1f} "
                     f"| {step.predicted_bytes / 1e6:,.1f} | {step.compiled_bytes / 1e6:,.1f} | {_cell(step)} "
                     f"| {max(abs(r - 1) for c in layers for r in (c.flops_ratio, c.bytes_ratio) if r is not None):.1%} |")

@@ -180,7 +180,7 @@ def _memory_rows(estimate, layers, points) -> list[dict]:
                              sharded=plan.sharded)
             else:
                 e = estimate(layers, layout, nodes=n, global_batch=batch, group_size=g)
-            rows.append(dict(nodes=n, layout=layout if layout != "plan" else f"plan ({_plan_text(plan)})",
+            rows.append(dict(nodes=n, layout=layout if layout != "plan" else f"plan ({plan_text(plan)})",
                              group_size=plan.group_size if layout == "plan" else g, params=e.params,
                              grads=e.grads, optimizer=e.optimizer, activations=e.activations, buffers=e.buffers,
                              total=e.total))
@@ -204,7 +204,7 @@ def _print_memory(rows: list[dict], cluster: Cluster, args) -> None:
               f"{_size(r['total']):>10}  {fits}")
 
 
-def _plan_text(plan: perfmodel.Plan) -> str:
+def plan_text(plan: perfmodel.Plan) -> str:
     if not plan.sharded:
         return "data"
     kind = "model" if plan.group_size == plan.nodes else "hybrid"
@@ -238,7 +238,7 @@ def _print_tables(args, cluster, points, report, plot) -> None:
           f"{'efficiency':>10}  plan")
     for p in points:
         print(f"{p.nodes:>6} {p.per_node_batch:>10g} {p.plan.times['none']:>11.4f}s {p.plan.times['ideal']:>11.4f}s "
-              f"{p.speedup:>8.2f} {p.efficiency:>10.3f}  {_plan_text(p.plan)}")
+              f"{p.speedup:>8.2f} {p.efficiency:>10.3f}  {plan_text(p.plan)}")
     last = points[-1]
     print(f"\nper layer at {last.nodes} nodes ({last.per_node_batch:g} per node; bytes sent per node per iteration; "
           f"balanced = data-parallel compute >= its allreduce, Das et al. §3):")
@@ -328,7 +328,12 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         plot = line_plot(series, os.path.join(args.out, f"simulate_{args.model}_{cluster.name}.png"),
                          title=f"{args.model} on {cluster.name}", xlabel="nodes", ylabel="speedup", logx=True)
 
-    verified = _verify(args, cluster, points) if args.verify else []
+    if args.verify:
+        from dtx.tools import plancheck  # compiles plans: JAX and the model zoo only when asked
+
+        verified = plancheck.verify_plans(args, cluster, points)
+    else:
+        verified = []
     if args.json:
         print(json.dumps(dict(
             model=args.model, cluster=_finite(dataclasses.asdict(cluster)),
@@ -345,67 +350,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             for message in refused.values():
                 print(f"refused: {message}")
         if args.verify:
-            _print_verify(verified)
+            plancheck.print_checks(verified)
     outside = [row for plan in verified for row in plan["checks"] if not row["within"]]
     return 1 if outside else 0
-
-
-VERIFY_TOLERANCE = 0.10  # the goal: compiled within 10 % of predicted, per layer, per group and for the step
-
-
-def _verify(args, cluster: Cluster, points) -> list[dict]:
-    """Compile each plan that fits the emulated devices; predicted against compiled (:mod:`dtx.verify`)."""
-    import jax
-
-    from dtx import verify
-    from dtx.models import build_model
-
-    if cluster.bytes_per_element == 2 and jax.default_backend() == "cpu":
-        # XLA:CPU runs bfloat16 collectives in float32: compile and predict at 4 bytes, a uniform factor.
-        cluster = cluster.replace(bytes_per_element=4)
-        print("verify: XLA:CPU sends bfloat16 collectives as float32, so plans are compiled and predicted at 4 bytes "
-              "per element; the 2-byte communication figures of the scaling tables are half of these", file=sys.stderr)
-    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}.get(cluster.bytes_per_element, "float32")
-    model = build_model(args.model, dtype=dtype, param_dtype=dtype)  # the bytes per element the model assumes
-    shape = args.input_shape or type(model).default_input_shape
-    devices = jax.devices()
-    out = []
-    for point in points:
-        if point.nodes > len(devices) or point.nodes < 2:
-            continue
-        layers = verify.verify_layers(model, shape, point.plan, cluster, algorithm=args.algorithm, devices=devices)
-        checks = layers + verify.group_totals(layers) + [verify.verify_step(model, shape, point.plan, cluster,
-                                                                           devices=devices)]
-        out.append(dict(nodes=point.nodes, group_size=point.plan.group_size, plan=_plan_text(point.plan),
-                        checks=[_check_json(c) for c in checks]))
-    return out
-
-
-def _check_json(check) -> dict:
-    ratios = (check.flops_ratio, check.bytes_ratio)
-    within = all(r is not None and abs(r - 1) <= VERIFY_TOLERANCE for r in ratios)
-    return dict(name=check.name, choice=check.choice, predicted_flops=check.predicted_flops,
-                compiled_flops=check.compiled_flops, flops_ratio=check.flops_ratio,
-                predicted_bytes=check.predicted_bytes, compiled_bytes=check.compiled_bytes,
-                bytes_ratio=check.bytes_ratio, within=within)
-
-
-def _print_verify(verified: list[dict]) -> None:
-    print("\nverify: each plan compiled on emulated CPU devices (nothing runs); per device per iteration; "
-          "predicted = dtx.perfmodel, compiled = XLA's cost analysis (FLOPs) and the HLO's collectives (bytes, "
-          "ring convention)")
-    if not verified:
-        print("  no plan of 2..--verify-devices nodes to compile; add such node counts to --nodes")
-    for plan in verified:
-        print(f"\n{plan['nodes']} nodes, {plan['plan']}:")
-        print(f"{'layer':>20} {'choice':>12} {'GFLOP model':>12} {'GFLOP XLA':>10} {'ratio':>6} "
-              f"{'MB model':>10} {'MB XLA':>10} {'ratio':>6}")
-        for row in plan["checks"]:
-            ratio = ["-" if r is None else f"{r:.3f}" for r in (row["flops_ratio"], row["bytes_ratio"])]
-            flag = "" if row["within"] else f"  outside {VERIFY_TOLERANCE:.0%}"
-            print(f"{row['name']:>20} {row['choice']:>12} {row['predicted_flops'] / 1e9:>12.4f} "
-                  f"{row['compiled_flops'] / 1e9:>10.4f} {ratio[0]:>6} {row['predicted_bytes'] / 1e6:>10.3f} "
-                  f"{row['compiled_bytes'] / 1e6:>10.3f} {ratio[1]:>6}{flag}")
 
 
 if __name__ == "__main__":
