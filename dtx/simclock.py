@@ -241,6 +241,13 @@ def recorder_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype:
     :class:`dtx.comm.Capabilities` (who waits for whom). Compute is timed as data parallel
     (every worker computes its share of every layer, as in ``dtx simulate --plan data``).
     """
+    model_ = model_for_run(config, model, input_shape, dtype, workers=workers, caps=caps)
+    return None if model_ is None else Recorder(model_, saved)
+
+
+def model_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype: Any, *, workers: int,
+                  caps: Any) -> ClockModel | None:
+    """The :class:`ClockModel` of a run's config (arguments as :func:`recorder_for_run`'s)."""
     cluster = cluster_from_config(config.cluster)
     if cluster is None:
         return None
@@ -250,11 +257,9 @@ def recorder_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype:
         raise ClockError(f"cluster.name={config.cluster.name!r}: the simulated clock times compute with the perf "
                          f"model's per-layer roofline, which cannot analyse this model ({e}); run without "
                          "--config.cluster") from None
-    model_ = make_model(cluster, layers, workers=workers, global_batch=config.global_batch_size,
-                        accum_steps=config.grad_accum_steps, algorithm=config.allreduce,
-                        overlap=config.cluster.overlap, stragglers=stragglers_from_config(config),
-                        drops=caps.drops, runs_ahead=caps.runs_ahead)
-    return Recorder(model_, saved)
+    return make_model(cluster, layers, workers=workers, global_batch=config.global_batch_size,
+                      accum_steps=config.grad_accum_steps, algorithm=config.allreduce, overlap=config.cluster.overlap,
+                      stragglers=stragglers_from_config(config), drops=caps.drops, runs_ahead=caps.runs_ahead)
 
 
 def retime(records: Sequence[dict], model: ClockModel) -> dict[int, float]:
