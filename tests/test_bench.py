@@ -74,12 +74,3 @@ def test_vary_values_split_at_top_level_commas():
     assert bench._top_level_split("(64,),(64, 64)") == ["(64,)", "(64, 64)"]
     assert bench._top_level_split('(("data", -1),),(("node", 2), ("local", 4))') == [
         '(("data", -1),)', '(("node", 2), ("local", 4))']
-
-
-def test_bench_alone_lists_its_commands(capsys):
-    assert main(["bench", "--help"]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"^  collectives +time every allreduce", out, re.M) and re.search(r"^  step +split", out, re.M)
-    assert main(["bench"]) == 2 and "  collectives" in capsys.readouterr().err
-    assert main(["bench", "stpe"]) == 2
-    assert "unknown command 'stpe'; choose from collectives, step" in capsys.readouterr().err

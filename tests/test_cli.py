@@ -1,0 +1,38 @@
+"""The ``dtx`` command line (dtx.tools.cli): it parses and calls, and every mistake is one line naming the fix
+with exit status 2. Nothing here trains or compiles."""
+import re
+
+import pytest
+
+from dtx.tools.cli import main
+
+
+def test_bench_alone_lists_its_commands(capsys):
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  collectives +time every allreduce", out, re.M) and re.search(r"^  step +split", out, re.M)
+    assert main(["bench"]) == 2 and "  collectives" in capsys.readouterr().err
+    assert main(["bench", "stpe"]) == 2
+    assert "unknown command 'stpe'; choose from collectives, step" in capsys.readouterr().err
+
+
+def test_train_refuses_unknown_arguments_and_keys_naming_the_override_form(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "digits_mlp", "--learning-rate=0.1"])
+    assert exit_.value.code == 2
+    assert "unrecognised arguments: --learning-rate=0.1 (config overrides are --config.KEY=VALUE)" in (
+        capsys.readouterr().err)
+    assert main(["train", "digits_mlp", "--config.nope=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dtx: config error:") and "nope" in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_command_is_listed_and_dispatched_to_its_module(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("train", "launch", "simulate", "plot", "eval", "export", "bench collectives", "bench step"):
+        assert re.search(rf"^\s+{command}\s", out, re.M), command
+    assert main(["simulate", "--model", "nope", "--cluster", "haswell_fdr"]) == 2  # reached dtx.tools.simulate
+    assert "unknown model 'nope'" in capsys.readouterr().err
