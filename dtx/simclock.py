@@ -171,7 +171,7 @@ class SimClock:
         self.model = model
         saved = saved or {}
         self.time = float(saved.get("time", 0.0))
-        # runs_ahead: each worker's finish times of the last s+1 steps (oldest first), and the step of the last
+        # runs_ahead: each worker's finish times of the last s+1 steps, oldest first
         self.finish = [list(map(float, row)) for row in saved.get("finish", [])]
 
     def step_time(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
