@@ -56,7 +56,7 @@ class TrainLoader:
         if global_batch_size > self.size:
             raise DataError(
                 f"global_batch_size={global_batch_size} is larger than the training set ({self.size} examples); "
-                "lower --config.global_batch_size"
+                "lower global_batch_size (the argument; --config.global_batch_size in a config)"
             )
         self.split, self.global_batch_size, self.seed = split, global_batch_size, seed
         self.steps_per_epoch = self.size // global_batch_size

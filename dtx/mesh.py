@@ -157,7 +157,7 @@ def check_batch_size(batch_size: int, mesh: Mesh, what: str = "global_batch_size
         raise MeshError(
             f"{what}={batch_size} is not divisible by the data-parallel size {shards} "
             f"(mesh axes {axes}); nearest valid sizes: {' or '.join(map(str, nearest))}. "
-            f"Set --config.{what}=<multiple of {shards}>."
+            f"Set {what} (the argument, or --config.{what}=<multiple of {shards}>) to a multiple of {shards}."
         )
 
 

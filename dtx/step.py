@@ -137,7 +137,7 @@ def make_train_step(
       this step was skipped) and ``skipped_steps``.
     """
     if accum_steps < 1:
-        raise StepError(f"accum_steps={accum_steps} must be >= 1")
+        raise StepError(f"accum_steps={accum_steps} must be >= 1 (config: --config.grad_accum_steps)")
     strategy = strategy or strategies.sync()
     compressor = compressor or compress.none()
     check_combination(driver, strategy, compressor, loss_scaler)
@@ -145,12 +145,13 @@ def make_train_step(
     shards = mesh_lib.data_parallel_size(mesh)
     donate_argnums = (0,) if donate else ()
     if layout is not None and driver != "jit":
-        raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
+        raise StepError("an activation layout (model-parallel layers) needs driver='jit' (--config.driver=jit)")
     if gradient_shardings is not None and driver == "shard_map":  # ZeRO's explicit collectives
         if not (strategy.caps.identity and compressor.caps.identity) or allreduce != "psum" or bucket_bytes \
                 or not communicate:
             raise StepError("ZeRO (gradient_shardings) reduce-scatters and all-gathers by itself: it runs "
-                            "strategy sync, no compression, allreduce 'psum', no buckets")
+                            "strategy sync, no compression, allreduce 'psum', no buckets (--config.strategy.name=sync "
+                            "--config.compression.name=none --config.allreduce=psum --config.bucket_bytes=0)")
         from dtx import zero
 
         return zero.make_zero_step(model, tx, mesh, stage=2 if shard_accumulator else 1,
@@ -158,7 +159,8 @@ def make_train_step(
                                    policy=policy, loss_scaler=loss_scaler, accum_steps=accum_steps,
                                    task=task, grad_norm=grad_norm, donate=donate)
     if shard_accumulator and driver != "jit":
-        raise StepError("shard_accumulator (ZeRO-2) needs gradient_shardings")
+        raise StepError("shard_accumulator=True (ZeRO-2, --config.parallel.name=zero2) needs driver='jit' "
+                        "(--config.driver=jit) and gradient_shardings")
     split_grads = (functools.partial(lax.with_sharding_constraint, shardings=gradient_shardings)
                    if gradient_shardings is not None else _identity)
     common = dict(split_grads=split_grads, split_micro=split_grads if shard_accumulator else _identity,
@@ -194,7 +196,8 @@ def make_train_step(
         return jax.jit(per_device, donate_argnums=donate_argnums)
     if driver == "jit":
         if allreduce != "psum" or bucket_bytes:
-            raise StepError(f"allreduce={allreduce!r} / bucket_bytes={bucket_bytes} need driver='shard_map'; "
+            raise StepError(f"allreduce={allreduce!r} / bucket_bytes={bucket_bytes} need driver='shard_map' "
+                            "(--config.driver=shard_map); "
                             "under 'jit' XLA chooses the collectives")
         if not communicate:
             raise StepError("communicate=False needs driver='shard_map' (under 'jit' XLA places the collectives)")
@@ -227,7 +230,8 @@ def check_combination(driver: str, strategy: Strategy, compressor: Compressor, l
     if driver == "jit" and not (strategy.caps.identity and compressor.caps.identity):
         raise StepError(
             f"strategy.name={strategy.name!r} / compression.name={compressor.name!r} need "
-            "--config.driver=shard_map: they place their own collectives, and under 'jit' XLA chooses them")
+            "driver='shard_map' (--config.driver=shard_map; make_train_step(..., driver='shard_map')): they place "
+            "their own collectives, and under 'jit' XLA chooses them")
     if strategy.caps.local_models and not compressor.caps.identity:
         raise StepError(
             f"compression.name={compressor.name!r} compresses the gradient allreduce, which strategy "
@@ -278,7 +282,7 @@ def make_eval_step(model: nn.Module, mesh: Mesh, *, driver: str = "shard_map", p
     """
     strategy = strategy or strategies.sync()
     if layout is not None and driver != "jit":
-        raise StepError("an activation layout (model-parallel layers) needs driver='jit'")
+        raise StepError("an activation layout (model-parallel layers) needs driver='jit' (--config.driver=jit)")
     layout = layout or contextlib.nullcontext
     task = task or task_lib.classification()
     axes = mesh_lib.batch_axes(mesh)

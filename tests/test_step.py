@@ -226,9 +226,9 @@ def test_relaxed_strategies_and_compression_refuse_the_jit_driver(meshes):
     from dtx.step import StepError, check_combination
 
     local, topk = strategies.make_strategy("local_sgd", period=2), compress.make_compressor("topk")
-    with pytest.raises(StepError, match="need --config.driver=shard_map"):
+    with pytest.raises(StepError, match=r"need driver='shard_map' \(--config.driver=shard_map"):
         check_combination("jit", local, compress.none(), precision.LossScaler())
-    with pytest.raises(StepError, match="need --config.driver=shard_map"):
+    with pytest.raises(StepError, match=r"need driver='shard_map' \(--config.driver=shard_map"):
         check_combination("jit", strategies.sync(), topk, precision.LossScaler())
     with pytest.raises(StepError, match="compresses the gradient allreduce"):
         check_combination("shard_map", local, topk, precision.LossScaler())
