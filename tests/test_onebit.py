@@ -193,3 +193,19 @@ def test_bad_settings_name_the_key_and_the_fix():
         make_strategy("onebit_lamb", adam_eps=-1.0)
     with pytest.raises(config_lib.ConfigError, match=r"set --config.optimizer.name=sgd"):
         config_lib.override(config_lib.base_config(), **{"strategy.name": "onebit_lamb"})
+
+
+def test_coordinates_whose_frozen_variance_is_zero_do_not_move(setup, adam_run):
+    """A gradient that was 0 all through the warm-up (a blank pixel's weights) leaves v = 0: its sign code
+    still says ±scale, which over ε would throw the parameter away; the direction there is 0, as Adam's."""
+    before = adam_run["states"][W - 1]
+    nu = [np.asarray(v).copy() for v in jax.tree.leaves(before.shared["adam"].nu)]
+    kernel = int(np.argmax([v.size for v in nu]))
+    nu[kernel][0] = 0.0  # the first input's row
+    host = before.replace(shared={"adam": before.shared["adam"]._replace(
+        nu=jax.tree.unflatten(jax.tree.structure(before.shared["adam"].nu), nu))})
+    state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, adam_run["state"]))
+    after, _ = adam_run["step"](state, setup["batches"][W])
+    old, new = jax.tree.leaves(before.params)[kernel], jax.tree.leaves(jax.device_get(after.params))[kernel]
+    np.testing.assert_array_equal(new[0], old[0])
+    assert np.all(new[1:] != old[1:])
