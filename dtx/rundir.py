@@ -161,14 +161,17 @@ RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_e
                       "log_grad_norm")
 
 
-def _with_defaults(saved: dict, defaults: dict) -> dict:
-    """``saved`` with the keys it lacks taken from ``defaults``, block by block."""
+def _with_defaults(saved: dict, defaults: dict, current: dict) -> dict:
+    """``saved`` with the keys it lacks taken from ``defaults``, block by block: only keys the run now has
+    (a block an experiment replaced, e.g. ``model`` of another architecture, gains no default's keys)."""
     merged = dict(saved)
     for key, value in defaults.items():
+        if key not in current:
+            continue
         if key not in merged:
             merged[key] = value
-        elif isinstance(value, dict) and isinstance(merged[key], dict):
-            merged[key] = _with_defaults(merged[key], value)
+        elif isinstance(value, dict) and isinstance(merged[key], dict) and isinstance(current[key], dict):
+            merged[key] = _with_defaults(merged[key], value, current[key])
     return merged
 
 
@@ -178,7 +181,7 @@ def check_resumable(saved: dict, config: ConfigDict) -> None:
     current = json.loads(config.to_json())  # the saved copy went through JSON too (tuples -> lists)
     # A key added to dtx after the checkpoint was written takes its default there: the run that
     # saved it ran with what that default means (e.g. task.name=classification).
-    saved = _with_defaults(saved, json.loads(config_lib.base_config().to_json())) if saved else saved
+    saved = _with_defaults(saved, json.loads(config_lib.base_config().to_json()), current) if saved else saved
     changed = sorted(k for k in set(saved) | set(current)
                      if k not in RESUME_MAY_CHANGE and saved.get(k) != current.get(k))
     if saved and changed:

@@ -28,3 +28,10 @@ def test_what_a_resume_may_and_may_not_change():
     check_resumable(saved, config_lib.override(config, num_steps=7, driver="jit"))
     with pytest.raises(config_lib.ConfigError, match="seed differ"):
         check_resumable(saved, config_lib.override(config, seed=config.seed + 1))
+
+
+def test_a_block_the_experiment_replaced_gains_no_default_keys():
+    """An experiment's own model block (lenet: no ``features``) resumes: defaults fill only keys the run has."""
+    config = config_lib.base_config()
+    config.model = config_lib.ConfigDict(dict(name="lenet", conv_features=(4,), dense_features=()))
+    check_resumable(_saved(config), config)
