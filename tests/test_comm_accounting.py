@@ -57,7 +57,8 @@ for _name in compress.COMPRESSORS:
 for _name, _settings, _steps in [("async", dict(staleness=2), 1), ("ssp", dict(staleness=2), 1),
                                  ("local_sgd", dict(period=2), 2), ("diloco", dict(period=2), 2),
                                  ("easgd", dict(period=2), 2), ("gossip", {}, 1),
-                                 ("gossip_exponential", dict(topology="exponential"), 3)]:
+                                 ("gossip_exponential", dict(topology="exponential"), 3),
+                                 ("backup", dict(backup_workers=2), 1)]:
     CASES["strategy:" + _name] = dict(strategy=_name.split("_exp")[0], settings=_settings, steps=_steps)
 # Streaming DiLoCo's fragments (a lax.switch) and 1-bit Adam/LAMB's two stages (a lax.cond): a step of each branch.
 for _name, _settings in [("streaming_diloco", dict(period=2, fragments=2)), ("onebit_adam", dict(warmup_steps=1)),
