@@ -1,0 +1,44 @@
+"""dtx.body: the per-worker body's named jobs on one worker (no axes): the step's keys, the averages and the
+loss-scaling skip, by hand. The body end to end, both drivers against one device, is tests/test_step.py."""
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dtx import body
+from dtx.costmodel import Traffic
+
+
+class _State(NamedTuple):
+    params: Any
+    model_state: Any
+
+
+def test_step_keys_carry_a_fresh_rng_and_a_shared_key_apart_from_the_workers():
+    rng = jax.random.key_data(jax.random.key(7))
+    keyed = type("Keyed", (), {"rng": rng})()  # step_keys reads only the state's rng
+    carried, step_rng, shared, index = body.step_keys(keyed, axes=())
+    again = body.step_keys(keyed, axes=())
+    assert all(np.array_equal(jax.random.key_data(a), jax.random.key_data(b)) for a, b in zip((carried, step_rng,
+                                                                                              shared), again[:3]))
+    datas = [np.asarray(jax.random.key_data(k)).tobytes() for k in (carried, step_rng, shared)]
+    assert len(set(datas)) == 3 and datas[0] != np.asarray(rng).tobytes() and int(index) == 0
+
+
+def test_averages_on_one_worker_send_nothing_and_report_overflow():
+    mean = body.averages((), jnp.float32(2.0), {"accuracy": jnp.float32(0.5)}, jnp.bool_(False), {"bn": 1.0})
+    assert (float(mean.loss), float(mean.values["accuracy"]), bool(mean.finite)) == (2.0, 0.5, False)
+    assert mean.traffic == Traffic(0, 0) and mean.model_state == {"bn": 1.0}
+    assert body.averages((), jnp.float32(1.0), {}, None, {}).finite is None  # no loss scaling: no verdict
+
+
+def test_an_overflowing_step_leaves_the_state_and_statistics_as_they_were():
+    old = _State({"w": jnp.ones(2)}, {"mean": jnp.zeros(2)})
+    new = _State({"w": jnp.full(2, 5.0)}, {"mean": jnp.full(2, 9.0)})
+    kept, stats = body.skip_unless_finite(jnp.bool_(False), new, new.model_state, old)
+    np.testing.assert_array_equal(kept.params["w"], old.params["w"])
+    np.testing.assert_array_equal(stats["mean"], old.model_state["mean"])
+    applied, stats = body.skip_unless_finite(jnp.bool_(True), new, new.model_state, old)
+    np.testing.assert_array_equal(applied.params["w"], new.params["w"])
+    np.testing.assert_array_equal(stats["mean"], new.model_state["mean"])
