@@ -23,6 +23,7 @@ from dtx import tasks as tasks_lib
 from dtx import userdata
 from dtx import compress, flops, hlo, models, optim, parallel, perfmodel, precision, simclock, strategies
 from dtx.data import TrainLoader
+from dtx.paths import named_leaves
 from dtx.state import TrainState, abstract_train_state, init_train_state
 from dtx.step import check_accumulation, check_combination, make_train_step
 
@@ -272,8 +273,7 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
 
 
 def _shardings_by_path(params) -> list:
-    return [(jax.tree_util.keystr(path, simple=True, separator="/"), sharding)
-            for path, sharding in jax.tree_util.tree_leaves_with_path(params)]
+    return named_leaves(params)
 
 
 def _settings(block: ConfigDict) -> dict:
