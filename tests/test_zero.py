@@ -103,3 +103,30 @@ def test_zero_under_shard_map_refuses_what_it_cannot_run():
     with pytest.raises(StepError, match="allreduce 'psum'"):
         make_train_step(model, tx, mesh, driver="shard_map", state_shardings=shardings, gradient_shardings=grads,
                         allreduce="ring")
+
+
+def test_zero_under_shard_map_skips_an_overflowing_step_everywhere():
+    """float16 compute with dynamic loss scaling: a scale that overflows the gradients skips the step
+    (parameters and optimizer state bit-unchanged, the scale halved); a sane scale applies it."""
+    from dtx import precision
+
+    digits = datasets.load_dataset("digits")
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    mesh = mesh_lib.make_mesh([("data", 8)])
+    policy = precision.parse_policy("p=f32,c=f16")
+    tx = optim.make_optimizer("momentum", 1e-2, momentum=0.9)
+    batch = TrainLoader(digits.train, 64, mesh, seed=0).batch(0)
+    for scale, skipped in ((2.0**60, 1), (2.0**8, 0)):
+        scaler = precision.LossScaler(enabled=True, initial_scale=scale)
+        model, shardings, grads = _parts("zero1", mesh, tx, example)
+        model = model.clone(dtype=policy.compute)
+        state = init_train_state(model, tx, example, 0, mesh, loss_scaler=scaler, shardings=shardings)
+        before = jax.device_get((state.params, state.opt_state))
+        step = make_train_step(model, tx, mesh, driver="shard_map", state_shardings=shardings, policy=policy,
+                               loss_scaler=scaler, gradient_shardings=grads, donate=False)
+        new, metrics = step(state, batch)
+        assert int(metrics["skipped"]) == skipped
+        after = jax.device_get((new.params, new.opt_state))
+        same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+        assert same == bool(skipped)
+        assert float(new.loss_scale.scale) == (scale / 2 if skipped else scale)
