@@ -31,3 +31,46 @@ def eight_devices():
         "JAX was started before tests/conftest.py could configure it."
     )
     return devices
+
+
+@pytest.fixture(scope="session")
+def mlp16():
+    """The strategy tests' common set-up: digits, a flat mesh of the 8 devices, ``mlp(16)``, its example
+    shape and a jitted one-device gradient (references); ``mlp16(batch, steps)`` adds that many batches."""
+    from dtx import datasets, models
+    from dtx import mesh as mesh_lib
+    from dtx.data import TrainLoader
+    from dtx.tasks import cross_entropy
+
+    digits = datasets.load_dataset("digits")
+    mesh = mesh_lib.make_mesh([("data", -1)])
+    model = models.build_model("mlp", features=(16,))
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(model.apply({"params": p}, x, train=True), y).mean()))
+
+    def make(batch: int, steps: int) -> dict:
+        loader = TrainLoader(digits.train, batch, mesh, seed=0)
+        return dict(digits=digits, mesh=mesh, model=model, example=example, grad=grad,
+                    batches=[loader.batch(s) for s in range(steps)])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def run_steps():
+    """``run_steps(setup, tx, steps, strategy=None)``: train ``steps`` steps of an ``mlp16`` set-up, keeping
+    every step's host state and metrics (``states``, ``records``), the step function and the last state."""
+    from dtx.state import init_train_state
+    from dtx.step import make_train_step
+
+    def run(setup, tx, steps, strategy=None):
+        state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+        step = make_train_step(setup["model"], tx, setup["mesh"], strategy=strategy, donate=False)
+        states, records = [], []
+        for t in range(steps):
+            state, metrics = step(state, setup["batches"][t])
+            records.append(jax.device_get(metrics))  # also waits for the step: no steps pile up in flight
+            states.append(jax.device_get(state))
+        return dict(states=states, records=records, step=step, state=state)
+
+    return run

@@ -9,11 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from dtx import clusters, comm, datasets, models, perfmodel, simclock
-from dtx import mesh as mesh_lib
-from dtx.data import TrainLoader
+from dtx import clusters, comm, models, perfmodel, simclock
 from dtx.state import init_train_state
-from dtx.step import cross_entropy, make_train_step
+from dtx.step import make_train_step
 from dtx.strategies import StepContext, StrategyError, make_strategy
 from dtx.stragglers import Stragglers
 
@@ -23,16 +21,10 @@ NOISE = Stragglers("lognormal", 3, 0.5)
 
 
 @pytest.fixture(scope="module")
-def setup():
-    digits = datasets.load_dataset("digits")
-    mesh = mesh_lib.make_mesh([("data", -1)])
-    model = models.build_model("mlp", features=(16,))
-    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-    grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(model.apply({"params": p}, x, train=True), y).mean()))
-    initial = jax.device_get(init_train_state(model, optax.sgd(LR), example, seed=0, mesh=mesh).params)
-    return dict(mesh=mesh, model=model, example=example, batches=[loader.batch(s) for s in range(STEPS)], grad=grad,
-                initial=initial)
+def setup(mlp16):
+    setup = mlp16(BATCH, STEPS)
+    state = init_train_state(setup["model"], optax.sgd(LR), setup["example"], seed=0, mesh=setup["mesh"])
+    return {**setup, "initial": jax.device_get(state.params)}
 
 
 def _run(setup, strategy):

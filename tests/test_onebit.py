@@ -13,13 +13,8 @@ import optax
 import pytest
 
 from dtx import config as config_lib
-from dtx import costmodel, datasets, hlo, models, quantize
-from dtx import mesh as mesh_lib
-from dtx.data import TrainLoader
-from dtx.state import init_train_state
-from dtx.step import make_train_step
+from dtx import costmodel, hlo, quantize
 from dtx.strategies import StrategyError, make_strategy
-from dtx.tasks import cross_entropy
 
 P = 8
 BATCH = 64
@@ -35,43 +30,26 @@ def _correction(beta, count):
 
 
 @pytest.fixture(scope="module")
-def setup():
-    digits = datasets.load_dataset("digits")
-    mesh = mesh_lib.make_mesh([("data", -1)])
-    model = models.build_model("mlp", features=(16,))
-    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-    grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(model.apply({"params": p}, x, train=True), y).mean()))
+def setup(mlp16):
+    setup = mlp16(BATCH, STEPS)
     # Dense random inputs: blank pixels would leave momentum entries at rounding level, whose sign the host
     # reference and the device may then decide differently (1 of 8 codes flipped moves its chunk's scale).
     rng = np.random.default_rng(0)
     batches = []
-    for s in range(STEPS):
-        batch = loader.batch(s)
+    for batch in setup["batches"]:
         noise = rng.normal(size=batch["inputs"].shape).astype(np.float32)
         batches.append({**batch, "inputs": jax.device_put(noise, batch["inputs"].sharding)})
-    return dict(mesh=mesh, model=model, example=example, grad=grad, batches=batches)
-
-
-def run(setup, tx, steps, strategy=None):
-    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
-    step = make_train_step(setup["model"], tx, setup["mesh"], strategy=strategy, donate=False)
-    states, records = [], []
-    for t in range(steps):
-        state, m = step(state, setup["batches"][t])
-        records.append(jax.device_get(m))
-        states.append(jax.device_get(state))
-    return dict(states=states, records=records, step=step, state=state)
+    return {**setup, "batches": batches}
 
 
 @pytest.fixture(scope="module")
-def adam_run(setup):
-    return run(setup, optax.sgd(LR), STEPS, make_strategy("onebit_adam", warmup_steps=W))
+def adam_run(setup, run_steps):
+    return run_steps(setup, optax.sgd(LR), STEPS, make_strategy("onebit_adam", warmup_steps=W))
 
 
 @pytest.fixture(scope="module")
-def sync_adam(setup):
-    return run(setup, optax.adam(LR), W)
+def sync_adam(setup, run_steps):
+    return run_steps(setup, optax.adam(LR), W)
 
 
 def test_warmup_is_optax_adam_under_sync(adam_run, sync_adam):
@@ -153,8 +131,8 @@ def test_compressed_steps_match_the_papers_update_in_numpy(setup, adam_run):
     assert np.abs(jax.tree.leaves(adam_run["states"][-1].worker["strategy"]["server"])[1]).max() > 0
 
 
-def test_onebit_lamb_freezes_the_warmup_trust_ratios(setup):
-    states = run(setup, optax.sgd(LR), STEPS, make_strategy("onebit_lamb", warmup_steps=W))["states"]
+def test_onebit_lamb_freezes_the_warmup_trust_ratios(setup, run_steps):
+    states = run_steps(setup, optax.sgd(LR), STEPS, make_strategy("onebit_lamb", warmup_steps=W))["states"]
     last, adam = states[W - 2].params, states[W - 1].shared["adam"]
     ratios = []
     for (path, x), m, v in zip(jax.tree_util.tree_leaves_with_path(last), jax.tree.leaves(adam.mu),

@@ -11,16 +11,14 @@ differences of parameters of size ~0.1–1).
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from dtx import models
 from dtx import config as config_lib
-from dtx import costmodel, datasets, hlo, metrics, optim, strategies
-from dtx import mesh as mesh_lib
-from dtx.data import TrainLoader, eval_batches
+from dtx import costmodel, hlo, metrics, optim, strategies
+from dtx.data import eval_batches
 from dtx.state import init_train_state
 from dtx.step import cross_entropy, make_eval_step, make_train_step
 from dtx.strategies import StrategyError, make_strategy, mixing_matrix
@@ -37,14 +35,8 @@ METRICS_BYTES, METRICS_ROUNDS = 2 * (P - 1) * 4, 2 * (P - 1)
 
 
 @pytest.fixture(scope="module")
-def setup():
-    digits = datasets.load_dataset("digits")
-    mesh = mesh_lib.make_mesh([("data", -1)])
-    model = models.build_model("mlp", features=(16,))
-    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-    return dict(digits=digits, mesh=mesh, model=model, example=example,
-                batches=[loader.batch(s) for s in range(10)])
+def setup(mlp16):
+    return mlp16(BATCH, 10)
 
 
 def momentum():

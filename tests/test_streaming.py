@@ -11,11 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from dtx import costmodel, datasets, hlo, models, quantize
-from dtx import mesh as mesh_lib
-from dtx.data import TrainLoader
+from dtx import costmodel, hlo, quantize
 from dtx.state import init_train_state
-from dtx.step import make_train_step
 from dtx.strategies import StrategyError, make_strategy
 from dtx.streaming import fragment_slices
 from dtx.tasks import cross_entropy
@@ -28,29 +25,18 @@ LR, BETA = 0.05, 0.5  # inner SGD with momentum
 
 
 @pytest.fixture(scope="module")
-def setup():
-    digits = datasets.load_dataset("digits")
-    mesh = mesh_lib.make_mesh([("data", -1)])
-    model = models.build_model("mlp", features=(16,))
-    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-    return dict(mesh=mesh, model=model, example=example, batches=[loader.batch(s) for s in range(8)])
-
-
-def run(setup, strategy, steps):
-    tx = optax.sgd(LR, momentum=BETA)
-    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
-    step = make_train_step(setup["model"], tx, setup["mesh"], strategy=strategy, donate=False)
-    states, records = [], []
-    for t in range(steps):
-        state, m = step(state, setup["batches"][t])
-        records.append(jax.device_get(m))
-        states.append(jax.device_get(state))
-    return dict(states=states, records=records, step=step, state=state)
+def setup(mlp16):
+    return mlp16(BATCH, 8)
 
 
 @pytest.fixture(scope="module")
-def diloco_run(setup):
+def run(run_steps):
+    """``run(setup, strategy, steps)``: inner SGD with momentum."""
+    return lambda setup, strategy, steps: run_steps(setup, optax.sgd(LR, momentum=BETA), steps, strategy)
+
+
+@pytest.fixture(scope="module")
+def diloco_run(setup, run):
     return run(setup, make_strategy("diloco", period=2, outer_learning_rate=0.7, outer_momentum=0.9), 4)
 
 
@@ -58,11 +44,11 @@ STAGGERED = dict(period=4, fragments=2, overlap=1, merge_alpha=0.25, outer_learn
 
 
 @pytest.fixture(scope="module")
-def staggered_run(setup):
+def staggered_run(setup, run):
     return run(setup, make_strategy("streaming_diloco", **STAGGERED), 8)
 
 
-def test_one_fragment_without_overlap_is_diloco_exactly(setup, diloco_run):
+def test_one_fragment_without_overlap_is_diloco_exactly(setup, diloco_run, run):
     streaming = run(setup, make_strategy("streaming_diloco", period=2, fragments=1, outer_learning_rate=0.7,
                                          outer_momentum=0.9), 4)
     for a, b in zip(streaming["states"], diloco_run["states"]):
@@ -165,7 +151,7 @@ def test_compiled_step_sends_one_fragment_per_branch(setup, staggered_run):
     assert sorted(c.operand_bytes for c in found if c.context == "conditional") == fragments
 
 
-def test_quantised_outer_gradients_send_4_bit_codes(setup):
+def test_quantised_outer_gradients_send_4_bit_codes(setup, run):
     # One fragment, an outer step every step: the smallest program that sends the codes.
     out = run(setup, make_strategy("streaming_diloco", period=1, outer_bits=4), 2)
     n = sum(x.size for x in jax.tree.leaves(out["states"][0].params))
