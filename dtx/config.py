@@ -87,6 +87,7 @@ def base_config() -> ConfigDict:
     c.cluster.memory_bandwidth = 0.0  # bytes/s per node (0: the preset's)
     c.cluster.bandwidth = 0.0  # network bytes/s per node and direction (0: the preset's)
     c.cluster.latency = -1.0  # network latency alpha, seconds (-1: the preset's)
+    c.cluster.compute_s = 0.0  # one worker's compute per step, seconds, measured on your node (0: perf-model roofline)
     c.cluster.overlap = 0.0  # fraction of the backward pass communication hides behind, in [0, 1]
     c.cluster.straggler = "none"  # none | lognormal (sigma) | slow (slow_fraction, slow_factor); seeded by seed
     c.cluster.sigma = 0.3  # lognormal: sigma of each worker's compute-time multiplier (mean 1)
@@ -239,6 +240,9 @@ def _check_cluster(config: ConfigDict) -> None:
     if not 0 <= config.cluster.overlap <= 1:
         raise ConfigError(f"cluster.overlap={config.cluster.overlap!r} must be in [0, 1] (fraction of the backward "
                           "pass communication hides behind; 0: none)")
+    if not (config.cluster.compute_s >= 0 and config.cluster.compute_s < float("inf")):
+        raise ConfigError(f"cluster.compute_s={config.cluster.compute_s!r} must be >= 0 seconds: one worker's "
+                          "compute per step measured on your node (0: the perf model's roofline)")
     if config.strategy.backup_workers < 0:
         raise ConfigError(f"strategy.backup_workers={config.strategy.backup_workers} must be >= 0")
 

@@ -10,7 +10,10 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
   roofline (:func:`dtx.perfmodel.layer_cost`, the function ``dtx simulate``'s plans are
   made of: ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)`` per Dense or
   Conv layer at the worker's batch; element-wise layers and attention's einsums are not
-  counted). Modelled, never measured on this machine.
+  counted). Modelled, never measured on this machine — unless ``cluster.compute_s``
+  gives the step's compute in seconds as measured on the real node (your model on
+  your GPU, at the run's per-worker batch): the clock then uses that figure for every
+  worker and step, before stragglers.
 * **communication** — from what the step actually sent, the accountant's
   ``comm_bytes`` and ``comm_rounds`` per worker (:mod:`dtx.comm`): the α-β model of
   :mod:`dtx.costmodel`, ``α·rounds + bytes/bandwidth``, plus the reduction's
@@ -144,11 +147,16 @@ class ClockModel(NamedTuple):
 def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: int, global_batch: int,
                nodes: int | None = None, accum_steps: int = 1, algorithm: str = "psum", overlap: float = 0.0,
                stragglers: Stragglers = Stragglers(), drops: int = 0, runs_ahead: int = 0, group: int = 1,
-               sharded: Sequence[str] = ()) -> ClockModel:
-    """The :class:`ClockModel` of a run: ``workers`` data-parallel workers (``nodes`` devices, default the same)."""
+               sharded: Sequence[str] = (), compute_s: float = 0.0) -> ClockModel:
+    """The :class:`ClockModel` of a run: ``workers`` data-parallel workers (``nodes`` devices, default the same).
+
+    ``compute_s > 0`` is one worker's measured compute per step and replaces the roofline's.
+    """
     if not 0 <= overlap <= 1:
         raise ClockError(f"cluster.overlap={overlap!r} must be in [0, 1] (fraction of the backward pass "
                          "communication hides behind; 0: none, as dtx simulate's overlap=none)")
+    if not 0 <= compute_s < np.inf:
+        raise ClockError(f"cluster.compute_s={compute_s!r} must be >= 0 seconds (0: the perf model's roofline)")
     if drops and runs_ahead:
         raise ClockError("a strategy either drops late gradients or lets workers run ahead, not both")
     if not 0 <= drops < workers:
@@ -158,8 +166,8 @@ def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: 
     terms = costmodel.cost_terms(costmodel.schedule("ring" if algorithm == "hierarchical" else algorithm), 1.0,
                                  max(workers, 2))
     gamma = 3.0 / cluster.memory_bandwidth * terms.reduced_bytes / terms.path_bytes
-    compute = compute_seconds(layers, cluster, nodes, global_batch, accum_steps=accum_steps, group=group,
-                              sharded=sharded)
+    compute = float(compute_s) or compute_seconds(layers, cluster, nodes, global_batch, accum_steps=accum_steps,
+                                                   group=group, sharded=sharded)
     return ClockModel(compute, alpha, bandwidth, gamma, float(overlap), workers, stragglers, int(drops),
                       int(runs_ahead))
 
@@ -251,15 +259,18 @@ def model_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype: An
     cluster = cluster_from_config(config.cluster)
     if cluster is None:
         return None
-    try:
-        layers = perfmodel.analyze(model, input_shape, dtype=dtype)
+    measured = float(config.cluster.get("compute_s", 0.0))
+    try:  # a measured compute needs no roofline, so any model works with it
+        layers = () if measured else perfmodel.analyze(model, input_shape, dtype=dtype)
     except (perfmodel.PerfModelError, TypeError, ValueError) as e:
         raise ClockError(f"cluster.name={config.cluster.name!r}: the simulated clock times compute with the perf "
-                         f"model's per-layer roofline, which cannot analyse this model ({e}); run without "
+                         f"model's per-layer roofline, which cannot analyse this model ({e}); give the step's "
+                         "compute measured on your node (--config.cluster.compute_s=SECONDS) or run without "
                          "--config.cluster") from None
     return make_model(cluster, layers, workers=workers, global_batch=config.global_batch_size,
                       accum_steps=config.grad_accum_steps, algorithm=config.allreduce, overlap=config.cluster.overlap,
-                      stragglers=stragglers_from_config(config), drops=caps.drops, runs_ahead=caps.runs_ahead)
+                      stragglers=stragglers_from_config(config), drops=caps.drops, runs_ahead=caps.runs_ahead,
+                      compute_s=measured)
 
 
 def retime(records: Sequence[dict], model: ClockModel) -> dict[int, float]:

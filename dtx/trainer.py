@@ -193,7 +193,8 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     state = resumed.state if resuming else setup.init_state(config, parts, mesh)
     saved = resumed.metadata if resuming else {}
     # --config.cluster: every record's sim_time_s, the run's modelled time on that cluster (dtx.simclock)
-    clock = simclock.recorder_for_run(config, parts.model, parts.example.shape[1:], parts.policy.compute,
+    # the example's own dtype: a token model takes integer ids (the clock only traces shapes)
+    clock = simclock.recorder_for_run(config, parts.model, parts.example.shape[1:], parts.example.dtype,
                                       workers=parts.workers, caps=parts.strategy.caps, saved=saved.get("clock"))
     start_step = int(to_host(state.step))
     if resuming and jax.process_index() == 0:

@@ -190,6 +190,7 @@ def test_straggler_models_have_the_stated_distribution():
     (["--config.cluster.straggler=gamma"], r"cluster.straggler='gamma' is unknown"),
     (["--config.cluster.slow_factor=0.5"], r"cluster.slow_factor=0.5 must be >= 1"),
     (["--config.strategy.backup_workers=-1"], r"strategy.backup_workers=-1 must be >= 0"),
+    (["--config.cluster=cloud_10gbe", "--config.cluster.compute_s=-1"], r"cluster.compute_s=-1.0 must be >= 0"),
 ])
 def test_bad_cluster_settings_are_refused_with_the_key_and_the_fix(overrides, match):
     with pytest.raises(config_lib.ConfigError, match=match):
@@ -286,3 +287,38 @@ def test_records_retimed_on_their_own_clock_give_their_own_times_and_scale_with_
     times = [simclock.retime(records, no_latency._replace(bandwidth=f * model.bandwidth))[6] for f in (1, 2)]
     assert times[1] == pytest.approx(times[0] / 2, **TIGHT)
     assert times[0] == pytest.approx(6e5 / model.bandwidth, **TIGHT)
+
+
+def test_a_measured_compute_replaces_the_roofline_for_any_model():
+    """cluster.compute_s: the clock's compute is the given seconds, not the roofline's, and needs no analysable
+    model (a model without Dense/Conv layers is refused by the roofline, with compute_s named as the way out)."""
+    import flax.linen as nn
+
+    class NoLayers(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return x * self.param("scale", nn.initializers.ones, (x.shape[-1],))
+
+    caps = comm.Capabilities()
+    config = config_lib.load("digits_mlp", ["--config.cluster=cloud_10gbe"])
+    roofline = simclock.model_for_run(config, models.build_model("mlp", features=(16,)), (64,), jnp.float32,
+                                      workers=P, caps=caps)
+    measured = simclock.model_for_run(config_lib.override(config, **{"cluster.compute_s": 2e-3}), NoLayers(), (64,),
+                                      jnp.float32, workers=P, caps=caps)
+    assert measured == roofline._replace(compute_s=2e-3)
+    with pytest.raises(simclock.ClockError, match="cluster.compute_s=SECONDS"):
+        simclock.model_for_run(config, NoLayers(), (64,), jnp.float32, workers=P, caps=caps)
+
+
+def test_a_token_model_runs_on_the_clock(tmp_path):
+    """A transformer takes integer token ids: the clock analyses it with the data's dtype (not the compute
+    dtype), so tiny_lm trains with --config.cluster and its records carry sim_time_s."""
+    from dtx.experiments import tiny_lm
+    from dtx.trainer import train
+
+    config = config_lib.override(tiny_lm.get_config(), num_steps=2, log_every=1, progress=False, global_batch_size=16,
+                                 eval_batch_size=256, **{"cluster.name": "cloud_10gbe", "optimizer.warmup_steps": 0,
+                                                         "model.num_layers": 1})
+    train(config, tmp_path)
+    times = [r["sim_time_s"] for r in metrics_lib.read_metrics(str(tmp_path)) if "sim_time_s" in r]
+    assert len(times) == 2 and 0 < times[0] < times[1]
