@@ -3,21 +3,30 @@
 Each technique trains once (``dtx.train``, 8 emulated workers, the same experiment,
 steps and evaluations; ``log_every=1`` so every step's bytes are its own) and its
 records are then timed by the simulated clock (:mod:`dtx.simclock`) on each cluster
-preset and straggler model with :func:`dtx.simclock.retime`: a run's bytes and rounds
-do not depend on the cluster or the stragglers, so it needs no retraining. Backup
-workers are the exception — which gradients a step applies depends on the straggler
-model — so they train once per straggler model. The table gives, per technique,
-preset and straggler model, the simulated seconds to the first evaluation at or above
-``--target`` (``-`` where it is never reached), the final test accuracy and the bytes
-per step; the plot, test accuracy against simulated time per preset.
+preset, compute regime and straggler model with :func:`dtx.simclock.retime`: a run's
+bytes and rounds do not depend on the cluster or the stragglers, so it needs no
+retraining. Backup workers are the exception — which gradients a step applies depends
+on the straggler model — so they train once per straggler model.
 
-    python benchmarks/time_to_accuracy_cluster.py [--only sync,backup_b2] [--target 0.9] [--steps N]
-        [--experiment experiments/large_batch.py:momentum] [--seeds 0,1] [--out DIR] [--update-docs]
+Two compute regimes per preset:
+
+* ``roofline`` — the task's own compute from the perf model (tiny: microseconds, so
+  the step is communication-bound on both presets);
+* ``balanced`` — each worker computes for as long as a synchronous step communicates
+  on that preset (``cluster.compute_s`` set to sync's communication time): the regime
+  of a real model at a well-chosen batch, where stragglers cost as much as bytes.
+
+The tables give, per preset, the simulated seconds to the first evaluation that
+reaches ``--target`` on ``--metric`` (``-`` where never reached), the final metric and
+the bytes per step; the plot, the metric against simulated time.
+
+    python benchmarks/time_to_accuracy_cluster.py [--only sync,backup_b2] [--metric perplexity] [--target 12]
+        [--steps N] [--experiment experiments/tiny_lm.py] [--seeds 0,1] [--out DIR] [--update-docs]
 
 Everything is modelled (docs/simulated_clock.md): compute from the perf model's
-roofline, communication from the accountant's bytes and rounds (α-β-γ), no overlap,
-stragglers as drawn. Differences below a seed-to-seed spread mean nothing: use
-``--seeds`` to repeat.
+roofline or as stated, communication from the accountant's bytes and rounds (α-β-γ),
+no overlap, stragglers as drawn. Differences below a seed-to-seed spread mean nothing:
+use ``--seeds`` to repeat.
 """
 
 import argparse
@@ -30,7 +39,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 PRESETS = ("h100_nvlink_ndr", "cloud_10gbe")  # a fast NVLink/InfiniBand cluster and a 10 GbE cloud cluster
-STRAGGLERS = {"none": {}, "lognormal σ=0.5": {"cluster.straggler": "lognormal", "cluster.sigma": 0.5}}
+REGIMES = ("roofline", "balanced")
+STRAGGLERS = {"none": {}, "σ=0.5": {"cluster.straggler": "lognormal", "cluster.sigma": 0.5}}
+LOWER_IS_BETTER = ("perplexity", "test_loss")
 # (label, overrides): the techniques, each at one representative setting.
 TECHNIQUES = [
     ("sync", {}),
@@ -50,7 +61,9 @@ TECHNIQUES = [
     ("backup b=2", {"strategy.name": "backup", "strategy.backup_workers": 2}),
     ("streaming_diloco H=16 P=4 4-bit", {"strategy.name": "streaming_diloco", "strategy.period": 16,
                                          "strategy.fragments": 4, "strategy.outer_bits": 4}),
-    ("onebit_adam", {"strategy.name": "onebit_adam", "optimizer.name": "sgd"}),
+    # its own Adam (optimizer sgd); eps 1e-6: at optax's 1e-8 the frozen variance divides by ~0 (docs/strategies.md)
+    ("onebit_adam", {"strategy.name": "onebit_adam", "optimizer.name": "sgd", "strategy.adam_eps": 1e-6,
+                     "strategy.warmup_steps": 50}),
 ]
 
 
@@ -72,37 +85,47 @@ def train_records(experiment: str, overrides: dict, seed: int, steps: int, eval_
         return metrics_lib.read_metrics(workdir), config
 
 
-def clock_model(config, preset: str, stragglers: dict):
-    """The clock of ``config`` on ``preset`` with ``stragglers`` (config.cluster overridden)."""
+def clock_model(config, preset: str, stragglers: dict, compute_s: float = 0.0):
+    """The clock of ``config`` on ``preset`` with ``stragglers`` and ``compute_s`` (0: roofline)."""
     from dtx import config as config_lib
     from dtx import datasets, models, simclock, strategies
 
-    config = config_lib.override(config, **{"cluster.name": preset, **stragglers})
+    config = config_lib.override(config, **{"cluster.name": preset, "cluster.compute_s": compute_s, **stragglers})
     data = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
                                  synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len)
     model = models.build_model(config.model.name, num_classes=data.num_classes,
                                **{k: v for k, v in config.model.items() if k != "name"})
     settings = {k: v for k, v in config.strategy.to_dict().items() if k != "name"}
     caps = strategies.make_strategy(config.strategy.name, **settings).caps
-    return simclock.model_for_run(config, model, data.train.inputs.shape[1:], "float32", workers=8, caps=caps)
+    return simclock.model_for_run(config, model, data.train.inputs.shape[1:], data.train.inputs.dtype, workers=8,
+                                  caps=caps)
 
 
-def time_to_target(records: list, times: dict, target: float) -> float | None:
-    """Simulated seconds at the first evaluation with test_accuracy >= target (None: never)."""
-    for record in sorted((r for r in records if "test_accuracy" in r), key=lambda r: r["step"]):
-        if record["test_accuracy"] >= target:
+def time_to_target(records: list, times: dict, metric: str, target: float) -> float | None:
+    """Simulated seconds at the first evaluation whose ``metric`` reaches ``target`` (None: never)."""
+    lower = metric in LOWER_IS_BETTER
+    for record in sorted((r for r in records if metric in r and r["step"] in times), key=lambda r: r["step"]):
+        if record[metric] <= target if lower else record[metric] >= target:
             return times[record["step"]]
     return None
 
 
+def sync_comm_seconds(records: list, model) -> float:
+    """One synchronous step's communication on ``model``'s link: its recorded bytes and rounds (α-β-γ)."""
+    last = [r for r in records if "comm_bytes" in r][-1]
+    return model.comm(last["comm_bytes"], last["comm_rounds"]).total
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", default=os.path.join(REPO, "experiments", "large_batch.py") + ":momentum")
+    parser.add_argument("--experiment", default=os.path.join(REPO, "experiments", "tiny_lm.py"))
     parser.add_argument("--only", default="", help="comma-separated technique keys: the label's first word, _ and "
-                                                   "its setting (sync, backup_b2, topk_1%%)")
-    parser.add_argument("--target", type=float, default=0.9)
-    parser.add_argument("--steps", type=int, default=640)
-    parser.add_argument("--eval-every", type=int, default=32)
+                                                   "its setting (sync, backup_b2, topk_1%%); sync always runs")
+    parser.add_argument("--metric", default="perplexity", help="an evaluation record's key (perplexity, "
+                                                               "test_loss: lower is better; else higher)")
+    parser.add_argument("--target", type=float, default=12.0)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--out", default=None, help="folder for the CSV and the plot (default: see --update-docs)")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -113,58 +136,80 @@ def main():
     from dtx import simclock
     from dtx.tools.plots import Panel, panels_plot
 
-    only = {k for k in args.only.split(",") if k}
-    chosen = [(label, o) for label, o in TECHNIQUES if not only or _key(label) in only]
-    rows, curves = [], {}
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    only = {k for k in args.only.split(",") if k} | {"sync"}
+    chosen = [(label, o) for label, o in TECHNIQUES if not args.only or _key(label) in only]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows, curves, balanced = [], {}, {}
+    for seed in seeds:
         for label, overrides in chosen:
             depends = overrides.get("strategy.name") == "backup"
             trained = {}
             for straggler, noise in STRAGGLERS.items():
                 if depends or not trained:  # backup's updates depend on the stragglers; the others' do not
                     trained = dict(zip(("records", "config"), train_records(
-                        args.experiment, {**overrides, **{f"{k}": v for k, v in noise.items()}} if depends
-                        else overrides, seed, args.steps, args.eval_every)))
+                        args.experiment, {**overrides, **noise} if depends else overrides, seed, args.steps,
+                        args.eval_every)))
                 records = trained["records"]
-                final = [r["test_accuracy"] for r in records if "test_accuracy" in r][-1]
+                final = [r[args.metric] for r in records if args.metric in r][-1]
                 per_step = [r["comm_bytes_per_step"] for r in records if "comm_bytes_per_step" in r][-1]
                 for preset in PRESETS:
-                    times = simclock.retime(records, clock_model(trained["config"], preset, noise))
-                    if straggler == "none" and seed == int(args.seeds.split(",")[0]):
-                        curves.setdefault(preset, {})[label] = [
-                            (times[r["step"]], r["test_accuracy"]) for r in records if "test_accuracy" in r]
-                    rows.append(dict(technique=label, seed=seed, preset=preset, stragglers=straggler,
-                                     time_to_target_s=time_to_target(records, times, args.target),
-                                     sim_time_total_s=times[max(times)], final_test_accuracy=final,
-                                     bytes_per_step=per_step))
-                    print(rows[-1], flush=True)
+                    if label == "sync" and preset not in balanced:  # sync trains first: the balanced compute
+                        balanced[preset] = sync_comm_seconds(records, clock_model(trained["config"], preset, {}))
+                    for regime in REGIMES:
+                        compute_s = balanced[preset] if regime == "balanced" else 0.0
+                        times = simclock.retime(records, clock_model(trained["config"], preset, noise, compute_s))
+                        if seed == seeds[0] and (regime, straggler) in (("roofline", "none"), ("balanced", "σ=0.5")):
+                            curves.setdefault((preset, regime, straggler), {})[label] = [
+                                (times[r["step"]], r[args.metric]) for r in records if args.metric in r]
+                        rows.append(dict(technique=label, seed=seed, preset=preset, regime=regime,
+                                         stragglers=straggler, compute_s=compute_s or None,
+                                         time_to_target_s=time_to_target(records, times, args.metric, args.target),
+                                         sim_time_total_s=times[max(times)], final=final, bytes_per_step=per_step))
+                        print(rows[-1], flush=True)
     out = report.figures_dir(args.update_docs, args.out)
     path = os.path.join(out, "time_to_accuracy_cluster.csv")
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    panels_plot([Panel({label: ([t for t, _ in xy], [a for _, a in xy]) for label, xy in by.items()}, preset,
-                       "simulated seconds", "test accuracy", logx=True) for preset, by in curves.items()],
+    panels_plot([Panel({label: ([t for t, _ in xy], [m for _, m in xy]) for label, xy in by.items()},
+                       f"{preset}, {regime}, stragglers {straggler}", "simulated seconds", args.metric, logx=True,
+                       logy=args.metric == "perplexity")
+                 for (preset, regime, straggler), by in curves.items()],
                 os.path.join(out, "time_to_accuracy_cluster.png"),
-                title=f"time to {args.target:.0%} on a modelled cluster")
-    head = ("| technique | " + " | ".join(f"{p}, {s}" for p in PRESETS for s in STRAGGLERS)
-            + " | final acc. | KiB/step |")
-    lines = [head, "|" + "---|" * (len(PRESETS) * len(STRAGGLERS) + 3)]
-    for label, _ in chosen:
-        mine = [r for r in rows if r["technique"] == label]
-        cells = []
-        for preset in PRESETS:
-            for straggler in STRAGGLERS:
-                got = [r["time_to_target_s"] for r in mine if r["preset"] == preset and r["stragglers"] == straggler]
-                cells.append("-" if None in got else f"{sum(got) / len(got):.3g} s")
-        accuracy = sum(r["final_test_accuracy"] for r in mine) / len(mine)
-        lines.append(f"| {label} | " + " | ".join(cells)
-                     + f" | {100 * accuracy:.2f} | {mine[0]['bytes_per_step'] / 1024:.1f} |")
-    preamble = (f"Simulated seconds to test accuracy >= {args.target} ({args.experiment.split(os.sep)[-1]}, "
-                f"{args.steps} steps, evaluations every {args.eval_every}, seeds {args.seeds}; mean over seeds, '-' "
-                "where a seed never reaches it). Modelled: docs/simulated_clock.md.")
-    print(report.write("time_to_accuracy_cluster", preamble, "\n".join(lines), update_docs=args.update_docs))
+                title=f"{args.metric} against simulated time (target {args.target:g})")
+    tables = []
+    columns = [(regime, straggler) for regime in REGIMES for straggler in STRAGGLERS]
+    for preset in PRESETS:
+        cells = {}
+        for label, _ in chosen:
+            for column in columns:
+                got = [r["time_to_target_s"] for r in rows if r["technique"] == label and r["preset"] == preset
+                       and (r["regime"], r["stragglers"]) == column]
+                cells[label, column] = None if None in got else sum(got) / len(got)
+        best = {c: min((v for (_, cc), v in cells.items() if cc == c and v is not None), default=None)
+                for c in columns}
+        lines = [f"**{preset}** (balanced compute: {balanced[preset] * 1e3:.3g} ms per step)", "",
+                 "| technique | " + " | ".join(f"{regime}, stragglers {straggler}" for regime, straggler in columns)
+                 + f" | final {args.metric} | KiB/step |", "|" + "---|" * (len(columns) + 3)]
+        for label, _ in chosen:
+            mine = [r for r in rows if r["technique"] == label and r["preset"] == preset]
+            text = ["-" if cells[label, c] is None else
+                    (f"**{cells[label, c] * 1e3:.3g} ms**" if cells[label, c] == best[c]
+                     else f"{cells[label, c] * 1e3:.3g} ms") for c in columns]
+            final = sum(r["final"] for r in mine) / len(mine)
+            lines.append(f"| {label} | " + " | ".join(text)
+                         + f" | {final:.4g} | {mine[0]['bytes_per_step'] / 1024:.1f} |")
+        tables.append("\n".join(lines))
+    direction = "at or below" if args.metric in LOWER_IS_BETTER else "at or above"
+    preamble = (f"Simulated time to {args.metric} {direction} {args.target:g} "
+                f"({os.path.basename(args.experiment)}, 8 workers, {args.steps} steps, evaluations every "
+                f"{args.eval_every}, seeds {args.seeds}; the mean over seeds, '-' where a seed never reaches it; "
+                f"fastest per column in bold). Regimes: roofline = the task's own modelled compute; balanced = each "
+                f"worker computes as long as a synchronous step communicates (cluster.compute_s). Stragglers: "
+                f"none, or each worker's compute multiplied by a mean-1 lognormal with sigma 0.5 per step. "
+                f"Modelled throughout: docs/simulated_clock.md.")
+    print(report.write("time_to_accuracy_cluster", preamble, "\n\n".join(tables), update_docs=args.update_docs))
     print(path)
 
 

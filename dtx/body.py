@@ -199,13 +199,20 @@ def averages_traffic(stats: Metrics, mean: Averages, task: Task, axes, strategy,
                      comm: comm_lib.CommContext) -> Metrics:
     """The step's ``comm_bytes``/``comm_rounds``: the strategy's plus the averages' and the valid-element
     count's. XLA's all-reduce combiner merges independent all-reduces: where the gradients travel by
-    psum every step, the averages ride in that op (their bytes, no rounds of their own)."""
+    psum every step, the averages ride in that op (their bytes, no rounds of their own).
+
+    The averages' own part is also reported as ``comm_bytes_logging``/``comm_rounds_logging``: it exists
+    for the records, not for training (a local SGD step needs no collective but this one), so the
+    simulated clock (:mod:`dtx.simclock`) does not charge it."""
     if not axes:
         return {}
     merged = comm.explicit and comm.algorithm == "psum" and strategy.caps.reduces_once and compressor.caps.allreduce
     counted = count_traffic(task, axes, strategy)
+    logging_rounds = 0 if merged else mean.traffic.messages
     return {"comm_bytes": stats["comm_bytes"] + mean.traffic.bytes_sent + counted.bytes_sent,
-            "comm_rounds": stats["comm_rounds"] + (0 if merged else mean.traffic.messages) + counted.messages}
+            "comm_rounds": stats["comm_rounds"] + logging_rounds + counted.messages,
+            "comm_bytes_logging": comm_lib.count_scalar(mean.traffic.bytes_sent),
+            "comm_rounds_logging": comm_lib.count_scalar(logging_rounds)}
 
 
 def skip_unless_finite(finite, new_state, model_state, state):

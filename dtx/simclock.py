@@ -15,7 +15,9 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
   your GPU, at the run's per-worker batch): the clock then uses that figure for every
   worker and step, before stragglers.
 * **communication** — from what the step actually sent, the accountant's
-  ``comm_bytes`` and ``comm_rounds`` per worker (:mod:`dtx.comm`): the α-β model of
+  ``comm_bytes`` and ``comm_rounds`` per worker (:mod:`dtx.comm`), less the metric
+  averages the records are made of (``comm_*_logging``; a deployment logs without a
+  barrier): the α-β model of
   :mod:`dtx.costmodel`, ``α·rounds + bytes/bandwidth``, plus the reduction's
   ``γ = 3/memory bandwidth`` per reduced byte (the configured algorithm's reduced ÷
   sent ratio, :func:`dtx.costmodel.cost_terms`). The link is the one ``p`` workers
@@ -30,9 +32,12 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
   declaration (:class:`dtx.comm.Capabilities`), never its name:
 
   - synchronous (the default, and every strategy that declares nothing): the step ends
-    when the slowest worker's gradient is in: ``t_k = t_{k−1} + max_i T_i``. The
-    local-model strategies are charged so too: their per-step metric average is a
-    collective in this program (modelled; a deployment would log asynchronously);
+    when the slowest worker's gradient is in: ``t_k = t_{k−1} + max_i T_i``;
+  - ``local_models`` (local SGD, DiLoCo, EASGD, gossip, Streaming DiLoCo): each worker
+    computes on from its own finish time, ``F_i(k) = F_i(k−1) + c·s_i(k)``; a step that
+    exchanges anything ends for every worker at ``max_i F_i(k)`` plus the exchange
+    (stragglers average out over the steps between exchanges). Gossip's neighbour
+    exchange is charged as a barrier of all workers: an upper bound;
   - ``drops = b`` (backup workers, Chen et al. 2016): the step ends with the
     ``N = p − b``-th arrival, ``t_k = t_{k−1} + T_(N)`` (the N-th order statistic);
   - ``runs_ahead = s`` (async, ssp): a worker starts step ``k`` as soon as its own
@@ -122,6 +127,8 @@ class ClockModel(NamedTuple):
       stragglers: the noise model (:mod:`dtx.stragglers`).
       drops: gradients of the slowest ``drops`` workers a step does not wait for (backup workers).
       runs_ahead: steps a worker may run ahead of the slowest (async, ssp); 0: waits every step.
+      local_models: workers hold their own models (local SGD, DiLoCo, EASGD, gossip): they wait for each
+        other only at the steps that exchange something.
     """
 
     compute_s: float
@@ -133,6 +140,7 @@ class ClockModel(NamedTuple):
     stragglers: Stragglers = Stragglers()
     drops: int = 0
     runs_ahead: int = 0
+    local_models: bool = False
 
     def comm(self, comm_bytes: float, comm_rounds: float) -> CommTime:
         """Seconds of sending ``comm_bytes`` in ``comm_rounds`` rounds (one worker, one step)."""
@@ -147,7 +155,7 @@ class ClockModel(NamedTuple):
 def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: int, global_batch: int,
                nodes: int | None = None, accum_steps: int = 1, algorithm: str = "psum", overlap: float = 0.0,
                stragglers: Stragglers = Stragglers(), drops: int = 0, runs_ahead: int = 0, group: int = 1,
-               sharded: Sequence[str] = (), compute_s: float = 0.0) -> ClockModel:
+               sharded: Sequence[str] = (), compute_s: float = 0.0, local_models: bool = False) -> ClockModel:
     """The :class:`ClockModel` of a run: ``workers`` data-parallel workers (``nodes`` devices, default the same).
 
     ``compute_s > 0`` is one worker's measured compute per step and replaces the roofline's.
@@ -169,7 +177,7 @@ def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: 
     compute = float(compute_s) or compute_seconds(layers, cluster, nodes, global_batch, accum_steps=accum_steps,
                                                    group=group, sharded=sharded)
     return ClockModel(compute, alpha, bandwidth, gamma, float(overlap), workers, stragglers, int(drops),
-                      int(runs_ahead))
+                      int(runs_ahead), bool(local_models))
 
 
 class SimClock:
@@ -189,6 +197,8 @@ class SimClock:
 
     def advance(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
         """Account step ``step`` (0-based) that sent ``comm_bytes`` in ``comm_rounds``; the time after it."""
+        if self.model.local_models:
+            return self._advance_local(step, comm_bytes, comm_rounds)
         s = self.model.runs_ahead
         if not s:
             self.time += self.step_time(step, comm_bytes, comm_rounds)
@@ -203,6 +213,19 @@ class SimClock:
         self.time = float(done.max())
         return self.time
 
+    def _advance_local(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
+        """Own models: each worker computes on from its own finish time; a step that exchanges anything
+        ends for all when the last is ready, plus the exchange (less what overlap hides)."""
+        m = self.model
+        compute = m.compute_s * m.stragglers.multipliers(step, m.workers)
+        ready = (np.array(self.finish[-1]) if self.finish else np.zeros(m.workers)) + compute
+        if comm_bytes or comm_rounds:
+            comm_s = m.comm(comm_bytes, comm_rounds).total
+            ready = np.full(m.workers, ready.max() + comm_s - m.overlap * min(comm_s, 2 * m.compute_s / 3))
+        self.finish = [ready.tolist()]
+        self.time = float(ready.max())
+        return self.time
+
     def saved(self) -> dict:
         """The clock's state for a checkpoint (a resume continues the same history)."""
         return {"time": self.time, "finish": self.finish}
@@ -213,11 +236,15 @@ class Recorder:
 
     Called with each record, it advances the clock over the steps since the previous
     record, each charged that window's mean bytes and rounds per step (from the
-    record's ``comm_bytes_total`` and ``comm_rounds_per_step``, the accountant's sums).
-    That is each step's own figure where every step sends the same (sync, backup,
-    async, compression) and, at ``overlap=0`` with synchronous waiting, exact for any
-    strategy (communication then adds the same to every worker); ``log_every=1`` makes
-    it exact everywhere. :meth:`saved` goes into a checkpoint, so a resume continues.
+    record's ``comm_bytes_total`` and ``comm_rounds_per_step``, the accountant's sums),
+    less the metric averages' own traffic (``comm_bytes_logging``/``comm_rounds_logging``:
+    the records' bookkeeping, which a deployment would not wait on). That is each step's
+    own figure where every step sends the same (sync, backup, async, compression) and,
+    at ``overlap=0`` with synchronous waiting, exact for any strategy (communication then
+    adds the same to every worker). Workers with their own models wait only where they
+    exchange, so their window's traffic is charged to its last step: exact when windows
+    end on exchanges (``log_every`` a multiple of the period). ``log_every=1`` makes it
+    exact everywhere. :meth:`saved` goes into a checkpoint, so a resume continues.
     """
 
     def __init__(self, model: ClockModel, saved: dict | None = None):
@@ -231,8 +258,14 @@ class Recorder:
             sent = float(record.get("comm_bytes_total", 0.0))
             rounds = float(record.get("comm_rounds_per_step", 0.0)) * step
             n = step - self.step
+            sent_here = max(sent - self.bytes - n * float(record.get("comm_bytes_logging", 0.0)), 0.0)
+            rounds_here = max(rounds - self.rounds - n * float(record.get("comm_rounds_logging", 0.0)), 0.0)
             for k in range(self.step, step):  # step k's stragglers are those the strategy drew at state.step = k
-                self.clock.advance(k, (sent - self.bytes) / n, (rounds - self.rounds) / n)
+                if self.clock.model.local_models:  # the window's exchange, at its end
+                    last = k == step - 1
+                    self.clock.advance(k, sent_here if last else 0.0, rounds_here if last else 0.0)
+                else:
+                    self.clock.advance(k, sent_here / n, rounds_here / n)
             self.step, self.bytes, self.rounds = step, sent, rounds
         return {"sim_time_s": self.clock.time}
 
@@ -270,7 +303,7 @@ def model_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype: An
     return make_model(cluster, layers, workers=workers, global_batch=config.global_batch_size,
                       accum_steps=config.grad_accum_steps, algorithm=config.allreduce, overlap=config.cluster.overlap,
                       stragglers=stragglers_from_config(config), drops=caps.drops, runs_ahead=caps.runs_ahead,
-                      compute_s=measured)
+                      compute_s=measured, local_models=caps.local_models)
 
 
 def retime(records: Sequence[dict], model: ClockModel) -> dict[int, float]:

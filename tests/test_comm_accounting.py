@@ -81,6 +81,7 @@ class Run:
     leaves: list  # sizes of the gradient leaves, in tree order
     inner: int | None  # hierarchical's inner-axis size
     bucket: int  # the bucket size (0: none)
+    logging: list  # [(comm_bytes_logging, comm_rounds_logging)] per step run: the metric averages' share
 
     @property
     def compiled(self):
@@ -116,13 +117,15 @@ def run(parts, name) -> Run:
                                compressor=compressor, strategy=strategy, policy=policy, loss_scaler=scaler)
         batch = jax.device_put(host_batch, mesh_lib.batch_sharding(mesh))
         compiled = step.lower(state, batch).compile()
-        accountant = []
+        accountant, logging = [], []
         for _ in range(case.get("steps", 1)):
             state, metrics = compiled(state, batch)
             accountant.append((float(metrics["comm_bytes"]), float(metrics["comm_rounds"])))
+            logging.append((float(metrics["comm_bytes_logging"]), float(metrics["comm_rounds_logging"])))
         cache[name] = Run(algorithm, accountant, hlo.collectives(compiled),
                           [x.size for x in jax.tree.leaves(state.params)],
-                          mesh.shape["local"] if algorithm == "hierarchical" else None, case.get("bucket", 0))
+                          mesh.shape["local"] if algorithm == "hierarchical" else None, case.get("bucket", 0),
+                          logging)
     return cache[name]
 
 
@@ -258,6 +261,17 @@ def test_averaging_runs_in_a_branch_on_some_steps(parts, name):
     assert r.accountant[0] == (AVERAGES_BYTES, RING) and r.accountant[1][0] > AVERAGES_BYTES  # step 1 averages
     contexts = sorted((c.context, c.operand_bytes) for c in r.found)
     assert contexts == [("conditional", 4 * sum(r.leaves)), ("entry", 8)]
+
+
+@pytest.mark.parametrize("name, rounds", [("psum", 0), ("strategy:ssp", 0), ("ring", AVERAGES_ROUNDS),
+                                          ("strategy:local_sgd", AVERAGES_ROUNDS), ("compress:topk", AVERAGES_ROUNDS)])
+def test_the_metric_averages_are_reported_as_logging_traffic(parts, name, rounds):
+    """comm_*_logging: the averages' all-reduce (riding in the gradients' psum: its bytes, no rounds; alone: a
+    ring). A local-SGD step that does not average sends nothing else, which is what the simulated clock drops."""
+    r = run(parts, name)
+    assert r.logging == [(AVERAGES_BYTES, rounds)] * len(r.accountant)
+    if name == "strategy:local_sgd":
+        assert r.accountant[0] == r.logging[0]
 
 
 def test_ring_averaging_in_a_branch(parts):

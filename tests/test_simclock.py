@@ -269,9 +269,10 @@ def test_a_run_records_its_simulated_time_and_a_resume_continues_it(tmp_path, mo
     host = simclock.SimClock(simclock.make_model(
         clusters.Cluster("custom", node_flops=1e7, memory_bandwidth=1e11, bandwidth=1e8, latency=1e-4),
         perfmodel.analyze(model, (64,)), workers=P, global_batch=128, stragglers=noise, runs_ahead=2))
-    for k, record in enumerate(records):
-        assert record["sim_time_s"] == pytest.approx(host.advance(k, record["comm_bytes"], record["comm_rounds"]),
-                                                     **TIGHT)
+    assert all(r["comm_bytes_logging"] > 0 for r in records)  # the metric averages ride in ssp's psum
+    for k, r in enumerate(records):  # the clock charges what trains, not the records' metric averages
+        sent = (r["comm_bytes"] - r["comm_bytes_logging"], r["comm_rounds"] - r["comm_rounds_logging"])
+        assert r["sim_time_s"] == pytest.approx(host.advance(k, *sent), **TIGHT)
 
 
 def test_records_retimed_on_their_own_clock_give_their_own_times_and_scale_with_the_link():
@@ -322,3 +323,38 @@ def test_a_token_model_runs_on_the_clock(tmp_path):
     train(config, tmp_path)
     times = [r["sim_time_s"] for r in metrics_lib.read_metrics(str(tmp_path)) if "sim_time_s" in r]
     assert len(times) == 2 and 0 < times[0] < times[1]
+
+
+def test_workers_with_their_own_models_wait_for_each_other_only_where_they_exchange():
+    """local_models: with stragglers, H = 4 steps of which the last exchanges take max_i(sum of worker i's
+    4 computes) + exchange — stragglers average out — where sync pays sum over steps of max_i, plus 4 exchanges."""
+    layers, _ = _model()
+    noise = Stragglers("lognormal", 3, 0.8)
+    local, sync = (simclock.make_model(clusters.get_cluster("cloud_10gbe"), layers, workers=P, global_batch=BATCH,
+                                       stragglers=noise, local_models=flag, compute_s=1e-3) for flag in (True, False))
+    exchange = local.comm(1e5, 14).total
+    clock = simclock.SimClock(local)
+    times = [clock.advance(k, 1e5 if k == 3 else 0.0, 14 if k == 3 else 0) for k in range(4)]
+    computes = np.array([1e-3 * noise.multipliers(k, P) for k in range(4)])
+    assert times[2] == pytest.approx(computes[:3].sum(0).max(), **TIGHT)
+    assert times[3] == pytest.approx(computes.sum(0).max() + exchange, **TIGHT)
+    assert simclock.SimClock(local, clock.saved()).advance(4, 0.0, 0.0) == pytest.approx(
+        times[3] + 1e-3 * noise.multipliers(4, P).max(), **TIGHT)  # a resume: all start from the exchange
+    sync_clock = simclock.SimClock(sync)
+    assert [sync_clock.advance(k, 1e5, 14) for k in range(4)][-1] == pytest.approx(
+        computes.max(1).sum() + 4 * exchange, **TIGHT)
+    assert times[3] < computes.max(1).sum() + exchange  # the point of it
+
+
+def test_the_records_clock_leaves_out_the_metric_averages_and_charges_a_local_window_at_its_end():
+    """A local-SGD-like run logged every 2 steps: each step's metric average (its own 14 rounds) is not
+    charged; the window's exchange lands on its last step, so the clock equals one advanced step by step."""
+    model = _noisy()._replace(local_models=True)
+    recorder, clock = simclock.Recorder(model), simclock.SimClock(model)
+    logging = {"comm_bytes_logging": 56.0, "comm_rounds_logging": 14.0}
+    for step in (2, 4):  # steps 1 and 3 (0-based) exchange 1e5 bytes in 14 rounds, every step logs
+        record = {"comm_bytes_total": step * 56.0 + step / 2 * 1e5, "comm_rounds_per_step": 14.0 + 7.0, **logging}
+        got = recorder(step, record)["sim_time_s"]
+        for k in (step - 2, step - 1):
+            want = clock.advance(k, 1e5 if k % 2 else 0.0, 14.0 if k % 2 else 0.0)
+        assert got == pytest.approx(want, **TIGHT)
