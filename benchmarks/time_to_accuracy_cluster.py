@@ -20,7 +20,7 @@ The tables give, per preset, the simulated seconds to the first evaluation that
 reaches ``--target`` on ``--metric`` (``-`` where never reached), the final metric and
 the bytes per step; the plot, the metric against simulated time.
 
-    python benchmarks/time_to_accuracy_cluster.py [--only sync,backup_b2] [--metric perplexity] [--target 12]
+    python benchmarks/time_to_accuracy_cluster.py [--only sync,backup_b2] [--metric perplexity] [--target 10]
         [--steps N] [--experiment experiments/tiny_lm.py] [--seeds 0,1] [--out DIR] [--update-docs]
 
 Everything is modelled (docs/simulated_clock.md): compute from the perf model's
@@ -123,7 +123,7 @@ def main():
                                                    "its setting (sync, backup_b2, topk_1%%); sync always runs")
     parser.add_argument("--metric", default="perplexity", help="an evaluation record's key (perplexity, "
                                                                "test_loss: lower is better; else higher)")
-    parser.add_argument("--target", type=float, default=12.0)
+    parser.add_argument("--target", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--seeds", default="0")

@@ -222,10 +222,9 @@ def gossip(topology: str = "ring", mixing: tuple[float, ...] = (1 / 3, 1 / 3, 1 
         mixers = [functools.partial(topology_lib.mix, terms=terms, axes=axes, p=p) for terms in rounds]
         round_ = state.step % len(rounds)
         local = mixers[0](local) if len(mixers) == 1 else lax.switch(round_, mixers, local)
-        # One ppermute per leaf and neighbour, as the allreduces count one collective per leaf.
-        per_round = [costmodel.add_traffic(*(costmodel.neighbour_traffic(costmodel.tree_nbytes(x),
-                                                                         topology_lib.neighbours(terms))
-                                             for x in jax.tree.leaves(local))) for terms in rounds]
+        # One ppermute per neighbour and dtype: the leaves travel packed (topology.mix).
+        per_round = [costmodel.add_traffic(*(costmodel.neighbour_traffic(nbytes, topology_lib.neighbours(terms))
+                                             for nbytes in topology_lib.packed_nbytes(local))) for terms in rounds]
         stats = {"comm_bytes": jnp.stack([count_scalar(t.bytes_sent) for t in per_round])[round_],
                  "comm_rounds": jnp.stack([count_scalar(t.messages) for t in per_round])[round_]}
         new = _with_local(state, local, opt_state)

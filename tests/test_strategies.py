@@ -218,13 +218,13 @@ def _consensus(worker_params):
 
 
 def test_gossip_ring_sends_to_two_neighbours_every_step(setup):
-    """No global average in the step: two neighbour messages per leaf, and ``state.params`` stays
-    the last consensus (here, with ``consensus_every = 0``, the initial parameters)."""
+    """No global average in the step: two neighbour messages, each every leaf packed in one buffer, and
+    ``state.params`` stays the last consensus (here, with ``consensus_every = 0``, the initial parameters)."""
     states, records, device_state = run(setup, make_strategy("gossip", topology="ring"), momentum())
     leaves = jax.tree.leaves(states[0].params)
     mixing = 2 * sum(leaf.size * 4 for leaf in leaves)  # each leaf to both neighbours
     assert [int(r["comm_bytes"]) for r in records] == [mixing + METRICS_BYTES] * STEPS
-    assert [int(r["comm_rounds"]) for r in records] == [2 * len(leaves) + METRICS_ROUNDS] * STEPS
+    assert [int(r["comm_rounds"]) for r in records] == [2 + METRICS_ROUNDS] * STEPS
     assert "consensus_distance" not in records[0] and not jax.tree.leaves(states[-1].shared)
     assert records[-1]["loss"] < records[0]["loss"]
     initial = init_train_state(setup["model"], momentum(), setup["example"], seed=0, mesh=setup["mesh"]).params
@@ -243,7 +243,7 @@ def test_gossip_consensus_every_k_steps_averages_measures_and_pays_only_then(set
     k = 3
     states, records, _ = run(setup, make_strategy("gossip", topology="ring", consensus_every=k), momentum())
     leaves = jax.tree.leaves(states[0].params)
-    mixing = 2 * sum(leaf.size * 4 for leaf in leaves) + METRICS_BYTES, 2 * len(leaves) + METRICS_ROUNDS
+    mixing = 2 * sum(leaf.size * 4 for leaf in leaves) + METRICS_BYTES, 2 + METRICS_ROUNDS  # leaves packed
     average = _allreduce_bytes(states[0].params)
     distance = 2 * (P - 1) * 4, 2 * (P - 1)  # the ring allreduce of one float32 per worker
     # Before the first consensus: the initial parameters, and distance 0 (the workers start equal).
@@ -320,10 +320,10 @@ def test_compiled_gossip_step_holds_only_the_neighbour_exchanges(setup, topology
     found, leaves = _compiled_collectives(setup, make_strategy("gossip", topology=topology))
     # No all-reduce over parameters, anywhere in the program: only the metrics' few bytes.
     assert [c.operand_bytes for c in found if c.kind != "collective-permute"] == [METRICS_OPERAND]
-    # Every ppermute carries one whole parameter leaf to a neighbour (ring: 2 per leaf; exponential:
-    # 1 per leaf in each of the ⌈lg p⌉ = 3 branches of its round switch).
-    permutes = sorted(c.operand_bytes for c in found if c.kind == "collective-permute")
-    assert permutes == sorted(4 * leaf.size for leaf in leaves for _ in range(2 if topology == "ring" else 3))
+    # Every ppermute carries all the parameters, packed, to a neighbour (ring: 2; exponential: 1 in each of
+    # the ⌈lg p⌉ = 3 branches of its round switch): one latency per message, not per leaf.
+    permutes = [c.operand_bytes for c in found if c.kind == "collective-permute"]
+    assert permutes == [4 * sum(leaf.size for leaf in leaves)] * (2 if topology == "ring" else 3)
 
 
 @pytest.mark.parametrize("allreduce", ["psum", "ring"])
@@ -331,8 +331,8 @@ def test_compiled_gossip_consensus_runs_in_a_branch(setup, allreduce):
     found, leaves = _compiled_collectives(setup, make_strategy("gossip", consensus_every=4), allreduce)
     entry = [c for c in found if c.context == "entry"]
     assert [c.operand_bytes for c in entry if c.kind == "all-reduce"] == [METRICS_OPERAND]
-    assert sorted(c.operand_bytes for c in entry if c.kind == "collective-permute") == sorted(
-        4 * leaf.size for leaf in leaves for _ in range(2))  # the ring's two neighbours, every step
+    assert [c.operand_bytes for c in entry if c.kind == "collective-permute"] == [
+        4 * sum(leaf.size for leaf in leaves)] * 2  # the ring's two neighbours, every step, leaves packed
     consensus = [c for c in found if c.context == "conditional"]
     # The average of every parameter (and the distance's scalar) sits in the lax.cond branch.
     if allreduce == "psum":
