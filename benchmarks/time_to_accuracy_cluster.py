@@ -111,9 +111,22 @@ def time_to_target(records: list, times: dict, metric: str, target: float) -> fl
 
 
 def sync_comm_seconds(records: list, model) -> float:
-    """One synchronous step's communication on ``model``'s link: its recorded bytes and rounds (α-β-γ)."""
+    """One synchronous step's communication on ``model``'s link: its recorded bytes and rounds, less the metric
+    averages the clock does not charge (α-β-γ)."""
     last = [r for r in records if "comm_bytes" in r][-1]
-    return model.comm(last["comm_bytes"], last["comm_rounds"]).total
+    return model.comm(last["comm_bytes"] - last.get("comm_bytes_logging", 0.0),
+                      last["comm_rounds"] - last.get("comm_rounds_logging", 0.0)).total
+
+
+def _cell(seconds: float | None, reached: int, seeds: int, best: float | None) -> str:
+    """A table cell: mean milliseconds over the seeds that reached the target, bold if fastest, ``(n/k)`` if
+    only ``n`` of ``k`` seeds did, ``-`` if none."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    text = f"{ms:.3g} ms" if ms < 1000 else f"{ms:.0f} ms"
+    text = f"**{text}**" if seconds == best and reached == seeds else text
+    return text if reached == seeds else f"{text} ({reached}/{seeds})"
 
 
 def main():
@@ -186,17 +199,17 @@ def main():
             for column in columns:
                 got = [r["time_to_target_s"] for r in rows if r["technique"] == label and r["preset"] == preset
                        and (r["regime"], r["stragglers"]) == column]
-                cells[label, column] = None if None in got else sum(got) / len(got)
-        best = {c: min((v for (_, cc), v in cells.items() if cc == c and v is not None), default=None)
-                for c in columns}
+                reached = [t for t in got if t is not None]
+                cells[label, column] = (sum(reached) / len(reached) if reached else None, len(reached), len(got))
+        # the fastest among techniques every seed brought to the target
+        best = {c: min((v for (_, cc), (v, n, k) in cells.items() if cc == c and v is not None and n == k),
+                       default=None) for c in columns}
         lines = [f"**{preset}** (balanced compute: {balanced[preset] * 1e3:.3g} ms per step)", "",
                  "| technique | " + " | ".join(f"{regime}, stragglers {straggler}" for regime, straggler in columns)
                  + f" | final {args.metric} | KiB/step |", "|" + "---|" * (len(columns) + 3)]
         for label, _ in chosen:
             mine = [r for r in rows if r["technique"] == label and r["preset"] == preset]
-            text = ["-" if cells[label, c] is None else
-                    (f"**{cells[label, c] * 1e3:.3g} ms**" if cells[label, c] == best[c]
-                     else f"{cells[label, c] * 1e3:.3g} ms") for c in columns]
+            text = [_cell(*cells[label, c], best[c]) for c in columns]
             final = sum(r["final"] for r in mine) / len(mine)
             lines.append(f"| {label} | " + " | ".join(text)
                          + f" | {final:.4g} | {mine[0]['bytes_per_step'] / 1024:.1f} |")
@@ -204,7 +217,8 @@ def main():
     direction = "at or below" if args.metric in LOWER_IS_BETTER else "at or above"
     preamble = (f"Simulated time to {args.metric} {direction} {args.target:g} "
                 f"({os.path.basename(args.experiment)}, 8 workers, {args.steps} steps, evaluations every "
-                f"{args.eval_every}, seeds {args.seeds}; the mean over seeds, '-' where a seed never reaches it; "
+                f"{args.eval_every}, seeds {args.seeds}; the mean over the seeds that reach it, (n/k) where only n of k do, "
+                f"'-' where none does; "
                 f"fastest per column in bold). Regimes: roofline = the task's own modelled compute; balanced = each "
                 f"worker computes as long as a synchronous step communicates (cluster.compute_s). Stragglers: "
                 f"none, or each worker's compute multiplied by a mean-1 lognormal with sigma 0.5 per step. "
