@@ -48,6 +48,9 @@ BENCHMARKS = {
     "chaos": (["chaos.py"], "chaos", 20, "SIGKILL/SIGTERM at random moments, resumed, compared bit for bit"),
     "strategies_sweep": (["strategies_sweep.py"], "strategies", 15,
                          "sync/async/local SGD/...: accuracy, time and bytes (docs/strategies.md)"),
+    "time_to_accuracy_cluster": (["time_to_accuracy_cluster.py", "--seeds", "0,1,2"], "time_to_accuracy_cluster", 45,
+                                 "every technique: simulated time to a target perplexity on two modelled clusters "
+                                 "(docs/simulated_clock.md)"),
 }
 
 

@@ -54,6 +54,8 @@ class Capabilities(NamedTuple):
         (backup workers): the simulated clock (:mod:`dtx.simclock`) waits for the others only.
       runs_ahead: a strategy lets a worker run up to this many steps ahead of the slowest (async,
         ssp: the staleness bound); 0: every step waits for the workers it reduces.
+      overlaps: a local-model strategy's exchange, sent at step ``k``, is first needed at the end of
+        step ``k + overlaps`` (Streaming DiLoCo's ``τ``): the workers compute on meanwhile.
     """
 
     identity: bool = False
@@ -62,6 +64,7 @@ class Capabilities(NamedTuple):
     allreduce: bool = True
     drops: int = 0
     runs_ahead: int = 0
+    overlaps: int = 0
 
 
 class CommContext(NamedTuple):

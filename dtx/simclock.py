@@ -37,7 +37,10 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
     computes on from its own finish time, ``F_i(k) = F_i(k−1) + c·s_i(k)``; a step that
     exchanges anything ends for every worker at ``max_i F_i(k)`` plus the exchange
     (stragglers average out over the steps between exchanges). Gossip's neighbour
-    exchange is charged as a barrier of all workers: an upper bound;
+    exchange is charged as a barrier of all workers: an upper bound. With ``overlaps = τ``
+    (Streaming DiLoCo) nobody waits for an exchange sent at step ``k``: it starts when
+    the last worker has sent and ends ``E`` later; step ``k + τ`` ends for each worker no
+    earlier than that (exchanges in flight do not share the link: modelled);
   - ``drops = b`` (backup workers, Chen et al. 2016): the step ends with the
     ``N = p − b``-th arrival, ``t_k = t_{k−1} + T_(N)`` (the N-th order statistic);
   - ``runs_ahead = s`` (async, ssp): a worker starts step ``k`` as soon as its own
@@ -129,6 +132,8 @@ class ClockModel(NamedTuple):
       runs_ahead: steps a worker may run ahead of the slowest (async, ssp); 0: waits every step.
       local_models: workers hold their own models (local SGD, DiLoCo, EASGD, gossip): they wait for each
         other only at the steps that exchange something.
+      overlaps: with ``local_models``, an exchange sent at step ``k`` is awaited only at the end of step
+        ``k + overlaps`` (Streaming DiLoCo's ``τ``); 0: at once.
     """
 
     compute_s: float
@@ -141,6 +146,7 @@ class ClockModel(NamedTuple):
     drops: int = 0
     runs_ahead: int = 0
     local_models: bool = False
+    overlaps: int = 0
 
     def comm(self, comm_bytes: float, comm_rounds: float) -> CommTime:
         """Seconds of sending ``comm_bytes`` in ``comm_rounds`` rounds (one worker, one step)."""
@@ -155,7 +161,8 @@ class ClockModel(NamedTuple):
 def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: int, global_batch: int,
                nodes: int | None = None, accum_steps: int = 1, algorithm: str = "psum", overlap: float = 0.0,
                stragglers: Stragglers = Stragglers(), drops: int = 0, runs_ahead: int = 0, group: int = 1,
-               sharded: Sequence[str] = (), compute_s: float = 0.0, local_models: bool = False) -> ClockModel:
+               sharded: Sequence[str] = (), compute_s: float = 0.0, local_models: bool = False,
+               overlaps: int = 0) -> ClockModel:
     """The :class:`ClockModel` of a run: ``workers`` data-parallel workers (``nodes`` devices, default the same).
 
     ``compute_s > 0`` is one worker's measured compute per step and replaces the roofline's.
@@ -177,7 +184,7 @@ def make_model(cluster: Cluster, layers: Sequence[perfmodel.Layer], *, workers: 
     compute = float(compute_s) or compute_seconds(layers, cluster, nodes, global_batch, accum_steps=accum_steps,
                                                    group=group, sharded=sharded)
     return ClockModel(compute, alpha, bandwidth, gamma, float(overlap), workers, stragglers, int(drops),
-                      int(runs_ahead), bool(local_models))
+                      int(runs_ahead), bool(local_models), int(overlaps))
 
 
 class SimClock:
@@ -189,6 +196,8 @@ class SimClock:
         self.time = float(saved.get("time", 0.0))
         # runs_ahead: each worker's finish times of the last s+1 steps, oldest first
         self.finish = [list(map(float, row)) for row in saved.get("finish", [])]
+        # overlaps: exchanges in flight, (step whose end awaits it, time it completes)
+        self.pending = [(int(due), float(done)) for due, done in saved.get("pending", [])]
 
     def step_time(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
         """Seconds step ``step`` adds under synchronous waiting (all, or the first ``p − drops``)."""
@@ -215,20 +224,28 @@ class SimClock:
 
     def _advance_local(self, step: int, comm_bytes: float, comm_rounds: float) -> float:
         """Own models: each worker computes on from its own finish time; a step that exchanges anything
-        ends for all when the last is ready, plus the exchange (less what overlap hides)."""
+        ends for all when the last is ready, plus the exchange (less what overlap hides) — or, with
+        ``overlaps = τ``, the exchange runs while the workers compute and step ``k + τ`` ends no
+        earlier than it does."""
         m = self.model
         compute = m.compute_s * m.stragglers.multipliers(step, m.workers)
         ready = (np.array(self.finish[-1]) if self.finish else np.zeros(m.workers)) + compute
         if comm_bytes or comm_rounds:
             comm_s = m.comm(comm_bytes, comm_rounds).total
-            ready = np.full(m.workers, ready.max() + comm_s - m.overlap * min(comm_s, 2 * m.compute_s / 3))
+            if m.overlaps:  # it starts once the last worker has sent its share
+                self.pending.append((step + m.overlaps, float(ready.max() + comm_s)))
+            else:
+                ready = np.full(m.workers, ready.max() + comm_s - m.overlap * min(comm_s, 2 * m.compute_s / 3))
+        for done in [done for due, done in self.pending if due == step]:
+            ready = np.maximum(ready, done)
+        self.pending = [(due, done) for due, done in self.pending if due > step]
         self.finish = [ready.tolist()]
         self.time = float(ready.max())
         return self.time
 
     def saved(self) -> dict:
         """The clock's state for a checkpoint (a resume continues the same history)."""
-        return {"time": self.time, "finish": self.finish}
+        return {"time": self.time, "finish": self.finish, "pending": self.pending}
 
 
 class Recorder:
@@ -303,7 +320,7 @@ def model_for_run(config: Any, model: Any, input_shape: Sequence[int], dtype: An
     return make_model(cluster, layers, workers=workers, global_batch=config.global_batch_size,
                       accum_steps=config.grad_accum_steps, algorithm=config.allreduce, overlap=config.cluster.overlap,
                       stragglers=stragglers_from_config(config), drops=caps.drops, runs_ahead=caps.runs_ahead,
-                      compute_s=measured, local_models=caps.local_models)
+                      compute_s=measured, local_models=caps.local_models, overlaps=caps.overlaps)
 
 
 def retime(records: Sequence[dict], model: ClockModel) -> dict[int, float]:

@@ -172,5 +172,6 @@ def streaming_diloco(period: int = 1, fragments: int = 1, overlap: int = 0, oute
         new = _with_local(state, local, opt_state).replace(params=params, shared={"outer_opt_state": states})
         return new, stats
 
-    return Strategy("streaming_diloco", init, _local_params, apply, _global, LOCAL)
+    # overlaps: the simulated clock lets the workers compute through the τ steps the exchange has
+    return Strategy("streaming_diloco", init, _local_params, apply, _global, LOCAL._replace(overlaps=tau))
 

@@ -358,3 +358,24 @@ def test_the_records_clock_leaves_out_the_metric_averages_and_charges_a_local_wi
         for k in (step - 2, step - 1):
             want = clock.advance(k, 1e5 if k % 2 else 0.0, 14.0 if k % 2 else 0.0)
         assert got == pytest.approx(want, **TIGHT)
+
+
+def test_an_overlapped_exchange_is_awaited_tau_steps_later_and_survives_a_resume():
+    """overlaps = τ = 2 (Streaming DiLoCo): an exchange sent at step 1 costs nothing until the end of step 3,
+    which ends no earlier than the exchange; an exchange shorter than 2 steps' compute is hidden entirely."""
+    layers, _ = _model()
+    base = simclock.make_model(clusters.get_cluster("cloud_10gbe"), layers, workers=P, global_batch=BATCH,
+                               stragglers=Stragglers("lognormal", 2, 0.5), local_models=True, compute_s=1e-3)
+    computes = np.array([1e-3 * base.stragglers.multipliers(k, P) for k in range(5)])
+    for nbytes in (1e7, 1e3):  # ~8 ms, ~0.7 ms (its 14 rounds of 50 µs): longer and shorter than 2 steps
+        exchange = base.comm(nbytes, 14).total
+        clock = simclock.SimClock(base._replace(overlaps=2))
+        times = [clock.advance(k, nbytes if k == 1 else 0.0, 14 if k == 1 else 0) for k in range(3)]
+        assert times[2] == pytest.approx(computes[:3].sum(0).max(), **TIGHT)  # nobody waited yet
+        resumed = simclock.SimClock(clock.model, clock.saved())  # the exchange is still in flight
+        ends = computes[:2].sum(0).max() + exchange  # it starts when the last worker has sent at step 1
+        assert resumed.advance(3, 0.0, 0) == pytest.approx(max(computes[:4].sum(0).max(), ends), **TIGHT)
+        assert resumed.pending == []
+    assert exchange < computes[2:4].sum(0).min()  # the short one: hidden behind the next two steps
+    from dtx import strategies
+    assert strategies.make_strategy("streaming_diloco", period=4, fragments=2, overlap=1).caps.overlaps == 1
