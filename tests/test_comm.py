@@ -34,4 +34,4 @@ def test_counts_stay_exact_as_device_scalars():
     assert comm.count_scalar(2**31 - 1).dtype == jnp.int32 and comm.count_scalar(2**31).dtype == jnp.float32
     stats = comm.traffic_stats(Traffic(3, 1000))
     assert (int(stats["comm_rounds"]), int(stats["comm_bytes"])) == (3, 1000)
-    np.testing.assert_array_equal(comm.Capabilities(), (False, True, False, True, 0, 0))  # a new plug-in's defaults
+    np.testing.assert_array_equal(comm.Capabilities(), (False, True, False, True, 0, 0, 0))  # a new plug-in's defaults
