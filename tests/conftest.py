@@ -34,16 +34,29 @@ def eight_devices():
 
 
 @pytest.fixture(scope="session")
-def mlp16():
+def digits():
+    """The digits dataset (read-only arrays), loaded once per test process."""
+    from dtx import datasets
+
+    return datasets.load_dataset("digits")
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """All 8 devices on one data axis."""
+    from dtx import mesh as mesh_lib
+
+    return mesh_lib.make_mesh([("data", -1)])
+
+
+@pytest.fixture(scope="session")
+def mlp16(digits, mesh):
     """The strategy tests' common set-up: digits, a flat mesh of the 8 devices, ``mlp(16)``, its example
     shape and a jitted one-device gradient (references); ``mlp16(batch, steps)`` adds that many batches."""
-    from dtx import datasets, models
-    from dtx import mesh as mesh_lib
+    from dtx import models
     from dtx.data import TrainLoader
     from dtx.tasks import cross_entropy
 
-    digits = datasets.load_dataset("digits")
-    mesh = mesh_lib.make_mesh([("data", -1)])
     model = models.build_model("mlp", features=(16,))
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
     grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(model.apply({"params": p}, x, train=True), y).mean()))

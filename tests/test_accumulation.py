@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dtx import models
-from dtx import datasets, optim
+from dtx import optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader
 from dtx.state import init_train_state
@@ -41,11 +41,6 @@ def _model():
 
 def _tx():
     return optim.make_optimizer("momentum", 0.1, momentum=0.9)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return datasets.load_dataset("digits")
 
 
 @pytest.fixture(scope="module")

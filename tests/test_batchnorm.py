@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from dtx import batchnorm, datasets
+from dtx import batchnorm
 from dtx import mesh as mesh_lib
 from dtx.state import init_train_state
 from dtx.step import make_train_step
@@ -30,16 +30,6 @@ class BNNet(nn.Module):
         x = nn.Dense(32)(x.reshape((x.shape[0], -1)))
         x = nn.BatchNorm(use_running_average=not train, momentum=0.8, axis_name=self.axis_name)(x)
         return nn.Dense(10)(nn.relu(x))
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return datasets.load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return mesh_lib.make_mesh([("data", -1)])
 
 
 def _sorted_batch(digits, mesh):

@@ -4,19 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx.data import DataError, TrainLoader, epoch_permutation, eval_batches
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return datasets.load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return mesh_lib.make_mesh([("data", -1)])
 
 
 def test_order_depends_only_on_seed_and_epoch():

@@ -8,19 +8,8 @@ import optax
 import pytest
 
 import dtx
-from dtx import datasets, models, pacing
-from dtx import mesh as mesh_lib
+from dtx import models, pacing
 from dtx.data import TrainLoader
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return datasets.load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return mesh_lib.make_mesh([("data", -1)])
 
 
 def test_a_paced_hand_loop_of_60_steps_completes(digits, mesh):

@@ -13,7 +13,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dtx import models
-from dtx import datasets
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader
 from dtx.parallel import PartitionError, make_rules, param_specs, state_shardings
@@ -24,11 +23,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 MESHES = {"8": [("data", 8)], "4x2": [("data", 4), ("model", 2)], "2x4": [("data", 2), ("model", 4)]}
 CASES = [("data", "8"), ("fsdp", "8"), ("data", "4x2"), ("model", "4x2"), ("hybrid", "4x2"), ("fsdp", "4x2"),
          ("model", "2x4"), ("hybrid", "2x4"), ("fsdp", "2x4")]
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return datasets.load_dataset("digits")
 
 
 @pytest.fixture(scope="module")

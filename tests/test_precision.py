@@ -27,7 +27,7 @@ import pytest
 
 from dtx import models
 from dtx import config as config_lib
-from dtx import datasets, optim
+from dtx import optim
 from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, Policy, PrecisionError, all_finite, parse_policy, select_tree
 from dtx.state import init_train_state
@@ -132,11 +132,6 @@ def test_needs_loss_scaling_whenever_gradients_pass_through_float16(spec):
 
 
 # ---------------------------------------------------------------------------- shared setup
-
-@pytest.fixture(scope="module")
-def digits():
-    return datasets.load_dataset("digits")
-
 
 @pytest.fixture(scope="module")
 def mesh8():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dtx import models
-from dtx import datasets, optim
+from dtx import optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches
 from dtx.state import init_train_state
@@ -30,11 +30,6 @@ MODELS = {
     "mlp": lambda: models.build_model("mlp", features=(64, 64)),
     "lenet": lambda: models.build_model("lenet", conv_features=(4, 8), dense_features=(32,)),
 }
-
-
-@pytest.fixture(scope="session")
-def digits():
-    return datasets.load_dataset("digits")
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import pytest
 import dtx
 from dtx import config as config_lib
 from dtx import tasks, userdata
-from dtx.datasets import Dataset, Split
+from dtx.datasets import Split
 from dtx.tasks import TaskError
 from dtx.userdata import DataError
 
