@@ -85,20 +85,29 @@ def train_records(experiment: str, overrides: dict, seed: int, steps: int, eval_
         return metrics_lib.read_metrics(workdir), config
 
 
-def clock_model(config, preset: str, stragglers: dict, compute_s: float = 0.0):
-    """The clock of ``config`` on ``preset`` with ``stragglers`` and ``compute_s`` (0: roofline)."""
-    from dtx import config as config_lib
-    from dtx import datasets, models, simclock, strategies
+def analysed(config) -> tuple:
+    """What the clock needs of a trained run, built once: its model, example shape and dtype, and the
+    strategy's capabilities (who waits for whom)."""
+    from dtx import datasets, models, strategies
 
-    config = config_lib.override(config, **{"cluster.name": preset, "cluster.compute_s": compute_s, **stragglers})
     data = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
                                  synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len)
     model = models.build_model(config.model.name, num_classes=data.num_classes,
                                **{k: v for k, v in config.model.items() if k != "name"})
     settings = {k: v for k, v in config.strategy.to_dict().items() if k != "name"}
     caps = strategies.make_strategy(config.strategy.name, **settings).caps
-    return simclock.model_for_run(config, model, data.train.inputs.shape[1:], data.train.inputs.dtype, workers=8,
-                                  caps=caps)
+    return model, data.train.inputs.shape[1:], data.train.inputs.dtype, caps
+
+
+def clock_model(config, parts: tuple, preset: str, stragglers: dict, compute_s: float = 0.0):
+    """The clock of ``config`` (``parts``: :func:`analysed`) on ``preset`` with ``stragglers`` and ``compute_s``
+    (0: roofline)."""
+    from dtx import config as config_lib
+    from dtx import simclock
+
+    model, shape, dtype, caps = parts
+    config = config_lib.override(config, **{"cluster.name": preset, "cluster.compute_s": compute_s, **stragglers})
+    return simclock.model_for_run(config, model, shape, dtype, workers=8, caps=caps)
 
 
 def time_to_target(records: list, times: dict, metric: str, target: float) -> float | None:
@@ -162,15 +171,16 @@ def main():
                     trained = dict(zip(("records", "config"), train_records(
                         args.experiment, {**overrides, **noise} if depends else overrides, seed, args.steps,
                         args.eval_every)))
-                records = trained["records"]
+                    trained["parts"] = analysed(trained["config"])
+                records, config, parts = trained["records"], trained["config"], trained["parts"]
                 final = [r[args.metric] for r in records if args.metric in r][-1]
                 per_step = [r["comm_bytes_per_step"] for r in records if "comm_bytes_per_step" in r][-1]
                 for preset in PRESETS:
                     if label == "sync" and preset not in balanced:  # sync trains first: the balanced compute
-                        balanced[preset] = sync_comm_seconds(records, clock_model(trained["config"], preset, {}))
+                        balanced[preset] = sync_comm_seconds(records, clock_model(config, parts, preset, {}))
                     for regime in REGIMES:
                         compute_s = balanced[preset] if regime == "balanced" else 0.0
-                        times = simclock.retime(records, clock_model(trained["config"], preset, noise, compute_s))
+                        times = simclock.retime(records, clock_model(config, parts, preset, noise, compute_s))
                         if seed == seeds[0] and (regime, straggler) in (("roofline", "none"), ("balanced", "σ=0.5")):
                             curves.setdefault((preset, regime, straggler), {})[label] = [
                                 (times[r["step"]], r[args.metric]) for r in records if args.metric in r]
