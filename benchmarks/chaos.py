@@ -44,7 +44,7 @@ def _command(kind: str, workdir: str) -> list[str]:
 
 def _outcome(workdir: str) -> tuple:
     """(per-step losses, final record, last checkpoint's state digest): what must be bit-identical."""
-    from dtx import metrics
+    from dtx.run import metrics
 
     records = metrics.read_metrics(workdir)
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}

@@ -3,7 +3,7 @@
     python benchmarks/checkpoint_memory.py [--update-docs]   # ~1 min on 2 cores
 
 A state of two float32 matrices (64 MiB) split by rows over 8 emulated CPU devices (FSDP-style), saved by
-``dtx.checkpoint.Checkpointer`` in one process x 8 devices and in two processes x 4 devices
+``dtx.ckpt.checkpoint.Checkpointer`` in one process x 8 devices and in two processes x 4 devices
 (``jax.distributed`` over 127.0.0.1, as ``dtx launch``). Per process: the host memory the save adds,
 measured two ways — ``tracemalloc`` peak (Python and NumPy allocations, orbax's included; XLA's and
 tensorstore's C++ buffers are not traced) and the peak-RSS delta (``VmHWM`` after resetting it through
@@ -76,7 +76,7 @@ def worker(directory: str) -> dict:
     mesh_lib.initialize_distributed("auto")
     from jax.experimental import multihost_utils
 
-    from dtx.checkpoint import Checkpointer
+    from dtx.ckpt.checkpoint import Checkpointer
 
     mesh = mesh_lib.make_mesh([("data", -1)])
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -118,12 +118,12 @@ def worker(directory: str) -> dict:
 
 def _run(processes: int) -> list[dict]:
     from dtx import mesh as mesh_lib
-    from dtx.tools.launch import _free_port
+    from dtx.tools.launch import free_port
 
     directory = tempfile.mkdtemp(prefix="dtx-checkpoint-memory-")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "DTX_BENCH_DEVICES": str(8 // processes)}
     if processes > 1:
-        env.update({mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
+        env.update({mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{free_port()}",
                     mesh_lib.ENV_NUM_PROCESSES: str(processes)})
     try:
         jobs = [subprocess.Popen([sys.executable, __file__, "--worker", directory], stdout=subprocess.PIPE, text=True,

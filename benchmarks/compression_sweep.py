@@ -9,7 +9,7 @@ writes compression.csv, compression.png (accuracy vs bytes per step) and its tab
 (section "compression") into a results folder (printed); with ``--update-docs`` into
 docs/ and BENCHMARKS.md, the files docs/compression.md shows.
 
-Two measures of "fewer bytes", both from dtx.costmodel's accountant:
+Two measures of "fewer bytes", both from dtx.comm.costmodel's accountant:
 
 * wire ratio — float32 ring allreduce bytes ÷ bytes this device *sends* per step
   (``comm_ratio``), both at the last step (the steady state, after DGC's sparsity
@@ -47,7 +47,7 @@ LABELS = {
 
 def run(variant, seed, extra):
     import dtx
-    from dtx import metrics
+    from dtx.run import metrics
 
     config = dtx.load(os.path.join(REPO, "experiments", f"compression_sweep.py:{variant}"),
                       [f"--config.seed={seed}", "--config.progress=False"] + [f"--config.{kv}" for kv in extra])
@@ -136,7 +136,7 @@ def main():
         f"`experiments/compression_sweep.py:<variant>` for {steps} steps (digits, MLP 256-256, global batch 128 over "
         f"8 workers); accuracy is the mean over seeds {seeds} for {' and '.join(SEEDED)}, one seed (0) otherwise "
         "(each seed's value in docs/compression.csv; one test digit is 0.28 points). Bytes: what one worker sends "
-        "at the last step (dtx.costmodel's accountant). Wire ratio = float32 ring allreduce bytes "
+        "at the last step (dtx.comm.costmodel's accountant). Wire ratio = float32 ring allreduce bytes "
         f"({rows[0]['reference_bytes']:,.0f}) ÷ bytes sent, at the last step and averaged over the run (DGC's "
         "sparsity warm-up included); payload ratio = dense float32 gradient ÷ one worker's encoded gradient. "
         "Plot: docs/compression.png.")

@@ -3,9 +3,9 @@
 dtx's ``shard_map`` step on a one-device mesh, precision ``p=f32,c=bf16,o=f32``
 (float32 master weights, bfloat16 activations and matmuls), SGD-momentum, synthetic
 224×224×3 images. FLOPs per step come from XLA's cost analysis of the compiled
-step (:mod:`dtx.flops`) and are checked against the textbook count (3 × 2 × the
+step (:mod:`dtx.perf.flops`) and are checked against the textbook count (3 × 2 × the
 model's multiply-adds per image: forward, and a backward pass twice as costly); the
-peak is the device kind's bf16 entry in :data:`dtx.flops.PEAK_FLOPS` unless
+peak is the device kind's bf16 entry in :data:`dtx.perf.flops.PEAK_FLOPS` unless
 ``--peak`` is given. Prints a markdown table row for BENCHMARKS.md.
 
     python benchmarks/gpu_mfu.py [--model resnet50] [--batch 128] [--steps 30] [--peak FLOP/s]
@@ -36,11 +36,11 @@ def main():
     import optax
 
     from dtx import models
-    from dtx import flops
+    from dtx.perf import flops
     from dtx import mesh as mesh_lib
     from dtx.precision import parse_policy
-    from dtx.state import init_train_state
-    from dtx.step import make_train_step
+    from dtx.step.state import init_train_state
+    from dtx.step import StepSpec, make_train_step
 
     device = jax.devices()[0]
     mesh = mesh_lib.make_mesh([("data", 1)], devices=[device])
@@ -53,7 +53,7 @@ def main():
     batch = jax.device_put({"inputs": rng.standard_normal(shape, dtype=np.float32),
                             "labels": rng.integers(0, 1000, args.batch).astype(np.int32)},
                            mesh_lib.batch_sharding(mesh))
-    step = make_train_step(model, tx, mesh, policy=policy)
+    step = make_train_step(model, tx, mesh, StepSpec(policy=policy))
     start = time.perf_counter()
     per_step = flops.step_flops(step, state, batch)  # compiles; the loop reuses it
     compile_s = time.perf_counter() - start

@@ -30,7 +30,7 @@ def main():
     args, overrides = parser.parse_known_args()
     import jax
 
-    from dtx import datasets
+    from dtx.data import datasets
     from dtx.tools import bench
     from dtx import config as config_lib
     from dtx import mesh as mesh_lib

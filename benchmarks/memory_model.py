@@ -5,10 +5,10 @@
 
 For every model of ``models/`` (scaled down so a compile takes seconds) and every
 layout of ``dtx.parallel`` (``data``, ``zero1``, ``zero2``, ``fsdp``, ``model``,
-``hybrid``; ZeRO when ``dtx.parallel.PARALLELISMS`` has it) plus the planner's plans,
+``hybrid``; ZeRO when ``dtx.parallel.LAYOUTS`` has it) plus the planner's plans,
 the ``jit`` train step (Adam, float32, donated state) is compiled on 8 emulated CPU
-devices from shapes only (``dtx.memory.compile_step``; nothing runs). Per device:
-``dtx.memory``'s peak against XLA's, ``argument + output − alias + temp`` of
+devices from shapes only (``dtx.run.verify.compile_layout_step``; nothing runs). Per device:
+``dtx.perf.memory``'s peak against XLA's, ``argument + output − alias + temp`` of
 ``compiled.memory_analysis()``. A second table leaves the reference setting (other
 batches, gradient accumulation, bfloat16) to show where the model stops holding.
 """
@@ -27,8 +27,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
 
-from dtx import memory, parallel, perfmodel  # noqa: E402
-from dtx.clusters import get_cluster  # noqa: E402
+from dtx.perf import memory, model as perfmodel  # noqa: E402
+from dtx.perf import layers as layers_lib
+from dtx.run import verify  # noqa: E402
+from dtx.perf.clusters import get_cluster  # noqa: E402
 from dtx.precision import parse_policy  # noqa: E402
 from dtx.models import build_model  # noqa: E402
 
@@ -45,7 +47,7 @@ MODELS = {
     "resnet50": (dict(width=16, num_classes=16), (32, 32, 3), 64),
 }
 MESHES = {"model": [("data", 4), ("model", 2)], "hybrid": [("data", 2), ("model", 4)]}
-LAYOUTS = [name for name in ("data", "zero1", "zero2", "fsdp", "model", "hybrid") if name in parallel.PARALLELISMS]
+LAYOUTS = ["data", "zero1", "zero2", "fsdp", "model", "hybrid"]
 # Beyond the reference setting: (model, layout, global batch, accumulation steps, precision).
 EXTRA = [("vgg_a", "fsdp", 32, 1, "p=f32"), ("vgg_a", "fsdp", 256, 1, "p=f32"),
          ("overfeat_fast", "fsdp", 256, 1, "p=f32"), ("lenet", "hybrid", 256, 1, "p=f32"),
@@ -71,8 +73,8 @@ def row(name: str, layout: str, batch: int, accum: int = 1, precision: str = "p=
     else:
         estimate, rules = memory.estimate_model(model, shape, layout, **kwargs), ()
     start = time.perf_counter()
-    compiled = memory.compile_step(model, shape, "rules" if plan else layout, mesh, batch, policy=policy,
-                                   accum_steps=accum, rules=rules)
+    compiled = verify.compile_layout_step(model, shape, "rules" if plan else layout, mesh, batch, policy=policy,
+                                          accum_steps=accum, rules=rules)
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
     peak = memory.compiled_peak(compiled)
@@ -105,7 +107,7 @@ def main() -> int:
     cluster = get_cluster("haswell_fdr")
     for name in ("vgg_a", "speech_dnn"):
         settings, shape, batch = MODELS[name]
-        layers = perfmodel.analyze(build_model(name, **settings), shape)
+        layers = layers_lib.analyze(build_model(name, **settings), shape)
         for group in (None, 2):
             plan = perfmodel.make_plan(layers, cluster, 8, batch, mode="hybrid" if group else "auto", group_size=group)
             text, ratio = row(name, "rules", batch, plan=plan)
@@ -120,7 +122,7 @@ def main() -> int:
     preamble = (
         f"`{COMMAND}` on {report.machine()}; {time.perf_counter() - start:.0f} s. Per device, MB (10^6 bytes), "
         "Adam, float32, donated state, 8 emulated CPU devices, compiled from shapes (nothing runs). Model: "
-        "`dtx.memory.estimate_model` (peak = parameters + optimizer + batch + the largest of its forward, backward "
+        "`dtx.perf.memory.estimate_model` (peak = parameters + optimizer + batch + the largest of its forward, backward "
         "and update phases; the category columns are not additive). XLA: `compiled.memory_analysis()`, peak = "
         "argument + output − alias + temp. Goal: model / XLA within 15 %; "
         f"{within} of {len(ratios)} rows are, the largest deviation is {worst[1]} ({worst[2]:.3f}).")

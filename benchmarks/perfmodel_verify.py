@@ -4,9 +4,9 @@
 
 For VGG-A, OverFeat-FAST and the speech DNN at full size, the planner's plans for 2, 4 and 8
 nodes (``haswell_fdr``, global batch 512, plan ``auto``) and the hybrid plans with groups of 2
-and 4 at 8 nodes, are compiled on 8 emulated CPU devices (nothing runs) by ``dtx.verify``, the
-code behind ``dtx simulate --verify``. Per device: predicted FLOPs and bytes (``dtx.perfmodel``)
-against XLA's cost analysis and the compiled program's collectives (``dtx.hlo``).
+and 4 at 8 nodes, are compiled on 8 emulated CPU devices (nothing runs) by ``dtx.run.verify``, the
+code behind ``dtx simulate --verify``. Per device: predicted FLOPs and bytes (``dtx.perf.model``)
+against XLA's cost analysis and the compiled program's collectives (``dtx.comm.hlo``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
 
-from dtx import perfmodel, verify  # noqa: E402
-from dtx.clusters import get_cluster  # noqa: E402
-from dtx.tools.simulate import plan_text  # noqa: E402
+from dtx.perf import model as perfmodel  # noqa: E402
+from dtx.perf import layers as layers_lib
+from dtx.run import verify
+from dtx.perf.clusters import get_cluster  # noqa: E402
+from dtx.perf.model import plan_text  # noqa: E402
 from dtx.models import build_model  # noqa: E402
 
 CASES = [(name, nodes, "auto", None) for name in ("vgg_a", "overfeat_fast", "speech_dnn") for nodes in (2, 4, 8)]
@@ -46,7 +48,7 @@ def main() -> int:
     for name, nodes, mode, group in CASES:
         model = build_model(name)
         shape = type(model).default_input_shape
-        plan = perfmodel.make_plan(perfmodel.analyze(model, shape), cluster, nodes, 512, mode=mode, group_size=group)
+        plan = perfmodel.make_plan(layers_lib.analyze(model, shape), cluster, nodes, 512, mode=mode, group_size=group)
         layers = verify.verify_layers(model, shape, plan, cluster)
         groups = {g.choice: g for g in verify.group_totals(layers)}
         step = verify.verify_step(model, shape, plan, cluster)

@@ -27,8 +27,8 @@ def step_memory(spec, features, batch, in_features):
     from dtx import models
     from dtx import mesh as mesh_lib
     from dtx.precision import parse_policy
-    from dtx.state import init_train_state
-    from dtx.step import make_train_step
+    from dtx.step.state import init_train_state
+    from dtx.step import StepSpec, make_train_step
 
     policy = parse_policy(spec)
     mesh = mesh_lib.make_mesh([("data", -1)])
@@ -38,7 +38,7 @@ def step_memory(spec, features, batch, in_features):
     state = init_train_state(model, tx, example, 0, mesh)
     batch_arrays = {"inputs": jax.ShapeDtypeStruct((batch, in_features), np.float32),
                     "labels": jax.ShapeDtypeStruct((batch,), np.int32)}
-    step = make_train_step(model, tx, mesh, policy=policy)
+    step = make_train_step(model, tx, mesh, StepSpec(policy=policy))
     analysis = step.lower(state, batch_arrays).compile().memory_analysis()
     return analysis.temp_size_in_bytes  # per device
 

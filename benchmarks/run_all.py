@@ -42,7 +42,7 @@ BENCHMARKS = {
     "perfmodel_verify": (["perfmodel_verify.py"], "perfmodel_verify", 2,
                          "dtx simulate --verify: predicted vs compiled FLOPs and bytes of the planner's plans"),
     "memory_model": (["memory_model.py"], "memory_model", 8,
-                     "dtx.memory's per-device peak vs XLA's memory analysis, every model x layout (docs/memory.md)"),
+                     "dtx.perf.memory's per-device peak vs XLA's memory analysis, every model x layout (docs/memory.md)"),
     "checkpoint_memory": (["checkpoint_memory.py"], "checkpoint_memory", 1,
                           "checkpoint save: host memory and blocking time vs local shard bytes, 1 and 2 processes"),
     "chaos": (["chaos.py"], "chaos", 20, "SIGKILL/SIGTERM at random moments, resumed, compared bit for bit"),

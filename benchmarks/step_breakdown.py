@@ -22,10 +22,11 @@ EXPERIMENT = os.path.join(REPO, "experiments", "digits_mlp.py")
 
 def settings():
     """``(row name, overrides)`` for every technique that changes what a step communicates."""
-    from dtx import collectives, compress, strategies
+    from dtx import compress, strategies
+    from dtx.comm import algorithms
 
     rows = []
-    for algorithm in collectives.ALGORITHMS:
+    for algorithm in algorithms.ALGORITHMS:
         extra = ['--config.mesh=(("node", 2), ("local", 4))'] if algorithm == "hierarchical" else []
         rows.append((f"allreduce={algorithm}", [f"--config.allreduce={algorithm}", *extra]))
     rows += [(f"compression.name={name}", [f"--config.compression.name={name}"])

@@ -32,8 +32,9 @@ def measure(devices, batch_size, rounds, steps):
 
     from dtx import models
     from dtx import mesh as mesh_lib
-    from dtx.state import init_train_state
-    from dtx.step import cross_entropy, make_train_step
+    from dtx.step.state import init_train_state
+    from dtx.step import StepSpec, make_train_step
+    from dtx.data.tasks import cross_entropy
 
     mesh = mesh_lib.make_mesh([("data", -1)])
     model = models.build_model("mlp", features=(512, 512))
@@ -72,7 +73,7 @@ def measure(devices, batch_size, rounds, steps):
                 out.block_until_ready()
             return run
         driver, _, extra = name.partition("+")
-        step = make_train_step(model, tx, mesh, driver=driver, grad_norm=extra == "grad_norm")
+        step = make_train_step(model, tx, mesh, StepSpec(driver=driver, grad_norm=extra == "grad_norm"))
         box = [state]
 
         def run(count):

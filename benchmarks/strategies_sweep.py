@@ -3,7 +3,7 @@
 Every run trains experiments/sync_strategies.py:<strategy> for the same 220 steps (20
 epochs of the digits task, 8 emulated workers); only the strategy and its setting
 change. Reads each run's metrics.jsonl (final ``test_accuracy``, ``comm_bytes_per_step``,
-``comm_rounds_per_step``, ``comm_ratio``: dtx.costmodel's accountant, summed over every
+``comm_rounds_per_step``, ``comm_ratio``: dtx.comm.costmodel's accountant, summed over every
 step) and writes strategies.csv, strategies.png (accuracy vs bytes per step),
 strategies_rounds.png (accuracy vs message rounds per step) and its table (section
 "strategies") into a results folder (printed); with ``--update-docs`` into docs/ and
@@ -65,7 +65,7 @@ def main():
     import report
     jax.config.update("jax_num_cpu_devices", 8)
     import dtx
-    from dtx import metrics
+    from dtx.run import metrics
     from dtx.tools import plots
 
     only = set(filter(None, args.only.split(",")))
@@ -115,7 +115,7 @@ def main():
         f"`{command}` ({machine}, {datetime.date.today().isoformat()}; {total / 60:.1f} min) — every run is "
         f"`experiments/sync_strategies.py:<strategy>` for {rows[0]['steps']} steps (digits, MLP 256-256, "
         "Adam 2e-3 (DiLoCo: inner AdamW), global batch 128 over 8 workers), one seed. Bytes and rounds are what "
-        "one worker sends per step, averaged over the run, from `dtx.costmodel`'s accountant (async/ssp: a "
+        "one worker sends per step, averaged over the run, from `dtx.comm.costmodel`'s accountant (async/ssp: a "
         "parameter server sharded over the workers; see docs/strategies.md); ratio = float32 ring allreduce "
         "bytes ÷ bytes sent. Plots: `docs/strategies.png` (bytes), `docs/strategies_rounds.png` (rounds).",
         "",

@@ -2,8 +2,8 @@
 
 Each technique trains once (``dtx.train``, 8 emulated workers, the same experiment,
 steps and evaluations; ``log_every=1`` so every step's bytes are its own) and its
-records are then timed by the simulated clock (:mod:`dtx.simclock`) on each cluster
-preset, compute regime and straggler model with :func:`dtx.simclock.retime`: a run's
+records are then timed by the simulated clock (:mod:`dtx.perf.simclock`) on each cluster
+preset, compute regime and straggler model with :func:`dtx.perf.simclock.retime`: a run's
 bytes and rounds do not depend on the cluster or the stragglers, so it needs no
 retraining. Backup workers are the exception — which gradients a step applies depends
 on the straggler model — so they train once per straggler model.
@@ -74,8 +74,8 @@ def _key(label: str) -> str:
 def train_records(experiment: str, overrides: dict, seed: int, steps: int, eval_every: int) -> tuple[list, object]:
     """Train one technique; its records and config."""
     from dtx import config as config_lib
-    from dtx import metrics as metrics_lib
-    from dtx.trainer import train
+    from dtx.run import metrics as metrics_lib
+    from dtx.run.trainer import train
 
     flags = [f"--config.{k}={v}" for k, v in {**overrides, "seed": seed, "num_steps": steps, "log_every": 1,
                                               "eval_every": eval_every, "progress": False}.items()]
@@ -88,13 +88,15 @@ def train_records(experiment: str, overrides: dict, seed: int, steps: int, eval_
 def analysed(config) -> tuple:
     """What the clock needs of a trained run, built once: its model, example shape and dtype, and the
     strategy's capabilities (who waits for whom)."""
-    from dtx import datasets, models, strategies
+    from dtx import config as config_lib
+    from dtx import models, strategies
+    from dtx.data import datasets
 
     data = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
                                  synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len)
     model = models.build_model(config.model.name, num_classes=data.num_classes,
                                **{k: v for k, v in config.model.items() if k != "name"})
-    settings = {k: v for k, v in config.strategy.to_dict().items() if k != "name"}
+    settings = config_lib.chosen_settings(config.strategy, strategies.strategy_settings())
     caps = strategies.make_strategy(config.strategy.name, **settings).caps
     return model, data.train.inputs.shape[1:], data.train.inputs.dtype, caps
 
@@ -103,11 +105,14 @@ def clock_model(config, parts: tuple, preset: str, stragglers: dict, compute_s: 
     """The clock of ``config`` (``parts``: :func:`analysed`) on ``preset`` with ``stragglers`` and ``compute_s``
     (0: roofline)."""
     from dtx import config as config_lib
-    from dtx import simclock
+    from dtx.perf import simclock
+    from dtx.run import setup
 
     model, shape, dtype, caps = parts
     config = config_lib.override(config, **{"cluster.name": preset, "cluster.compute_s": compute_s, **stragglers})
-    return simclock.model_for_run(config, model, shape, dtype, workers=8, caps=caps)
+    return simclock.model_for_run(setup.cluster_spec(config), model, shape, dtype, workers=8,
+                                  global_batch=config.global_batch_size, accum_steps=config.grad_accum_steps,
+                                  algorithm=config.allreduce, caps=caps)
 
 
 def time_to_target(records: list, times: dict, metric: str, target: float) -> float | None:
@@ -155,7 +160,7 @@ def main():
 
     report.add_output_arguments(parser)
     args = parser.parse_args()
-    from dtx import simclock
+    from dtx.perf import simclock
     from dtx.tools.plots import Panel, panels_plot
 
     only = {k for k in args.only.split(",") if k} | {"sync"}

@@ -20,17 +20,17 @@ _checkout.install()
 from dtx.compress import make_compressor  # noqa: E402
 from dtx.config import ConfigError, base_config, load, override
 from dtx.mesh import MeshError, emulate_cpu_devices, make_mesh
-from dtx.pacing import paced
+from dtx.step.pacing import paced
 from dtx.precision import LossScaler, Policy, parse_policy
-from dtx.state import TrainState, init_train_state
-from dtx.step import make_eval_step, make_train_step
+from dtx.step.state import TrainState, init_train_state
+from dtx.step import StepSpec, make_eval_step, make_train_step
 from dtx.strategies import make_strategy
 
-# ``dtx.train`` is the function; the module that defines it is ``dtx.trainer``.
-from dtx.trainer import TrainResult, train  # noqa: E402
+# ``dtx.train`` is the function; the module that defines it is ``dtx.run.trainer``.
+from dtx.run.trainer import TrainResult, train  # noqa: E402
 
 __all__ = [
-    "ConfigError", "LossScaler", "MeshError", "Policy", "TrainResult", "TrainState", "base_config",
+    "ConfigError", "LossScaler", "MeshError", "Policy", "StepSpec", "TrainResult", "TrainState", "base_config",
     "emulate_cpu_devices", "init_train_state", "load", "make_compressor", "make_eval_step", "make_mesh",
     "make_strategy", "make_train_step", "override", "paced", "parse_policy", "train",
 ]

@@ -4,7 +4,7 @@ The corpus is ``pydoc_data.topics`` — the language-reference pages ``help('top
 bundled with CPython, so it works offline: ~465 kB of English and code on Python 3.11 (the text,
 and so the figures, differ a little between Python versions). Tokens are UTF-8 bytes (256 ids);
 examples are non-overlapping windows of ``dataset.seq_len`` bytes, each label the next byte; the
-last 10% of the text is the test split (``dtx/datasets.py``: ``python_docs``). The model is
+last 10% of the text is the test split (``dtx/data/datasets.py``: ``python_docs``). The model is
 ``models/transformer.py``: 2 pre-LayerNorm blocks, width 64, 4 heads, 0.14 M parameters; the task
 ``next_token`` (token-level cross-entropy); the final record holds ``perplexity`` (exp of the mean
 test loss per byte; a uniform guess over 256 bytes scores 256).

@@ -36,7 +36,7 @@ class Transformer(nn.Module):
 
     The decoder of Vaswani et al., *Attention Is All You Need* (NeurIPS 2017), without
     cross-attention, with the pre-LayerNorm arrangement and learned positions of GPT-2
-    (Radford et al. 2019). Train it with the ``next_token`` task (:mod:`dtx.tasks`).
+    (Radford et al. 2019). Train it with the ``next_token`` task (:mod:`dtx.data.tasks`).
 
     Attributes:
       num_layers: transformer blocks.

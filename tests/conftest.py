@@ -36,7 +36,7 @@ def eight_devices():
 @pytest.fixture(scope="session")
 def digits():
     """The digits dataset (read-only arrays), loaded once per test process."""
-    from dtx import datasets
+    from dtx.data import datasets
 
     return datasets.load_dataset("digits")
 
@@ -55,7 +55,7 @@ def mlp16(digits, mesh):
     shape and a jitted one-device gradient (references); ``mlp16(batch, steps)`` adds that many batches."""
     from dtx import models
     from dtx.data import TrainLoader
-    from dtx.tasks import cross_entropy
+    from dtx.data.tasks import cross_entropy
 
     model = models.build_model("mlp", features=(16,))
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
@@ -73,12 +73,12 @@ def mlp16(digits, mesh):
 def run_steps():
     """``run_steps(setup, tx, steps, strategy=None)``: train ``steps`` steps of an ``mlp16`` set-up, keeping
     every step's host state and metrics (``states``, ``records``), the step function and the last state."""
-    from dtx.state import init_train_state
-    from dtx.step import make_train_step
+    from dtx.step.state import init_train_state
+    from dtx.step import StepSpec, make_train_step
 
     def run(setup, tx, steps, strategy=None):
         state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
-        step = make_train_step(setup["model"], tx, setup["mesh"], strategy=strategy, donate=False)
+        step = make_train_step(setup["model"], tx, setup["mesh"], StepSpec(strategy=strategy, donate=False))
         states, records = [], []
         for t in range(steps):
             state, metrics = step(state, setup["batches"][t])

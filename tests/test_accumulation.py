@@ -26,8 +26,8 @@ from dtx import models
 from dtx import optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader
-from dtx.state import init_train_state
-from dtx.step import StepError, check_accumulation, make_train_step
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, StepError, check_accumulation, make_train_step
 
 STEPS = 10
 BATCH = 64  # 8 per device on the 8-device mesh: splits into 2, 4 or 8 micro-batches
@@ -73,7 +73,7 @@ def runs(digits, meshes, initial_state):
         if key not in cache:
             mesh, model, tx = meshes[mesh_name], _model(), _tx()
             state = jax.device_put(initial_state, mesh_lib.replicated(mesh))  # fresh buffers: the step donates them
-            step = make_train_step(model, tx, mesh, driver=driver, accum_steps=k)
+            step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=k))
             loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
             losses = []
             for s in range(STEPS):
@@ -144,7 +144,7 @@ def test_one_device_divisors_are_of_the_whole_batch(meshes):
 
 def test_make_train_step_refuses_non_positive_accum_steps(meshes):
     with pytest.raises(StepError, match=r"accum_steps=0 must be >= 1"):
-        make_train_step(_model(), _tx(), meshes["8"], accum_steps=0)
+        make_train_step(_model(), _tx(), meshes["8"], StepSpec(accum_steps=0))
 
 
 # ------------------------------------------------------------------ memory and communication
@@ -167,7 +167,7 @@ def test_accumulation_needs_less_temporary_memory(meshes):
              "labels": jax.ShapeDtypeStruct((4096,), jnp.int32, sharding=sharded)}
     temp = {}
     for k in (1, 4):
-        step = make_train_step(model, tx, mesh, driver="shard_map", accum_steps=k)
+        step = make_train_step(model, tx, mesh, StepSpec(driver="shard_map", accum_steps=k))
         temp[k] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     assert temp[4] < temp[1] / 2, temp
 

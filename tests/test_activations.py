@@ -1,4 +1,4 @@
-"""dtx.activations: where a partitioned model's activations live and travel, read off the compiled program.
+"""dtx.parallel.activations: where a partitioned model's activations live and travel, read off the compiled program.
 
 Equal numbers cannot see redundant compute or hidden communication: these tests read the compiled
 program. A conv-dominated VGG-A twin (widths divisible by 8), global batch 64 on 8 devices.
@@ -11,12 +11,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec
 
-from dtx import flops, hlo, models
+from dtx.perf import flops
+from dtx.comm import hlo
+from dtx import models
 from dtx import mesh as mesh_lib
-from dtx.activations import activation_layout
-from dtx.parallel import make_rules, state_shardings
-from dtx.state import abstract_train_state
-from dtx.step import make_train_step
+
+from dtx.parallel import get_layout
+from dtx.step.state import abstract_train_state
+from dtx.step import StepSpec, make_train_step
 
 WORK_MESHES = {"data8": ("data", [("data", 8)]), "hybrid4x2": ("hybrid", [("data", 4), ("model", 2)]),
                "hybrid2x4": ("hybrid", [("data", 2), ("model", 4)]), "hybrid1x8": ("hybrid", [("data", 1), ("model", 8)]),
@@ -37,14 +39,14 @@ def compiled_steps(vgg_twin):
     for key, (name, spec) in WORK_MESHES.items():
         mesh = mesh_lib.make_mesh(spec)
         abstract = abstract_train_state(vgg_twin, tx, example)
-        shardings = state_shardings(abstract, make_rules(name, mesh, abstract.params), mesh)
-        layout = activation_layout(jax.tree.map(lambda s: s.spec, shardings.params), mesh)
-        step = make_train_step(vgg_twin, tx, mesh, driver="jit", state_shardings=shardings, layout=layout)
+        placement = get_layout(name).place(abstract, mesh)
+        shardings = placement.state
+        step = make_train_step(vgg_twin, tx, mesh, StepSpec(driver="jit", placement=placement))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
         split = mesh_lib.batch_sharding(mesh)
         batch = {"inputs": jax.ShapeDtypeStruct(example.shape, jnp.float32, sharding=split),
                  "labels": jax.ShapeDtypeStruct((64,), jnp.int32, sharding=split)}
-        out[key] = (mesh, shardings, layout, step.lower(state, batch).compile())
+        out[key] = (mesh, shardings, placement.activations, step.lower(state, batch).compile())
     return out
 
 

@@ -9,11 +9,13 @@ import numpy as np
 import optax
 import pytest
 
-from dtx import clusters, comm, models, perfmodel, simclock
-from dtx.state import init_train_state
-from dtx.step import make_train_step
+from dtx.perf import clusters, simclock
+from dtx.perf import layers as layers_lib
+from dtx import comm, models
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, make_train_step
 from dtx.strategies import StepContext, StrategyError, make_strategy
-from dtx.stragglers import Stragglers
+from dtx.strategies.stragglers import Stragglers
 
 P, BATCH, STEPS, LR = 8, 64, 3, 0.1
 PARAM_TOL = dict(atol=1e-6, rtol=1e-5)
@@ -30,7 +32,7 @@ def setup(mlp16):
 def _run(setup, strategy):
     model, mesh, tx = setup["model"], setup["mesh"], optax.sgd(LR)
     state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
-    step = make_train_step(model, tx, mesh, strategy=strategy)
+    step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy))
     records = []
     for batch in setup["batches"]:
         state, metrics = step(state, batch)
@@ -76,7 +78,7 @@ def test_the_clock_charges_the_nth_arrival_of_the_gradients_the_step_applied():
     """The clock's step time is the N-th smallest worker time, and the N workers within it are exactly the
     ones the strategy averaged (the arrival order the strategy uses)."""
     model = models.build_model("mlp", features=(16,))
-    layers = perfmodel.analyze(model, (64,))
+    layers = layers_lib.analyze(model, (64,))
     b = 3
     clock_model = simclock.make_model(clusters.get_cluster("cloud_10gbe"), layers, workers=P, global_batch=BATCH,
                                       stragglers=NOISE, drops=b)
@@ -95,3 +97,18 @@ def test_backup_workers_must_leave_a_gradient():
         make_strategy("backup", backup_workers=8).apply(None, None, ctx)
     with pytest.raises(StrategyError, match=r"strategy.backup_workers=-1 must be an integer >= 0"):
         make_strategy("backup", backup_workers=-1)
+
+
+def test_backup_workers_are_backups_setting_only():
+    """The factory and the config refuse backup_workers for another strategy, naming what that one takes; the
+    straggler model goes to backup, which declares it, and to no other."""
+    from dtx import config as config_lib
+
+    with pytest.raises(StrategyError, match=r"strategy.backup_workers=2 applies to strategy.name=backup only, not "
+                                            r"sync \(strategy 'sync' takes none\)"):
+        make_strategy("sync", backup_workers=2, stragglers=NOISE)
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.backup_workers=2 applies to strategy.name=backup "
+                                                     r"only, not ssp \(strategy 'ssp' takes: staleness\)"):
+        config_lib.load("digits_mlp", ["--config.strategy.name=ssp", "--config.strategy.backup_workers=2"])
+    assert make_strategy("sync", stragglers=NOISE).name == "sync"
+    assert make_strategy("backup", backup_workers=2, stragglers=NOISE).caps.drops == 2

@@ -1,4 +1,4 @@
-"""dtx.batchnorm: your own batch norm is synchronised under shard_map, so both drivers give the same run;
+"""dtx.step.batchnorm: your own batch norm is synchronised under shard_map, so both drivers give the same run;
 an axis_name the mesh does not split is refused naming the fix.
 
 Tolerances as in tests/test_step.py: parameters ``atol=1e-6, rtol=1e-5``, batch statistics
@@ -11,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from dtx import batchnorm
+from dtx.step import StepSpec, batchnorm
 from dtx import mesh as mesh_lib
-from dtx.state import init_train_state
+from dtx.step.state import init_train_state
 from dtx.step import make_train_step
 
 PARAM_TOL = dict(atol=1e-6, rtol=1e-5)
@@ -51,7 +51,7 @@ def bn_state(digits, mesh):
 
 
 def _three_steps(model, mesh, driver, state, batch):
-    step = make_train_step(model, TX, mesh, driver=driver, donate=False)  # the shared start state stays
+    step = make_train_step(model, TX, mesh, StepSpec(driver=driver, donate=False))  # the shared start state stays
     for _ in range(3):
         state, out = step(state, batch)
         jax.block_until_ready(out)
@@ -70,6 +70,6 @@ def test_your_batchnorm_gives_the_same_run_under_both_drivers(digits, mesh, bn_s
 
 
 def test_a_batchnorm_axis_name_the_mesh_does_not_split_is_refused(digits, mesh, bn_state):
-    step = make_train_step(BNNet(axis_name="batch"), TX, mesh, driver="shard_map")
+    step = make_train_step(BNNet(axis_name="batch"), TX, mesh, StepSpec(driver="shard_map"))
     with pytest.raises(batchnorm.NormSyncError, match=r"BatchNorm_0.*axis_name='batch'.*leave axis_name unset.*driver=jit"):
         step.lower(bn_state, _sorted_batch(digits, mesh))  # refused while tracing, before compiling

@@ -6,7 +6,7 @@ import re
 import jax
 import pytest
 
-from dtx import costmodel
+from dtx.comm import costmodel
 from dtx.tools import bench
 from dtx.tools.cli import main
 

@@ -1,4 +1,4 @@
-"""dtx.body: the per-worker body's named jobs on one worker (no axes): the step's keys, the averages and the
+"""dtx.step.body: the per-worker body's named jobs on one worker (no axes): the step's keys, the averages and the
 loss-scaling skip, by hand. The body end to end, both drivers against one device, is tests/test_step.py."""
 from typing import Any, NamedTuple
 
@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtx import body
-from dtx.costmodel import Traffic
+from dtx.step import body
+from dtx.comm.costmodel import Traffic
 
 
 class _State(NamedTuple):
@@ -42,3 +42,36 @@ def test_an_overflowing_step_leaves_the_state_and_statistics_as_they_were():
     applied, stats = body.skip_unless_finite(jnp.bool_(True), new, new.model_state, old)
     np.testing.assert_array_equal(applied.params["w"], new.params["w"])
     np.testing.assert_array_equal(stats["mean"], new.model_state["mean"])
+
+
+def test_finish_adds_the_averages_traffic_to_the_updates_and_takes_the_verdict_out():
+    """The records' comm fields are the update's plus the averages' (counts stay int32); the reduction's
+    finiteness verdict is no record; loss scaling without a verdict is refused."""
+    import flax
+    import pytest
+
+    from dtx.comm.context import count_scalar
+    from dtx.precision import LossScaler
+
+    @flax.struct.dataclass
+    class Stepped:
+        step: Any
+        params: Any
+        model_state: Any
+        rng: Any
+
+    old = Stepped(jnp.int32(3), {"w": jnp.ones(2)}, {}, jnp.zeros(2, jnp.uint32))
+    new = old.replace(params={"w": jnp.zeros(2)})
+    worked = body.Pass(grads=None, loss=jnp.float32(1.0), values={"accuracy": jnp.float32(0.5)}, finite=None,
+                       model_state={}, rng=jnp.ones(2, jnp.uint32),
+                       traffic={"comm_bytes": count_scalar(56), "comm_rounds": count_scalar(14),
+                                "comm_bytes_logging": count_scalar(56), "comm_rounds_logging": count_scalar(14)})
+    stats = {"comm_bytes": count_scalar(1000), "comm_rounds": count_scalar(14), "grads_finite": jnp.bool_(True)}
+    state, metrics = body.finish(old, new, dict(stats), worked, LossScaler(), "sync")
+    assert list(metrics) == ["loss", "accuracy", "comm_bytes", "comm_rounds", "comm_bytes_logging",
+                             "comm_rounds_logging"]
+    assert (int(metrics["comm_bytes"]), int(metrics["comm_rounds"])) == (1056, 28)
+    assert {np.asarray(metrics[k]).dtype for k in list(metrics)[2:]} == {np.dtype(np.int32)}
+    assert int(state.step) == 4 and np.array_equal(state.rng, worked.rng) and float(state.params["w"][0]) == 0.0
+    with pytest.raises(body.BodyError, match="loss scaling needs strategy 'local_sgd'"):
+        body.finish(old, new, {"comm_bytes": 0, "comm_rounds": 0}, worked, LossScaler(enabled=True), "local_sgd")

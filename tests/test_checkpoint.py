@@ -21,10 +21,10 @@ import pytest
 from dtx import models
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
-from dtx import metrics
-from dtx.checkpoint import Checkpointer, CheckpointError, abstract_target, state_digest
-from dtx.state import abstract_train_state, init_train_state, replicated_shardings
-from dtx.trainer import train
+from dtx.run import metrics
+from dtx.ckpt.checkpoint import Checkpointer, CheckpointError, abstract_target, state_digest
+from dtx.step.state import abstract_train_state, init_train_state, replicated_shardings
+from dtx.run.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -227,8 +227,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import optax, models
 from dtx import mesh as mesh_lib
-from dtx.checkpoint import Checkpointer
-from dtx.state import init_train_state
+from dtx.ckpt.checkpoint import Checkpointer
+from dtx.step.state import init_train_state
 mesh = mesh_lib.make_mesh([("data", 8)])
 state = init_train_state(models.build_model("mlp", features=(32,)), optax.adam(1e-3),
                          jax.ShapeDtypeStruct((1, 8, 8, 1), "float32"), 1, mesh)

@@ -1,11 +1,11 @@
-"""dtx.clusters: the presets' numbers are their data-sheet arithmetic, the two-level allreduce is the sum of its
+"""dtx.perf.clusters: the presets' numbers are their data-sheet arithmetic, the two-level allreduce is the sum of its
 levels, and non-physical numbers are refused naming the field. Pure Python, no devices."""
 import math
 
 import pytest
 
-from dtx import costmodel
-from dtx.clusters import PRESETS, Cluster, ClusterError, get_cluster
+from dtx.comm import costmodel
+from dtx.perf.clusters import PRESETS, Cluster, ClusterError, get_cluster
 
 HASWELL = get_cluster("haswell_fdr")
 

@@ -19,8 +19,10 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dtx import collectives, costmodel
-from dtx.collectives import ALGORITHMS, CollectiveError, Traffic, count_traffic, make_allreduce
+from dtx.comm import collectives, costmodel
+from dtx.comm.algorithms import ALGORITHMS, CollectiveError
+from dtx.comm.collectives import count_traffic, make_allreduce
+from dtx.comm.costmodel import Traffic
 from dtx.mesh import make_mesh
 
 FLAT = tuple(a for a in ALGORITHMS if a != "hierarchical")
@@ -153,12 +155,12 @@ def test_plan_buckets():
     leaves = [jax.ShapeDtypeStruct(s, d) for s, d in [
         ((10,), jnp.float32), ((3,), jnp.bfloat16), ((100,), jnp.float32), ((0,), jnp.float32),
         ((2,), jnp.float32), ((4,), jnp.bfloat16), ((5,), jnp.int32)]]
-    assert collectives.plan_buckets(leaves, 1) == [(0,), (1,), (2,), (4,), (5,), (6,)]  # tiny: one leaf each
-    assert collectives.plan_buckets(leaves, 1 << 20) == [(0, 2, 4), (1, 5), (6,)]  # one per dtype
+    assert costmodel.plan_buckets(leaves, 1) == [(0,), (1,), (2,), (4,), (5,), (6,)]  # tiny: one leaf each
+    assert costmodel.plan_buckets(leaves, 1 << 20) == [(0, 2, 4), (1, 5), (6,)]  # one per dtype
     # 48-byte cap: the 400-byte leaf travels alone; the 8 bytes after it open a new bucket.
-    assert collectives.plan_buckets(leaves, 48) == [(0,), (1, 5), (2,), (4,), (6,)]
+    assert costmodel.plan_buckets(leaves, 48) == [(0,), (1, 5), (2,), (4,), (6,)]
     for cap in (1, 16, 48, 1 << 20):
-        buckets = collectives.plan_buckets(leaves, cap)
+        buckets = costmodel.plan_buckets(leaves, cap)
         assert sorted(i for b in buckets for i in b) == [0, 1, 2, 4, 5, 6]  # empty leaf 3 in none
         for bucket in buckets:
             assert len({leaves[i].dtype for i in bucket}) == 1
@@ -264,9 +266,9 @@ def _parts(mesh_spec, features=(32,)):
     import optax
 
     from dtx import models
-    from dtx import datasets
+    from dtx.data import datasets
     from dtx.data import TrainLoader
-    from dtx.state import init_train_state
+    from dtx.step.state import init_train_state
 
     mesh = make_mesh(mesh_spec)
     model = models.build_model("mlp", features=features)
@@ -282,10 +284,10 @@ def _mesh_of(algorithm):
 def _train_with(allreduce, mesh_spec, bucket_bytes=0):
     """``REPLICA_STEPS`` SGD-momentum steps; the parameters after ``COMPARE_STEPS``, and the first step
     (if any) after which some replicated leaf (parameters, momentum) differs between devices."""
-    from dtx.step import make_train_step
+    from dtx.step import StepSpec, make_train_step
 
     mesh, model, tx, state, loader = _parts(mesh_spec)
-    step = make_train_step(model, tx, mesh, allreduce=allreduce, bucket_bytes=bucket_bytes)
+    step = make_train_step(model, tx, mesh, StepSpec(allreduce=allreduce, bucket_bytes=bucket_bytes))
     compared, drift = None, None
     for s in range(REPLICA_STEPS):
         state, metrics = step(state, loader.batch(s))
@@ -334,16 +336,16 @@ def test_training_with_each_algorithm_equals_psum(training, algorithm, bucket_by
                                                     ("recursive_doubling", 2048), ("hierarchical", 2048),
                                                     ("tree", 2048), ("psum", 2048)])
 def test_bucketed_step_records_what_its_program_sends(algorithm, bucket_bytes):
-    """The record's ``comm_bytes`` / ``comm_rounds`` against the compiled step (dtx.hlo): one allreduce per
+    """The record's ``comm_bytes`` / ``comm_rounds`` against the compiled step (dtx.comm.hlo): one allreduce per
     bucket. MLP 64-32-10: leaves of 128, 8192, 40 and 1280 bytes; 1 MiB holds them all (one bucket),
     2 KiB makes three: [b0], [k0] (larger than a bucket: alone), [b1, k1]."""
-    from dtx import hlo
-    from dtx.step import make_train_step
+    from dtx.comm import hlo
+    from dtx.step import StepSpec, make_train_step
 
     mesh, model, tx, state, loader = _parts(_mesh_of(algorithm))
-    buckets = collectives.plan_buckets(jax.tree.leaves(state.params), bucket_bytes)
+    buckets = costmodel.plan_buckets(jax.tree.leaves(state.params), bucket_bytes)
     assert len(buckets) == (1 if bucket_bytes > 8192 else 3)
-    step = make_train_step(model, tx, mesh, allreduce=algorithm, bucket_bytes=bucket_bytes, donate=False)
+    step = make_train_step(model, tx, mesh, StepSpec(allreduce=algorithm, bucket_bytes=bucket_bytes, donate=False))
     batch = loader.batch(0)
     compiled = step.lower(state, batch).compile()
     _, metrics = compiled(state, batch)

@@ -6,7 +6,7 @@ import numpy as np
 
 from dtx import comm
 from dtx.comm import CommContext
-from dtx.costmodel import Traffic
+from dtx.comm.costmodel import Traffic
 
 TREE = {"kernel": jax.ShapeDtypeStruct((16, 10), jnp.float32), "bias": jax.ShapeDtypeStruct((10,), jnp.float32)}
 

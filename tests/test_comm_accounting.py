@@ -1,9 +1,9 @@
-"""The shard_map step's accountant (``comm_bytes``/``comm_rounds``) against the compiled program (dtx.hlo).
+"""The shard_map step's accountant (``comm_bytes``/``comm_rounds``) against the compiled program (dtx.comm.hlo).
 
 One table of cases: every allreduce algorithm with and without bucketing, every
 compressor, every strategy, and loss-scaled steps, on a tiny MLP (64 → 16 → 10: gradient
 leaves of 16, 1024, 10 and 160 float32 entries) over 8 workers. For each case the step is
-compiled once, read by :mod:`dtx.hlo`, and run for the one to three steps the comparison
+compiled once, read by :mod:`dtx.comm.hlo`, and run for the one to three steps the comparison
 needs.
 
 The two must agree exactly, bytes and rounds, the step's averages included: every step
@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 from dtx import models
-from dtx import collectives, compress, costmodel, hlo, optim, precision, strategies
+from dtx.comm import algorithms, costmodel, hlo
+from dtx import compress, optim, precision, strategies
 from dtx import mesh as mesh_lib
-from dtx.state import init_train_state
-from dtx.step import make_train_step
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, make_train_step
 
 P = 8
 RING = 2 * (P - 1)  # rounds of one ring all-reduce
@@ -47,7 +48,7 @@ AVERAGES_ROUNDS = RING  # where it runs alone (no gradient psum to ride in)
 F16 = dict(policy="p=f32,c=f16", scaler=True)  # dynamic loss scaling: the vector carries the finiteness flag
 
 CASES = {}
-for _algorithm in collectives.ALGORITHMS:
+for _algorithm in algorithms.ALGORITHMS:
     _mesh = TWO_LEVEL if _algorithm == "hierarchical" else FLAT
     CASES[_algorithm] = dict(allreduce=_algorithm, mesh=_mesh)
     CASES[_algorithm + "+bucket"] = dict(allreduce=_algorithm, bucket=BUCKET, mesh=_mesh)
@@ -77,7 +78,7 @@ assert {c["strategy"] for c in CASES.values() if "strategy" in c} | {"sync"} == 
 class Run:
     algorithm: str  # the configured allreduce
     accountant: list  # [(comm_bytes, comm_rounds)] per step run, as the metrics report them
-    found: list  # dtx.hlo.collectives of the compiled step
+    found: list  # dtx.comm.hlo.collectives of the compiled step
     leaves: list  # sizes of the gradient leaves, in tree order
     inner: int | None  # hierarchical's inner-axis size
     bucket: int  # the bucket size (0: none)
@@ -113,8 +114,7 @@ def run(parts, name) -> Run:
         state = init_train_state(model, tx, example, 0, mesh, loss_scaler=scaler, strategy=strategy,
                                  compressor=compressor)
         algorithm = case.get("allreduce", "psum")
-        step = make_train_step(model, tx, mesh, allreduce=algorithm, bucket_bytes=case.get("bucket", 0),
-                               compressor=compressor, strategy=strategy, policy=policy, loss_scaler=scaler)
+        step = make_train_step(model, tx, mesh, StepSpec(allreduce=algorithm, bucket_bytes=case.get("bucket", 0), compressor=compressor, strategy=strategy, policy=policy, loss_scaler=scaler))
         batch = jax.device_put(host_batch, mesh_lib.batch_sharding(mesh))
         compiled = step.lower(state, batch).compile()
         accountant, logging = [], []
@@ -157,7 +157,7 @@ def tree(r):
 def buckets_or_leaves(r):
     if r.bucket:
         spec = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in r.leaves]
-        return collectives.plan_buckets(spec, r.bucket)
+        return costmodel.plan_buckets(spec, r.bucket)
     return r.leaves
 
 

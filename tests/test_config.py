@@ -9,7 +9,8 @@ import pytest
 from ml_collections import ConfigDict
 
 import dtx
-from dtx.config import DRIVERS, ConfigError, base_config, load, override, validate
+from dtx.config import ConfigError, base_config, load, override, validate
+from dtx.step import DRIVERS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -363,3 +364,80 @@ def test_a_broken_experiment_file_is_named_with_the_fix(tmp_path):
     empty.write_text("CONFIG = 1\n")
     with pytest.raises(ConfigError, match=r"empty\.py defines no get_config\(\)"):
         load(str(empty))
+
+
+# ---------------------------------------------------------------- plug-in blocks: each setting belongs to a choice
+
+def test_check_block_refuses_a_changed_key_the_choice_does_not_take():
+    """The one helper every plug-in family's check calls: a key away from base_config()'s default that the
+    chosen plug-in does not take is refused, naming the key, the choice, what it takes and who takes the key."""
+    from dtx.config import check_block, chosen_settings
+
+    taken = {"sync": (), "ssp": ("staleness",), "async": ("staleness", "random_delay")}
+    config = override(base_config(), **{"strategy.name": "ssp", "strategy.staleness": 3})
+    check_block(config, "strategy", taken)  # ssp takes staleness; every other key is at its default
+    assert chosen_settings(config.strategy, taken) == {"staleness": 3}
+    config.unlock().strategy.random_delay = True
+    with pytest.raises(ConfigError, match=r"^strategy.random_delay=True applies to strategy.name=async only, not ssp "
+                                          r"\(strategy 'ssp' takes: staleness\); leave strategy.random_delay at its "
+                                          r"default False or choose a strategy.name that takes it$"):
+        check_block(config, "strategy", taken)
+    config.strategy.name = "sync"
+    with pytest.raises(ConfigError, match=r"strategy.random_delay=True .*; strategy.staleness=3 applies to "
+                                          r"strategy.name=ssp or async only, not sync \(strategy 'sync' takes none\)"):
+        check_block(config, "strategy", taken)
+    config.strategy.name = "unheard_of"  # an unknown name is its family's own error
+    check_block(config, "strategy", taken)
+    assert chosen_settings(config.strategy, taken) == {}
+
+
+def test_a_list_read_back_from_json_equals_its_tuple_default():
+    from dtx.config import check_block
+
+    config = base_config().unlock()
+    config.strategy.mixing = list(config.strategy.mixing)
+    check_block(config, "strategy", {"sync": ()})
+
+
+def test_a_factory_declares_its_settings_by_its_signature():
+    from dtx.config import declared_settings
+
+    def backupish(backup_workers: int = 0, stragglers=None):
+        return backup_workers, stragglers
+
+    assert declared_settings(backupish) == ("backup_workers", "stragglers")
+    assert declared_settings(backupish, supplied=("stragglers",)) == ("backup_workers",)
+    with pytest.raises(TypeError, match=r"takes \*_: a plug-in's factory names each setting it takes"):
+        declared_settings(lambda period=1, **_: None)
+
+
+def test_a_plugin_that_replaces_the_optimizers_part_needs_plain_sgd():
+    """replaces_optimizer is declared on the factory; check_plain_sgd reads the declaration, not a name."""
+    from dtx.config import check_plain_sgd, replaces_optimizer
+
+    @replaces_optimizer("momentum", when="momentum")
+    def dgc_like(momentum: float = 0.0):
+        return momentum
+
+    base = base_config()
+    check_plain_sgd(base, "compression", dgc_like)  # momentum 0: no momentum of its own
+    check_plain_sgd(base, "compression", None)  # an unknown name
+    with_momentum = base.copy_and_resolve_references()
+    with_momentum.compression.momentum = 0.9
+    with pytest.raises(ConfigError, match=r"compression.momentum=0.9 \(compression 'none'\) does the optimizer's "
+                                          r"momentum itself, so optimizer.name='adam' would apply momentum twice; "
+                                          r"set --config.optimizer.name=sgd .* or compression.momentum=0"):
+        check_plain_sgd(with_momentum, "compression", dgc_like)
+    with_momentum.optimizer.name = "sgd"
+    check_plain_sgd(with_momentum, "compression", dgc_like)
+
+
+def test_every_packaged_experiment_sets_only_what_its_choices_take():
+    """The experiments with an argument too (sweeps set each variant's own settings)."""
+    from dtx.experiments import compression_sweep, large_batch, sync_strategies
+
+    arguments = {"compression_sweep": list(compression_sweep.VARIANTS), "sync_strategies": list(sync_strategies.SETTINGS),
+                 "large_batch": ["momentum", "lars", "lamb"]}
+    for name, variants in arguments.items():
+        for variant in variants:
+            assert load(f"{name}:{variant}").is_locked

@@ -1,9 +1,10 @@
-"""dtx.costmodel: the α-β-γ terms of each allreduce against hand-computed values, times consistent with them,
+"""dtx.comm.costmodel: the α-β-γ terms of each allreduce against hand-computed values, times consistent with them,
 and the traffic of the other collectives. Pure Python, no devices."""
 import pytest
 
-from dtx import costmodel
-from dtx.costmodel import ALGORITHMS, CollectiveError, CostTerms, Traffic
+from dtx.comm import costmodel
+from dtx.comm.algorithms import ALGORITHMS, CollectiveError
+from dtx.comm.costmodel import CostTerms, Traffic
 
 
 # (algorithm, n bytes, p, inner) -> the table's terms worked by hand for n = 1000.

@@ -1,11 +1,11 @@
-"""Tests for dtx.datasets: numpy only, with tiny fake MNIST/CIFAR-10 files."""
+"""Tests for dtx.data.datasets: numpy only, with tiny fake MNIST/CIFAR-10 files."""
 import gzip
 import os
 
 import numpy as np
 import pytest
 
-from dtx.datasets import DATASETS, Dataset, DatasetError, Split, load_dataset
+from dtx.data.datasets import DATASETS, Dataset, DatasetError, Split, load_dataset
 
 
 # ----------------------------------------------------------------- helpers

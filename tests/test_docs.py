@@ -54,7 +54,8 @@ def blocks(page: str) -> list[dict]:
 def test_user_facing_text_cites_no_file_users_do_not_have():
     """The pages, the notebook and the package's own sources stand on their own."""
     paths = [os.path.join(REPO, p) for p in pages()] + [os.path.join(REPO, "notebooks", "quickstart.ipynb")]
-    paths += [p for folder in ("dtx", "models", "experiments") for p in glob.glob(os.path.join(REPO, folder, "*.py"))]
+    paths += [p for folder in ("dtx", "models", "experiments")
+              for p in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)]
     for path in paths:
         text = open(path, encoding="utf-8").read()
         for name in ("DESIGN.md", "../shared", "shared/DESIGN"):

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from dtx import evaluate, metrics
+from dtx.run import evaluate, metrics
 from dtx.tools.cli import main
 
 EXPERIMENT = textwrap.dedent('''

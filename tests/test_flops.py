@@ -1,4 +1,4 @@
-"""dtx.flops: XLA's FLOP counts (per device, loops once), the peak table, MFU in the run's records."""
+"""dtx.perf.flops: XLA's FLOP counts (per device, loops once), the peak table, MFU in the run's records."""
 
 import os
 
@@ -9,9 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dtx import config as config_lib
-from dtx import flops, metrics
+from dtx.perf import flops
+from dtx.run import metrics
 from dtx import mesh as mesh_lib
-from dtx.trainer import train
+from dtx.run.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -60,7 +61,7 @@ def test_xla_reports_flops_per_device_for_shard_map_and_jit():
 
 
 def test_xla_counts_a_loop_body_once():
-    # Documented in dtx.flops: why MFU is skipped under gradient accumulation (a scan).
+    # Documented in dtx.perf.flops: why MFU is skipped under gradient accumulation (a scan).
     w = jnp.ones((64, 32))
     looped = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c + (x @ w).sum(), None), 0.0, xs)[0])
     assert flops.step_flops(looped, jnp.ones((8, 128, 64))) == pytest.approx(MATMUL_FLOPS, rel=0.05)
@@ -134,7 +135,7 @@ def test_records_carry_mfu_when_a_peak_is_set_and_start_up_compiles_nothing_more
     # The same run without compiling the step ahead of the loop compiles exactly as many programs.
     import sys
 
-    monkeypatch.setattr(sys.modules["dtx.setup"], "compile_step", lambda *args: None)
+    monkeypatch.setattr(sys.modules["dtx.run.setup"], "compile_step", lambda *args: None)
     before = len(_compiles)
     train(config_lib.load(DEFAULT, TINY), tmp_path / "plain")
     assert len(_compiles) - before == with_flops > 0

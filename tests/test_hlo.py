@@ -1,7 +1,7 @@
-"""dtx.hlo reads collectives, group sizes and bytes off compiled programs and HLO text.
+"""dtx.comm.hlo reads collectives, group sizes and bytes off compiled programs and HLO text.
 
-Every figure below is counted by hand from the conventions of :mod:`dtx.hlo` (those of
-:mod:`dtx.costmodel`'s accountant), for ``p`` devices per group and float32 data:
+Every figure below is counted by hand from the conventions of :mod:`dtx.comm.hlo` (those of
+:mod:`dtx.comm.costmodel`'s accountant), for ``p`` devices per group and float32 data:
 
 * all-reduce of ``e`` elements: the ring, ``2(p−1)·⌈e/p⌉·4`` bytes, ``2(p−1)`` rounds;
 * all-gather of ``n`` bytes: ``(p−1)·n`` bytes, ``p−1`` rounds;
@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtx import hlo
-from dtx.hlo import COLLECTIVE_KINDS, Collective, HloError, Totals
+from dtx.comm import hlo
+from dtx.comm.hlo import COLLECTIVE_KINDS, Collective, HloError, Totals
 from dtx.mesh import make_mesh
 
 # Per-device operand sizes (float32 elements) used by every shard_map program below;

@@ -20,13 +20,13 @@ import pytest
 
 from dtx import models
 from dtx import config as config_lib
-from dtx import integrity
+from dtx.ckpt import integrity
 from dtx import mesh as mesh_lib
 from dtx import optim
-from dtx.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, abstract_target, state_digest
-from dtx.tools.launch import _free_port
-from dtx.state import abstract_train_state, init_train_state, replicated_shardings
-from dtx.trainer import train
+from dtx.ckpt.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, abstract_target, state_digest
+from dtx.tools.launch import free_port
+from dtx.step.state import abstract_train_state, init_train_state, replicated_shardings
+from dtx.run.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -254,7 +254,7 @@ def guarded(tree, *args, **kwargs):
     # Barriers gather a 4-byte name hash (jax's sync_global_devices, orbax's barriers, train's checks):
     # allowed. Gathering any array on the checkpoint path is what this test forbids.
     stack = "".join(traceback.format_stack())
-    if any(p in stack for p in ("dtx/checkpoint.py", "dtx/integrity.py", "orbax/checkpoint")) and any(
+    if any(p in stack for p in ("dtx/ckpt/checkpoint.py", "dtx/ckpt/integrity.py", "orbax/checkpoint")) and any(
             isinstance(x, jax.Array) or np.size(x) > 1 for x in jax.tree.leaves(tree)):
         raise AssertionError("process_allgather of an array on the checkpoint path:\\n" + stack)
     return gather(tree, *args, **kwargs)
@@ -265,7 +265,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _two_processes(workdir, *args):
-    port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
+    port, env = free_port(), {**os.environ, "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-c", _WORKER, "train", DEFAULT, "--workdir", str(workdir), *RUN, *args,
                "--config.emulate_cpu_devices=4", "--config.parallel.name=fsdp", "--config.driver=jit"]
     workers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

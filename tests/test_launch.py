@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from dtx import metrics
-from dtx.checkpoint import Checkpointer
+from dtx.run import metrics
+from dtx.ckpt.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -106,8 +106,8 @@ def _restore_in_one_process_on_one_device(directory, step):
     from dtx import models
     from dtx import mesh as mesh_lib
     from dtx import optim
-    from dtx.checkpoint import abstract_target
-    from dtx.state import abstract_train_state, replicated_shardings
+    from dtx.ckpt.checkpoint import abstract_target
+    from dtx.step.state import abstract_train_state, replicated_shardings
 
     mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
     tx = optim.make_optimizer("adam", optim.make_schedule("constant", 2e-3, 300))  # as the trainer builds it

@@ -1,4 +1,4 @@
-"""dtx.layers: per-layer MACs and weights against the papers' layer tables, FLOPs against XLA's cost analysis."""
+"""dtx.perf.layers: per-layer MACs and weights against the papers' layer tables, FLOPs against XLA's cost analysis."""
 import math
 
 import flax.linen as nn
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dtx import layers as layers_lib
+from dtx.perf import layers as layers_lib
 from dtx.models import build_model
 
 

@@ -1,9 +1,9 @@
-"""dtx.lowrank: PowerSGD's power step on one worker (the allreduce the identity): exact at full rank, a rank-r
+"""dtx.compress.lowrank: PowerSGD's power step on one worker (the allreduce the identity): exact at full rank, a rank-r
 matrix at rank r, vectors untouched, two packed buffers; matrices seen with the shorter side first."""
 import jax.numpy as jnp
 import numpy as np
 
-from dtx import lowrank
+from dtx.compress import lowrank
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

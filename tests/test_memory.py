@@ -1,4 +1,4 @@
-"""The memory model (dtx.memory): its formulas, the state it counts, and the compiled step it predicts.
+"""The memory model (dtx.perf.memory): its formulas, the state it counts, and the compiled step it predicts.
 
 Tolerance: the model's per-device peak within 15 % of XLA's (argument + output −
 alias + temp of ``compiled.memory_analysis()``), the issue's goal; in the full table
@@ -15,18 +15,20 @@ import jax.numpy as jnp
 import pytest
 
 from dtx import models
-from dtx import memory, perfmodel
+from dtx.perf import memory, model as perfmodel
+from dtx.perf import layers as layers_lib
 from dtx import mesh as mesh_lib
 from dtx import optim, parallel
-from dtx.clusters import HASWELL_FDR, get_cluster
-from dtx.perfmodel import Layer
+from dtx.perf.clusters import HASWELL_FDR, get_cluster
+from dtx.perf.layers import Layer
+from dtx.run import verify
 from dtx.tools.simulate import simulate_main
-from dtx.state import abstract_train_state
+from dtx.step.state import abstract_train_state
 
 TOLERANCE = 0.15
 # Two Dense layers 100 -> 200 -> 10 (kernel + bias), 4 devices, global batch 8, Adam, float32.
 LAYERS = (Layer("a", "dense", 0, 20200, 100, 200, (100, 200)), Layer("b", "dense", 0, 2010, 200, 10, (200, 10)))
-LAYOUTS = [name for name in ("data", "zero1", "zero2", "fsdp", "model", "hybrid") if name in parallel.PARALLELISMS]
+LAYOUTS = ["data", "zero1", "zero2", "fsdp", "model", "hybrid"]
 MESHES = {"model": [("data", 4), ("model", 2)], "hybrid": [("data", 2), ("model", 4)]}
 
 
@@ -80,11 +82,11 @@ def test_parameters_and_optimizer_state_per_device_are_what_the_layout_stores(op
     tx = optim.make_optimizer(optimizer, 0.1)
     example = jax.ShapeDtypeStruct((64, 8, 8, 1), jnp.float32)
     terms = memory.model_terms(model, (8, 8, 1))
-    layers = perfmodel.analyze(model, (8, 8, 1))
+    layers = layers_lib.analyze(model, (8, 8, 1))
     abstract = abstract_train_state(model, tx, example)
     for layout in LAYOUTS:  # model and hybrid in groups of 2, which every layer's features divide
         mesh = mesh_lib.make_mesh([("data", 4), ("model", 2)] if layout in MESHES else [("data", 8)])
-        shardings, _ = memory.layout_shardings(abstract, layout, mesh)
+        shardings = parallel.get_layout(layout).place(abstract, mesh).state
         estimate = memory.estimate(layers, layout, nodes=8, global_batch=64, group_size=dict(mesh.shape).get(
             "model", 1), optimizer=optimizer, **terms)
         assert estimate.params == _per_device_bytes(abstract.params, shardings.params), layout
@@ -124,18 +126,18 @@ def test_peak_is_within_15_percent_of_the_compiled_step(name, layout):
     mesh = MESHES.get(layout, [("data", 8)])
     estimate = memory.estimate_model(model, shape, layout, nodes=8, global_batch=batch,
                                      group_size=dict(mesh).get("model", 1))
-    peak = memory.compiled_peak(memory.compile_step(model, shape, layout, mesh, batch))
+    peak = memory.compiled_peak(verify.compile_layout_step(model, shape, layout, mesh, batch))
     assert abs(estimate.total / peak - 1) <= TOLERANCE, (estimate, peak)
 
 
 def test_a_planners_plan_is_within_15_percent_of_its_compiled_step():
     settings, shape, batch = SETTINGS["speech_dnn"]
     model = models.build_model("speech_dnn", **settings)
-    plan = perfmodel.make_plan(perfmodel.analyze(model, shape), HASWELL_FDR, 8, batch, mode="hybrid", group_size=2)
+    plan = perfmodel.make_plan(layers_lib.analyze(model, shape), HASWELL_FDR, 8, batch, mode="hybrid", group_size=2)
     estimate = memory.estimate_model(model, shape, "rules", nodes=8, global_batch=batch, group_size=2,
                                      sharded=plan.sharded)
     assert estimate.total == memory.estimate_plan(plan, **memory.model_terms(model, shape)).total
-    peak = memory.compiled_peak(memory.compile_step(model, shape, "rules", plan.mesh_spec, batch,
+    peak = memory.compiled_peak(verify.compile_layout_step(model, shape, "rules", plan.mesh_spec, batch,
                                                     rules=plan.rules()[:-1]))
     assert abs(estimate.total / peak - 1) <= TOLERANCE, (estimate, peak)
 
@@ -143,7 +145,7 @@ def test_a_planners_plan_is_within_15_percent_of_its_compiled_step():
 def test_the_planner_never_picks_a_plan_that_does_not_fit():
     # The speech DNN on 8 nodes at global batch 4096: the fastest plan (G = 2) is not the smallest (G = 4:
     # more weights split, gathered inputs still small).
-    layers = perfmodel.analyze(models.build_model("speech_dnn"), (440,))
+    layers = layers_lib.analyze(models.build_model("speech_dnn"), (440,))
     need = {}
 
     def per_device(plan):
@@ -157,7 +159,7 @@ def test_the_planner_never_picks_a_plan_that_does_not_fit():
     capacity = (need[fastest.group_size] + smallest) / 2
     fitted = perfmodel.make_plan(layers, HASWELL_FDR.replace(device_memory=capacity), 8, 4096, memory=per_device)
     assert fitted.group_size != fastest.group_size and need[fitted.group_size] <= capacity
-    with pytest.raises(perfmodel.PerfModelError, match=r"no plan of 8 nodes at global batch 4096 fits .* the "
+    with pytest.raises(layers_lib.PerfModelError, match=r"no plan of 8 nodes at global batch 4096 fits .* the "
                                                        rf"smallest needs {smallest / 2**30:.1f} GiB per node"):
         perfmodel.make_plan(layers, HASWELL_FDR.replace(device_memory=smallest / 2), 8, 4096, memory=per_device)
 

@@ -1,4 +1,4 @@
-"""Tests for dtx.metrics: JSON-lines records, TensorBoard event files, the progress display."""
+"""Tests for dtx.run.metrics: JSON-lines records, TensorBoard event files, the progress display."""
 import glob
 import io
 import json
@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 from tensorboardX.proto.event_pb2 import Event
 
-from dtx.metrics import (METRICS_FILE, MetricWriter, NotebookBar, ProgressBar, StepTrace, progress_mode,
+from dtx.run.metrics import (METRICS_FILE, MetricWriter, NotebookBar, ProgressBar, StepTrace, progress_mode,
                          read_metrics)
 
 
@@ -277,7 +277,7 @@ def test_notebook_bar_throttles_and_shows_the_last_step_on_close():
 
 def test_profile_steps_write_a_trace(tmp_path):
     from dtx import config as config_lib
-    from dtx.trainer import train
+    from dtx.run.trainer import train
 
     experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                               "digits_mlp.py")
@@ -318,11 +318,11 @@ def test_grad_norm_is_the_norm_of_the_applied_gradient(driver):
     import optax
 
     from dtx import models
-    from dtx import datasets
+    from dtx.data import datasets
     from dtx import mesh as mesh_lib
     from dtx.data import TrainLoader
-    from dtx.state import init_train_state
-    from dtx.step import make_train_step
+    from dtx.step.state import init_train_state
+    from dtx.step import StepSpec, make_train_step
 
     digits = datasets.load_dataset("digits")
     mesh = mesh_lib.make_mesh([("data", -1)])
@@ -330,8 +330,8 @@ def test_grad_norm_is_the_norm_of_the_applied_gradient(driver):
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
     state = init_train_state(model, tx, example, 0, mesh)
     batch = TrainLoader(digits.train, 64, mesh, seed=0).batch(0)
-    new, metrics = make_train_step(model, tx, mesh, driver=driver, grad_norm=True, donate=False)(state, batch)
+    new, metrics = make_train_step(model, tx, mesh, StepSpec(driver=driver, grad_norm=True, donate=False))(state, batch)
     applied = jax.tree.map(lambda a, b: a - b, state.params, new.params)
     assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(applied)), rel=1e-5)
-    _, plain = make_train_step(model, tx, mesh, driver=driver, donate=False)(state, batch)
+    _, plain = make_train_step(model, tx, mesh, StepSpec(driver=driver, donate=False))(state, batch)
     assert "grad_norm" not in plain  # opt-in

@@ -76,7 +76,7 @@ def _installed_layout(target):
     return target
 
 
-# Training costs ~6 s a run; the import of dtx.trainer (which builds its models) is in every mode, the
+# Training costs ~6 s a run; the import of dtx.run.trainer (which builds its models) is in every mode, the
 # end-to-end run in the one a user without a checkout has.
 @pytest.mark.parametrize("mode, train", [("checkout", False), ("editable", False), ("installed", True)])
 def test_user_packages_named_models_and_experiments_stay_the_users(mode, train, tmp_path):

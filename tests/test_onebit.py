@@ -1,4 +1,4 @@
-"""1-bit Adam and 1-bit LAMB (dtx/onebit.py) on 8 workers: the warm-up is optax.adam, each
+"""1-bit Adam and 1-bit LAMB (dtx/strategies/onebit.py) on 8 workers: the warm-up is optax.adam, each
 compressed step is the paper's update written out in numpy (sign codes with a mean-magnitude
 scale per chunk, worker and server error feedback, frozen variance), and a compressed step
 sends >= 5x fewer bytes than the float32 ring, by the accountant and in the compiled program.
@@ -13,7 +13,8 @@ import optax
 import pytest
 
 from dtx import config as config_lib
-from dtx import costmodel, hlo, quantize
+from dtx.comm import costmodel, hlo
+from dtx.compress import quantize
 from dtx.strategies import StrategyError, make_strategy
 
 P = 8
@@ -171,6 +172,27 @@ def test_bad_settings_name_the_key_and_the_fix():
         make_strategy("onebit_lamb", adam_eps=-1.0)
     with pytest.raises(config_lib.ConfigError, match=r"set --config.optimizer.name=sgd"):
         config_lib.override(config_lib.base_config(), **{"strategy.name": "onebit_lamb"})
+
+
+def test_the_sgd_rule_is_declared_by_the_strategies_and_other_settings_are_refused():
+    """1-bit Adam/LAMB declare that they do the optimizer's preconditioning (dtx.config.replaces_optimizer):
+    the config refuses Adam under them, and a setting they do not take, by what they declare, not by name."""
+    from dtx import strategies
+
+    assert strategies.STRATEGIES["onebit_adam"].replaces_optimizer == ("Adam preconditioning", "")
+    assert [n for n, f in strategies.STRATEGIES.items() if hasattr(f, "replaces_optimizer")] == [
+        "onebit_adam", "onebit_lamb"]
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.name='onebit_adam' does the optimizer's Adam "
+                                                     r"preconditioning itself, so optimizer.name='lamb' would"):
+        config_lib.override(config_lib.base_config(), **{"strategy.name": "onebit_adam", "optimizer.name": "lamb"})
+    sgd = {"strategy.name": "onebit_adam", "optimizer.name": "sgd"}
+    assert config_lib.override(config_lib.base_config(), **sgd, **{"strategy.warmup_steps": 7}).strategy.name
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.period=2 .* not onebit_adam \(strategy 'onebit_adam' "
+                                                     r"takes: warmup_steps, adam_eps\)"):
+        config_lib.override(config_lib.base_config(), **sgd, **{"strategy.period": 2})
+    with pytest.raises(StrategyError, match=r"strategy.staleness=1 applies to strategy.name=async or ssp only, not "
+                                            r"onebit_lamb \(strategy 'onebit_lamb' takes: warmup_steps, adam_eps\)"):
+        make_strategy("onebit_lamb", staleness=1)
 
 
 def test_coordinates_whose_frozen_variance_is_zero_do_not_move(setup, adam_run):

@@ -1,4 +1,4 @@
-"""dtx.pacing: a hand-written loop over dtx.paced(step) keeps one step queued behind the running one, so an
+"""dtx.step.pacing: a hand-written loop over dtx.paced(step) keeps one step queued behind the running one, so an
 emulated CPU mesh never deadlocks; each call waits on the previous call's outputs, never its own."""
 
 import jax
@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import dtx
-from dtx import models, pacing
+from dtx import models
+from dtx.step import pacing
 from dtx.data import TrainLoader
 
 

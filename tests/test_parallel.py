@@ -15,9 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dtx import models
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader
-from dtx.parallel import PartitionError, make_rules, param_specs, state_shardings
-from dtx.state import abstract_train_state, init_train_state
-from dtx.step import StepError, cross_entropy, make_train_step
+from dtx.parallel import PartitionError, get_layout, make_rules, param_specs, state_shardings
+from dtx.step.state import abstract_train_state, init_train_state
+from dtx.step import StepError, StepSpec, make_train_step
+from dtx.data.tasks import cross_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 MESHES = {"8": [("data", 8)], "4x2": [("data", 4), ("model", 2)], "2x4": [("data", 2), ("model", 4)]}
@@ -85,10 +86,9 @@ def test_partitioned_training_step_equals_one_device(digits, lenet, name, mesh_n
     for key, mesh in (("one", mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])),
                       ("sharded", mesh_lib.make_mesh(MESHES[mesh_name]))):
         abstract = abstract_train_state(lenet, tx, example)
-        shardings = state_shardings(abstract, make_rules(name if key == "sharded" else "data", mesh,
-                                                         abstract.params), mesh)
-        state = init_train_state(lenet, tx, example, 0, mesh, shardings=shardings)
-        step = make_train_step(lenet, tx, mesh, driver="jit", state_shardings=shardings)
+        placement = get_layout(name if key == "sharded" else "data").place(abstract, mesh)
+        state = init_train_state(lenet, tx, example, 0, mesh, shardings=placement.state)
+        step = make_train_step(lenet, tx, mesh, StepSpec(driver="jit", placement=placement))
         loader = TrainLoader(digits.train, 64, mesh, seed=0)
         for s in range(3):
             state, metrics = step(state, loader.batch(s))
@@ -141,9 +141,13 @@ def test_clear_errors(digits, lenet):
     with pytest.raises(PartitionError, match=r"'fc6/kernel'.* names no parameter"):
         make_rules("rules", mesh8, params, [("fc6/kernel", (None, "model"))])
     abstract = abstract_train_state(lenet, optax.sgd(0.1), example)
-    shardings = state_shardings(abstract, make_rules("fsdp", mesh8, params), mesh8)
+    placement = get_layout("fsdp").place(abstract, mesh8)
     with pytest.raises(StepError, match="driver=jit"):
-        make_train_step(lenet, optax.sgd(0.1), mesh8, driver="shard_map", state_shardings=shardings)
+        make_train_step(lenet, optax.sgd(0.1), mesh8, StepSpec(driver="shard_map", placement=placement))
+    # A placement whose layout claims data parallelism but whose state is split is refused all the same.
+    with pytest.raises(StepError, match="driver=jit"):
+        make_train_step(lenet, optax.sgd(0.1), mesh8,
+                        StepSpec(driver="shard_map", placement=placement._replace(layout=get_layout("data"))))
 
 
 def test_explicit_rules_from_config_tuples(digits, lenet):
@@ -158,9 +162,9 @@ def test_explicit_rules_from_config_tuples(digits, lenet):
 
 # ------------------------------------------------------------------ ZeRO-1 / ZeRO-2 (Rajbhandari et al. 2020)
 
-from dtx import hlo, optim  # noqa: E402
-from dtx.checkpoint import Checkpointer, abstract_target, state_digest  # noqa: E402
-from dtx.parallel import gradient_shardings, optimizer_rules  # noqa: E402
+from dtx.comm import hlo  # noqa: E402
+from dtx import optim  # noqa: E402
+from dtx.ckpt.checkpoint import Checkpointer, abstract_target, state_digest  # noqa: E402
 
 ZERO_MODEL = dict(features=(64, 32), num_classes=16)  # every kernel and bias divides by 8
 
@@ -168,10 +172,8 @@ ZERO_MODEL = dict(features=(64, 32), num_classes=16)  # every kernel and bias di
 def _zero_parts(name, mesh, tx, example):
     model = models.build_model("mlp", **ZERO_MODEL)
     abstract = abstract_train_state(model, tx, example)
-    orules = optimizer_rules(name, mesh, abstract.params)
-    shardings = state_shardings(abstract, make_rules(name, mesh, abstract.params), mesh, orules)
-    grads = gradient_shardings(abstract.params, orules, mesh) if name.startswith("zero") else None
-    return model, abstract, shardings, grads
+    placement = get_layout(name).place(abstract, mesh)
+    return model, abstract, placement.state, placement
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +185,9 @@ def zero_runs(digits):
     for opt in ("momentum", "adam", "lamb"):
         tx = optim.make_optimizer(opt, 1e-2, momentum=0.9, weight_decay=1e-4 if opt == "lamb" else 0.0)
         for name in ("data", "zero1", "zero2"):
-            model, abstract, shardings, grads = _zero_parts(name, mesh, tx, example)
+            model, abstract, shardings, placement = _zero_parts(name, mesh, tx, example)
             state = init_train_state(model, tx, example, 0, mesh, shardings=shardings)
-            step = make_train_step(model, tx, mesh, driver="jit", state_shardings=shardings, accum_steps=2,
-                                   gradient_shardings=grads, shard_accumulator=name == "zero2")
+            step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=2, placement=placement))
             loader = TrainLoader(digits.train, 64, mesh, seed=0)
             compiled = step.lower(state, loader.batch(0)).compile()
             for s in range(20):

@@ -11,8 +11,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtx import costmodel, perfmodel
-from dtx.clusters import PRESETS, get_cluster
+from dtx.comm import costmodel
+from dtx.perf import model as perfmodel
+from dtx.perf import layers as layers_lib
+from dtx.perf.clusters import PRESETS, get_cluster
 from dtx.mesh import make_mesh
 from dtx.models import build_model
 from test_layers import _ValidCNN  # an unpadded CNN: its conv layers are what the rules split
@@ -22,7 +24,7 @@ HASWELL = get_cluster("haswell_fdr")
 # ------------------------------------------------------------------ roofline, communication, balance
 
 def test_roofline_fully_connected_is_memory_bound_at_small_batch():
-    fc6 = perfmodel.analyze(build_model("vgg_a"), (224, 224, 3))[8]
+    fc6 = layers_lib.analyze(build_model("vgg_a"), (224, 224, 3))[8]
     peak = HASWELL.node_flops * HASWELL.efficiency["dense"]
     small, large = perfmodel.compute_time(fc6, HASWELL, 4), perfmodel.compute_time(fc6, HASWELL, 1024)
     # At 4 images the 3 passes over 411 MB of weights dominate; at 1024 the arithmetic does.
@@ -32,7 +34,7 @@ def test_roofline_fully_connected_is_memory_bound_at_small_batch():
 
 
 def test_layer_costs_follow_the_alpha_beta_formulas():
-    fc7 = perfmodel.analyze(build_model("vgg_a"), (224, 224, 3))[9]
+    fc7 = layers_lib.analyze(build_model("vgg_a"), (224, 224, 3))[9]
     alpha, beta, e = HASWELL.latency, 1 / HASWELL.bandwidth, 4
     gamma = 3 / HASWELL.memory_bandwidth
     data = perfmodel.layer_cost(fc7, HASWELL, 16, 256)
@@ -64,7 +66,7 @@ def test_two_level_allreduce_uses_nvlink_inside_a_node():
 
 @pytest.mark.parametrize("nodes", [2, 16, 128])
 def test_balance_condition_and_minimum_batch_are_consistent(nodes):
-    for layer in perfmodel.analyze(build_model("vgg_a"), (224, 224, 3)):
+    for layer in layers_lib.analyze(build_model("vgg_a"), (224, 224, 3)):
         bal = perfmodel.balance(layer, HASWELL, nodes, 4)
         assert bal.balanced == (bal.compute >= bal.communication) == (4 >= bal.min_batch)
         at_min = perfmodel.balance(layer, HASWELL, nodes, bal.min_batch)
@@ -73,7 +75,7 @@ def test_balance_condition_and_minimum_batch_are_consistent(nodes):
             assert not perfmodel.balance(layer, HASWELL, nodes, bal.min_batch - 1).balanced
     # Das et al. §3: convolutions balance at a handful of images per node, fully connected layers need hundreds.
     by_name = {l.name: perfmodel.balance(l, HASWELL, 128, 4) for l in
-               perfmodel.analyze(build_model("vgg_a"), (224, 224, 3))}
+               layers_lib.analyze(build_model("vgg_a"), (224, 224, 3))}
     assert by_name["conv3_2"].min_batch <= 4 < 100 < by_name["fc6"].min_batch
 
 
@@ -96,7 +98,7 @@ def test_scaling_never_beats_linear(cluster, name):
     (Weak scaling *with* model parallelism can beat linear: a memory-bound layer split G ways streams
     1/G of its weights per node — aggregate memory bandwidth, a real effect the model keeps.)"""
     model = build_model(name)
-    layers = perfmodel.analyze(model, type(model).default_input_shape)
+    layers = layers_lib.analyze(model, type(model).default_input_shape)
     nodes = [1, 2, 4, 8, 16, 32, 64]
     for overlap in perfmodel.OVERLAPS:
         for kwargs in (dict(global_batch=256, mode="auto"), dict(global_batch=256, mode="hybrid"),
@@ -110,7 +112,7 @@ def test_scaling_never_beats_linear(cluster, name):
 
 
 def test_planner_splits_fc_layers_of_vgg_a_and_keeps_convolutions_data_parallel():
-    layers = perfmodel.analyze(build_model("vgg_a"), (224, 224, 3))
+    layers = layers_lib.analyze(build_model("vgg_a"), (224, 224, 3))
     for nodes, batch in [(32, 128), (128, 512)]:  # 4 images per node
         plan = perfmodel.make_plan(layers, HASWELL, nodes, batch)
         assert 1 < plan.group_size <= nodes
@@ -127,7 +129,7 @@ def test_plan_rules_run_as_partitioning_that_matches_the_unsharded_model():
     from dtx.parallel import param_specs
 
     model = build_model("speech_dnn", hidden=(64, 32), num_classes=16)
-    layers = perfmodel.analyze(model, (24,))
+    layers = layers_lib.analyze(model, (24,))
     plan = perfmodel.make_plan(layers, HASWELL, 8, 64, mode="hybrid", group_size=2)
     assert plan.mesh_spec == [("data", 4), ("model", 2)]
     rules = plan.rules()
@@ -148,7 +150,7 @@ def test_plan_rules_run_as_partitioning_that_matches_the_unsharded_model():
 
 
 def test_conv_rules_split_output_channels():
-    layers = perfmodel.analyze(_ValidCNN(), (20, 20, 3))
+    layers = layers_lib.analyze(_ValidCNN(), (20, 20, 3))
     plan = perfmodel.make_plan(layers, HASWELL, 4, 8, mode="auto", group_size=4)
     specs = dict(plan.rules())
     for name in plan.sharded:
@@ -159,19 +161,19 @@ def test_conv_rules_split_output_channels():
 # ------------------------------------------------------------------ bad input
 
 def test_bad_input_is_refused_with_the_fix():
-    layers = perfmodel.analyze(build_model("speech_dnn"), (440,))
-    with pytest.raises(perfmodel.PerfModelError, match=r"group size 3 does not divide the 8 nodes.*\[1, 2, 4, 8\]"):
+    layers = layers_lib.analyze(build_model("speech_dnn"), (440,))
+    with pytest.raises(layers_lib.PerfModelError, match=r"group size 3 does not divide the 8 nodes.*\[1, 2, 4, 8\]"):
         perfmodel.make_plan(layers, HASWELL, 8, 64, group_size=3)
     uneven = r"global batch 100 does not split evenly over 8 nodes; use a multiple of 8 \(e\.g\. 96 or 104\)"
-    with pytest.raises(perfmodel.PerfModelError, match=uneven):
+    with pytest.raises(layers_lib.PerfModelError, match=uneven):
         perfmodel.make_plan(layers, HASWELL, 8, 100)
-    with pytest.raises(perfmodel.PerfModelError, match=r"plan 'data' has no model axis"):
+    with pytest.raises(layers_lib.PerfModelError, match=r"plan 'data' has no model axis"):
         perfmodel.make_plan(layers, HASWELL, 8, 64, mode="data", group_size=2)
-    with pytest.raises(perfmodel.PerfModelError, match=r"unknown plan 'pipeline'"):
+    with pytest.raises(layers_lib.PerfModelError, match=r"unknown plan 'pipeline'"):
         perfmodel.make_plan(layers, HASWELL, 8, 64, mode="pipeline")
     with pytest.raises(costmodel.CollectiveError, match=r"unknown allreduce algorithm 'mesh'"):
         perfmodel.make_plan(layers, HASWELL, 8, 64, algorithm="mesh")
-    with pytest.raises(perfmodel.PerfModelError, match=r"exactly one of global_batch"):
+    with pytest.raises(layers_lib.PerfModelError, match=r"exactly one of global_batch"):
         perfmodel.scaling(layers, HASWELL, [1, 2], global_batch=8, per_node_batch=2)
 
 
@@ -204,7 +206,7 @@ def test_calibration_measured_layers_predict_the_measured_step():
     """
     batch = 32
     model, shape = _SmallCNN(), (32, 32, 3)
-    layers = perfmodel.analyze(model, shape)
+    layers = layers_lib.analyze(model, shape)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(batch, *shape)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, batch))
@@ -266,15 +268,15 @@ def test_the_trainer_runs_the_planners_rules(tmp_path):
 
     from dtx import models
     from dtx import config as config_lib
-    from dtx import perfmodel as pm
-    from dtx.clusters import get_cluster
+    from dtx.perf import model as pm
+    from dtx.perf.clusters import get_cluster
     from dtx.tools.simulate import plan_overrides
-    from dtx.trainer import train
+    from dtx.run.trainer import train
 
     experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                               "digits_mlp.py")
     model = models.build_model("mlp", features=(32,))
-    plan = pm.make_plan(pm.analyze(model, (8, 8, 1)), get_cluster("haswell_fdr"), 8, 64, mode="hybrid", group_size=2)
+    plan = pm.make_plan(layers_lib.analyze(model, (8, 8, 1)), get_cluster("haswell_fdr"), 8, 64, mode="hybrid", group_size=2)
     assert plan.sharded, "the hybrid plan must split some layer"
     overrides = [arg for item in plan_overrides(plan) for arg in shlex.split(item)]
     base = ["--config.model.features=(32,)", "--config.num_steps=5", "--config.progress=False",

@@ -30,10 +30,10 @@ from dtx import config as config_lib
 from dtx import optim
 from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, Policy, PrecisionError, all_finite, parse_policy, select_tree
-from dtx.state import init_train_state
-from dtx.step import make_train_step
-from dtx.steplog import check_loss_scale
-from dtx.trainer import train
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, make_train_step
+from dtx.run.steplog import check_loss_scale
+from dtx.run.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -189,7 +189,7 @@ def test_bfloat16_step_multiplies_in_bfloat16_and_keeps_float32_masters(mesh8, h
     tx = _tx()
     state = jax.device_put(host_state, mesh_lib.replicated(mesh8))
     batch = jax.device_put(host_batch, mesh_lib.batch_sharding(mesh8))
-    step = make_train_step(model, tx, mesh8, driver="shard_map", policy=policy, donate=False)
+    step = make_train_step(model, tx, mesh8, StepSpec(driver="shard_map", policy=policy, donate=False))
     with jax.numpy_dtype_promotion("strict"):
         new_state, metrics = step(state, batch)  # first call: traced and compiled under strict promotion
         jaxpr = jax.make_jaxpr(step)(state, batch)
@@ -233,7 +233,7 @@ def test_gradients_travel_in_the_reduce_dtype(mesh8, digits, spec, wire):
     sharded = mesh_lib.batch_sharding(mesh8)
     batch = {"inputs": jax.ShapeDtypeStruct((BATCH, 8, 8, 1), jnp.float32, sharding=sharded),
              "labels": jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=sharded)}
-    step = make_train_step(model, tx, mesh8, driver="shard_map", policy=policy)
+    step = make_train_step(model, tx, mesh8, StepSpec(driver="shard_map", policy=policy))
     reductions = _gradient_reductions(step, state, batch)
     reduced = [v.aval for eqn in reductions for v in eqn.invars]
     assert len(reduced) == len(jax.tree.leaves(state.params)), reduced  # every gradient leaf, once
@@ -377,7 +377,7 @@ def _assert_replicas_identical(state):
 @pytest.mark.parametrize("driver", ["shard_map", "jit"])
 def test_overflow_on_one_device_skips_the_step_on_every_device(f16_setup, faulty_batch, host_batch, mesh8, driver):
     policy, model, before = f16_setup
-    step = make_train_step(model, _tx(), mesh8, driver=driver, policy=policy, loss_scaler=FAULT_SCALER)
+    step = make_train_step(model, _tx(), mesh8, StepSpec(driver=driver, policy=policy, loss_scaler=FAULT_SCALER))
     replicated = mesh_lib.replicated(mesh8)
 
     state, metrics = step(jax.device_put(before, replicated), faulty_batch)
@@ -414,7 +414,7 @@ def test_overflow_on_one_device_skips_the_step_on_every_device(f16_setup, faulty
 def test_without_loss_scaling_the_fault_poisons_the_parameters(f16_setup, faulty_batch, mesh8, driver):
     """Negative control: the same batch, no scaler: the inf reaches every replica's parameters."""
     policy, model, before = f16_setup
-    step = make_train_step(model, _tx(), mesh8, driver=driver, policy=policy, loss_scaler=LossScaler())
+    step = make_train_step(model, _tx(), mesh8, StepSpec(driver=driver, policy=policy, loss_scaler=LossScaler()))
     state, _ = step(jax.device_put(before, mesh_lib.replicated(mesh8)), faulty_batch)
     for shard in range(8):
         replica = [np.asarray(leaf.addressable_shards[shard].data) for leaf in jax.tree.leaves(state.params)]
@@ -474,7 +474,7 @@ def test_a_skipped_step_leaves_a_strategys_delay_buffer_alone(f16_setup, faulty_
     state = state.replace(shared=jax.tree.map(lambda x: x + 1.0, state.shared))  # distinct from the params
     assert jax.tree.leaves(state.shared), "async with staleness 2 keeps a delay buffer"
     before = jax.device_get(state)
-    step = make_train_step(model, _tx(), mesh8, policy=policy, loss_scaler=FAULT_SCALER, strategy=strategy)
+    step = make_train_step(model, _tx(), mesh8, StepSpec(policy=policy, loss_scaler=FAULT_SCALER, strategy=strategy))
     after, metrics = jax.device_get(step(state, faulty_batch))
     assert int(metrics["skipped"]) == 1
     _assert_bitwise_equal(after.shared, before.shared, "shared")
@@ -540,8 +540,7 @@ def test_an_overflow_the_compressor_does_not_send_still_skips_the_step(probe, me
     tx = optim.make_optimizer("sgd", 0.1)
     example = jax.ShapeDtypeStruct(clean["inputs"].shape, jnp.float32)
     state = init_train_state(model, tx, example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER, compressor=compressor)
-    step = make_train_step(model, tx, mesh8, policy=policy, loss_scaler=FAULT_SCALER, compressor=compressor,
-                           donate=False)
+    step = make_train_step(model, tx, mesh8, StepSpec(policy=policy, loss_scaler=FAULT_SCALER, compressor=compressor, donate=False))
     # Two clean steps first, so that residuals, momenta and factors are not all zeros.
     for _ in range(2):
         state, metrics = step(state, clean)
@@ -572,7 +571,7 @@ def test_a_float16_sum_can_overflow_where_no_worker_did(probe, mesh8):
     tx = optim.make_optimizer("sgd", 0.1)
     example = jax.ShapeDtypeStruct(inputs.shape, jnp.float32)
     state = init_train_state(model, tx, example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER)
-    step = make_train_step(model, tx, mesh8, policy=policy, loss_scaler=FAULT_SCALER, donate=False)
+    step = make_train_step(model, tx, mesh8, StepSpec(policy=policy, loss_scaler=FAULT_SCALER, donate=False))
     grads = jax.jit(jax.grad(lambda p, x: FAULT_SCALER.init().scale * optim_loss(model, p, x, 1)))
     for worker in range(8):  # each worker's own (scaled) entry: finite in float16, and large
         rows = slice(worker * ROWS_PER_DEVICE, (worker + 1) * ROWS_PER_DEVICE)
@@ -585,7 +584,7 @@ def test_a_float16_sum_can_overflow_where_no_worker_did(probe, mesh8):
 
 def optim_loss(model, params, inputs, label):
     """One worker's mean cross-entropy, as the step computes it (float16 compute, float32 loss)."""
-    from dtx.step import cross_entropy
+    from dtx.data.tasks import cross_entropy
 
     logits = model.apply({"params": params}, inputs)
     return cross_entropy(logits, np.full(len(inputs), label, np.int32)).mean()

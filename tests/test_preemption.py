@@ -1,9 +1,9 @@
-"""dtx.preemption: SIGTERM inside the watcher is a request to stop at the next step boundary, not a death;
+"""dtx.ckpt.preemption: SIGTERM inside the watcher is a request to stop at the next step boundary, not a death;
 leaving the watcher puts the previous handler back; a disabled watcher never asks to stop."""
 import os
 import signal
 
-from dtx.preemption import PreemptionWatcher
+from dtx.ckpt.preemption import PreemptionWatcher
 
 
 def test_sigterm_becomes_a_stop_request_and_the_old_handler_returns():

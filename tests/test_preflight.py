@@ -1,4 +1,4 @@
-"""dtx.preflight: runs that differ from their config say so before any work (dropped examples, warm-ups as long
+"""dtx.run.preflight: runs that differ from their config say so before any work (dropped examples, warm-ups as long
 as the run, keys a given model or optimizer makes meaningless); a plain run has nothing to warn about."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 import dtx
 from dtx import config as config_lib
-from dtx import preflight
+from dtx.run import preflight
 from test_batchnorm import BNNet  # a user's own module
 
 

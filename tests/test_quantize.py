@@ -1,4 +1,4 @@
-"""dtx.quantize: every quantiser puts values on its paper's levels with its paper's scale; bit packing round-trips
+"""dtx.compress.quantize: every quantiser puts values on its paper's levels with its paper's scale; bit packing round-trips
 and is as tight as the bit width allows."""
 import math
 
@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from dtx import quantize
+from dtx.compress import quantize
 
 
 @pytest.mark.parametrize("name", ["sign", "ternary", "qsgd"])

@@ -1,11 +1,12 @@
-"""dtx.rundir: what a resumed run may change, and a checkpoint older than a config key."""
+"""dtx.run.rundir: what a resumed run may change, and a checkpoint older than a config key."""
 
 import json
 
 import pytest
+from ml_collections import ConfigDict
 
 from dtx import config as config_lib
-from dtx.rundir import check_resumable
+from dtx.run.rundir import check_resumable
 
 
 def _saved(config):
@@ -33,5 +34,5 @@ def test_what_a_resume_may_and_may_not_change():
 def test_a_block_the_experiment_replaced_gains_no_default_keys():
     """An experiment's own model block (lenet: no ``features``) resumes: defaults fill only keys the run has."""
     config = config_lib.base_config()
-    config.model = config_lib.ConfigDict(dict(name="lenet", conv_features=(4,), dense_features=()))
+    config.model = ConfigDict(dict(name="lenet", conv_features=(4,), dense_features=()))
     check_resumable(_saved(config), config)

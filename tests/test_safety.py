@@ -9,7 +9,7 @@ import warnings
 import optax
 
 import dtx
-from dtx import metrics, preflight
+from dtx.run import metrics, preflight
 from test_batchnorm import BNNet  # a user's own module
 from test_preflight import _config  # a small run of the default config
 

@@ -1,4 +1,4 @@
-"""dtx.schedules: the message rounds each algorithm's schedule really sends, recorded at trace time without devices
+"""dtx.comm.schedules: the message rounds each algorithm's schedule really sends, recorded at trace time without devices
 (``Group(log=..., dry=True)``), against the α terms of the cost model; the ring's equal chunks. The sums
 themselves are checked against ``lax.psum`` on 8 devices in test_collectives.py."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtx import costmodel, schedules
+from dtx.comm import algorithms, costmodel, schedules
 
 
 def _rounds(algorithm, p, inner=None, n=64):
@@ -15,9 +15,10 @@ def _rounds(algorithm, p, inner=None, n=64):
     sizes = (p // inner, inner) if algorithm == "hierarchical" else (p,)
     axes = ("outer", "inner") if algorithm == "hierarchical" else ("group",)
 
+    declared = algorithms.get_algorithm(algorithm)
+
     def trace(x, ranks):
-        return schedules.reduce_flat(algorithm, x, schedules.make_groups(algorithm, axes, sizes, ranks, log=log,
-                                                                         dry=True))
+        return declared.reduce(x, declared.groups(axes, sizes, ranks, log=log, dry=True))
 
     jax.eval_shape(trace, jax.ShapeDtypeStruct((n,), jnp.float32), [jax.ShapeDtypeStruct((), jnp.int32)] * len(sizes))
     return len(log)

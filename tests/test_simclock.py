@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtx import clusters, comm, models, perfmodel, simclock
-from dtx import metrics as metrics_lib
+from dtx.perf import clusters, model as perfmodel, simclock
+from dtx.perf import layers as layers_lib
+from dtx import comm, models
+from dtx.run import metrics as metrics_lib
+from dtx.run import setup
 from dtx import config as config_lib
-from dtx.stragglers import Stragglers, StragglerError
+from dtx.strategies.stragglers import Stragglers, StragglerError
 
 TIGHT = dict(rel=1e-12, abs=0)
 P, BATCH = 8, 64
@@ -22,7 +25,7 @@ P, BATCH = 8, 64
 def _model(features=(), num_classes=16, dtype=jnp.float32):
     """A model whose leaves all split evenly over 8 workers (no ring padding), analysed and its parameter shapes."""
     model = models.build_model("mlp", features=features, num_classes=num_classes, dtype=dtype, param_dtype=dtype)
-    layers = perfmodel.analyze(model, (64,), dtype=dtype)
+    layers = layers_lib.analyze(model, (64,), dtype=dtype)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 64), dtype)))["params"]
     return layers, params
 
@@ -199,13 +202,13 @@ def test_bad_cluster_settings_are_refused_with_the_key_and_the_fix(overrides, ma
 
 def test_cluster_by_name_or_custom_numbers():
     config = config_lib.load("digits_mlp", ["--config.cluster=h100_nvlink_ndr", "--config.cluster.bandwidth=1e9"])
-    cluster = simclock.cluster_from_config(config.cluster)
+    cluster = setup.cluster_spec(config).cluster
     assert (cluster.name, cluster.bandwidth, cluster.local_size) == ("h100_nvlink_ndr", 1e9, 8)
-    custom = simclock.cluster_from_config(config_lib.load("digits_mlp", [
+    custom = setup.cluster_spec(config_lib.load("digits_mlp", [
         "--config.cluster.name=custom", "--config.cluster.node_flops=1e12", "--config.cluster.memory_bandwidth=1e11",
-        "--config.cluster.bandwidth=1e9", "--config.cluster.latency=0"]).cluster)
+        "--config.cluster.bandwidth=1e9", "--config.cluster.latency=0"])).cluster
     assert (custom.node_flops, custom.latency, custom.bandwidth) == (1e12, 0.0, 1e9)
-    assert simclock.cluster_from_config(config_lib.base_config().cluster) is None
+    assert setup.cluster_spec(config_lib.base_config()) is None
     with pytest.raises(StragglerError, match="cluster.sigma"):
         Stragglers("lognormal", 0, -1.0).check()
 
@@ -246,7 +249,7 @@ def test_a_run_records_its_simulated_time_and_a_resume_continues_it(tmp_path, mo
     that step's recorded comm_bytes and comm_rounds, the straggler draws of the run's seed and workers running
     at most 2 steps ahead; the strategy was built with the same straggler model (backup's arrival order)."""
     from dtx import strategies
-    from dtx.trainer import train
+    from dtx.run.trainer import train
 
     built = []
     make = strategies.make_strategy
@@ -268,7 +271,7 @@ def test_a_run_records_its_simulated_time_and_a_resume_continues_it(tmp_path, mo
     model = models.build_model("mlp", features=(16,))
     host = simclock.SimClock(simclock.make_model(
         clusters.Cluster("custom", node_flops=1e7, memory_bandwidth=1e11, bandwidth=1e8, latency=1e-4),
-        perfmodel.analyze(model, (64,)), workers=P, global_batch=128, stragglers=noise, runs_ahead=2))
+        layers_lib.analyze(model, (64,)), workers=P, global_batch=128, stragglers=noise, runs_ahead=2))
     assert all(r["comm_bytes_logging"] > 0 for r in records)  # the metric averages ride in ssp's psum
     for k, r in enumerate(records):  # the clock charges what trains, not the records' metric averages
         sent = (r["comm_bytes"] - r["comm_bytes_logging"], r["comm_rounds"] - r["comm_rounds_logging"])
@@ -302,20 +305,21 @@ def test_a_measured_compute_replaces_the_roofline_for_any_model():
 
     caps = comm.Capabilities()
     config = config_lib.load("digits_mlp", ["--config.cluster=cloud_10gbe"])
-    roofline = simclock.model_for_run(config, models.build_model("mlp", features=(16,)), (64,), jnp.float32,
-                                      workers=P, caps=caps)
-    measured = simclock.model_for_run(config_lib.override(config, **{"cluster.compute_s": 2e-3}), NoLayers(), (64,),
-                                      jnp.float32, workers=P, caps=caps)
+    spec = setup.cluster_spec(config)
+    run = dict(workers=P, global_batch=config.global_batch_size, caps=caps)
+    roofline = simclock.model_for_run(spec, models.build_model("mlp", features=(16,)), (64,), jnp.float32, **run)
+    measured = simclock.model_for_run(setup.cluster_spec(config_lib.override(config, **{"cluster.compute_s": 2e-3})),
+                                      NoLayers(), (64,), jnp.float32, **run)
     assert measured == roofline._replace(compute_s=2e-3)
     with pytest.raises(simclock.ClockError, match="cluster.compute_s=SECONDS"):
-        simclock.model_for_run(config, NoLayers(), (64,), jnp.float32, workers=P, caps=caps)
+        simclock.model_for_run(spec, NoLayers(), (64,), jnp.float32, **run)
 
 
 def test_a_token_model_runs_on_the_clock(tmp_path):
     """A transformer takes integer token ids: the clock analyses it with the data's dtype (not the compute
     dtype), so tiny_lm trains with --config.cluster and its records carry sim_time_s."""
     from dtx.experiments import tiny_lm
-    from dtx.trainer import train
+    from dtx.run.trainer import train
 
     config = config_lib.override(tiny_lm.get_config(), num_steps=2, log_every=1, progress=False, global_batch_size=16,
                                  eval_batch_size=256, **{"cluster.name": "cloud_10gbe", "optimizer.warmup_steps": 0,

@@ -1,4 +1,4 @@
-"""dtx.sparsify: DGC's warm-up schedule and local steps against hand-computed values, the narrowest honest index
+"""dtx.compress.sparsify: DGC's warm-up schedule and local steps against hand-computed values, the narrowest honest index
 type. Pure arrays, no mesh (the exchanges run on 8 devices in test_compress.py)."""
 import math
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtx import sparsify
+from dtx.compress import sparsify
 
 
 def test_dgc_warm_up_divides_by_four_down_to_the_fraction():

@@ -1,4 +1,4 @@
-"""dtx.state: the train state is born in its layout (replicated on a data mesh), matches its abstract twin leaf
+"""dtx.step.state: the train state is born in its layout (replicated on a data mesh), matches its abstract twin leaf
 for leaf, starts at step 0, and its parameters come from the seed."""
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import optax
 
 from dtx import mesh as mesh_lib
 from dtx import models
-from dtx.state import abstract_train_state, init_train_state, num_params
+from dtx.step.state import abstract_train_state, init_train_state, num_params
 
 EXAMPLE = jax.ShapeDtypeStruct((8, 8, 8, 1), jnp.float32)
 

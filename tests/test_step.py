@@ -17,9 +17,9 @@ from dtx import models
 from dtx import optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches
-from dtx.state import init_train_state
-from dtx.step import make_eval_step, make_train_step
-from dtx.trainer import evaluate
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, make_eval_step, make_train_step
+from dtx.run.trainer import evaluate
 
 STEPS = 10
 BATCH = 64
@@ -45,7 +45,7 @@ def _train(model, mesh, driver, dataset, steps=STEPS):
     tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
     example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
     state = init_train_state(model, tx, example, seed=0, mesh=mesh)
-    step = make_train_step(model, tx, mesh, driver=driver)
+    step = make_train_step(model, tx, mesh, StepSpec(driver=driver))
     loader = TrainLoader(dataset.train, BATCH, mesh, seed=0)
     losses = []
     for s in range(steps):
@@ -119,7 +119,7 @@ def test_gradient_is_averaged_not_summed(digits, meshes):
         mesh = meshes[name]
         state = init_train_state(model, tx, example, seed=0, mesh=mesh)
         before = jax.device_get(state.params)
-        state, _ = make_train_step(model, tx, mesh, driver="shard_map")(
+        state, _ = make_train_step(model, tx, mesh, StepSpec(driver="shard_map"))(
             state, TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
         )
         moves[name] = jax.tree.map(lambda a, b: np.asarray(a) - b, jax.device_get(state.params), before)
@@ -132,7 +132,7 @@ def test_state_stays_replicated_and_step_counts(runs, meshes, digits):
     mesh = meshes["8"]
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
     state = init_train_state(model, tx, example, seed=0, mesh=mesh)
-    state, _ = make_train_step(model, tx, mesh, driver="shard_map")(
+    state, _ = make_train_step(model, tx, mesh, StepSpec(driver="shard_map"))(
         state, TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
     )
     for leaf in jax.tree.leaves(state):
@@ -152,7 +152,7 @@ def test_eval_is_exact_with_ragged_last_batch(runs, meshes, digits, driver):
     assert len(test) % batch_size, "the test split must not be a multiple of the batch"
     batches = eval_batches(test, batch_size, mesh)
     placed = jax.device_put(state, mesh_lib.replicated(mesh))
-    result = evaluate(make_eval_step(model, mesh, driver=driver), placed, batches)
+    result = evaluate(make_eval_step(model, mesh, StepSpec(driver=driver)), placed, batches)
     # Reference: the whole split at once, on the host's default device.
     logits = np.asarray(
         model.apply({"params": state.params, **state.model_state}, test.inputs, train=False), np.float64
@@ -168,7 +168,7 @@ def test_eval_is_exact_with_ragged_last_batch(runs, meshes, digits, driver):
 def test_unknown_driver(meshes):
     model = MODELS["mlp"]()
     with pytest.raises(ValueError, match="driver 'pmap'"):
-        make_train_step(model, optim.make_optimizer("sgd", 0.1), meshes["8"], driver="pmap")
+        make_train_step(model, optim.make_optimizer("sgd", 0.1), meshes["8"], StepSpec(driver="pmap"))
 
 
 @pytest.mark.parametrize("allreduce,reduce_dtype", [("psum", "float32"), ("ring", "float32"), ("psum", "bfloat16")])
@@ -176,7 +176,8 @@ def test_step_reports_the_bytes_its_allreduce_sends(digits, meshes, allreduce, r
     """comm_bytes / comm_rounds: the accountant's count of the gradients' allreduce (psum: XLA's one
     combined op; ring: one ring per leaf) and of the step's averages (loss and accuracy, one float32
     vector), which ride in the psum or run as an all-reduce of their own."""
-    from dtx import costmodel, precision
+    from dtx.comm import costmodel
+    from dtx import precision
 
     model = MODELS["mlp"]()
     tx = optim.make_optimizer("sgd", 0.1)
@@ -184,7 +185,7 @@ def test_step_reports_the_bytes_its_allreduce_sends(digits, meshes, allreduce, r
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
     state = init_train_state(model, tx, example, seed=0, mesh=mesh)
     policy = precision.parse_policy(f"params=float32,compute=float32,output=float32,reduce={reduce_dtype}")
-    step = make_train_step(model, tx, mesh, driver="shard_map", allreduce=allreduce, policy=policy)
+    step = make_train_step(model, tx, mesh, StepSpec(driver="shard_map", allreduce=allreduce, policy=policy))
     _, metrics = step(state, TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0))
     itemsize = 4 if reduce_dtype == "float32" else 2
     leaves = jax.tree.leaves(state.params)
@@ -204,10 +205,10 @@ def test_without_communication_each_worker_applies_its_own_gradient(digits, mesh
     mesh, one = meshes["8"], meshes["1"]
     batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
     state = init_train_state(model, tx, example, seed=0, mesh=mesh)
-    silent, _ = make_train_step(model, tx, mesh, driver="shard_map", communicate=False, donate=False)(state, batch)
+    silent, _ = make_train_step(model, tx, mesh, StepSpec(driver="shard_map", communicate=False, donate=False))(state, batch)
     host_batch = jax.device_get(batch)
     rows = BATCH // 8
-    single = make_train_step(model, tx, one, driver="shard_map", donate=False)
+    single = make_train_step(model, tx, one, StepSpec(driver="shard_map", donate=False))
     for worker in (0, 5):
         local = {k: v[worker * rows:(worker + 1) * rows] for k, v in host_batch.items()}
         expected, _ = single(init_train_state(model, tx, example, seed=0, mesh=one),

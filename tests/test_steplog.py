@@ -1,4 +1,4 @@
-"""dtx.steplog: the loop's records one step behind the dispatch (lag-1), one host read a step,
+"""dtx.run.steplog: the loop's records one step behind the dispatch (lag-1), one host read a step,
 communication totals, throughput windows, the divergence halt and the last step's flush.
 
 Pure host code: metrics are numpy scalars, the clock and the writer are the test's.
@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from dtx import steplog
+from dtx.run import steplog
 from dtx.precision import LossScaler
-from dtx.steplog import CommTotals, StepLog
+from dtx.run.steplog import CommTotals, StepLog
 
 
 class Writer:

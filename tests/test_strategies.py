@@ -10,6 +10,8 @@ Spectral and elastic contractions are held to ``rtol=1e-4`` (float32 arithmetic 
 differences of parameters of size ~0.1–1).
 """
 
+import inspect
+
 import jax
 import numpy as np
 import optax
@@ -17,12 +19,16 @@ import pytest
 
 from dtx import models
 from dtx import config as config_lib
-from dtx import costmodel, hlo, metrics, optim, strategies
+from dtx.comm import costmodel, hlo
+from dtx.run import metrics
+from dtx import optim, strategies
 from dtx.data import eval_batches
-from dtx.state import init_train_state
-from dtx.step import cross_entropy, make_eval_step, make_train_step
-from dtx.strategies import StrategyError, make_strategy, mixing_matrix
-from dtx.trainer import evaluate, train
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, make_eval_step, make_train_step
+from dtx.data.tasks import cross_entropy
+from dtx.comm.topology import mixing_matrix
+from dtx.strategies import StrategyError, make_strategy
+from dtx.run.trainer import evaluate, train
 
 STEPS = 6
 BATCH = 64
@@ -57,7 +63,7 @@ def run(setup, strategy, tx, steps=STEPS, state=None):
     model, mesh = setup["model"], setup["mesh"]
     if state is None:
         state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
-    step = make_train_step(model, tx, mesh, strategy=strategy)
+    step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy))
     states, records = [], []
     for s in range(steps):
         state, m = step(state, setup["batches"][s])
@@ -82,10 +88,71 @@ def _each_worker(tree):
 
 
 def test_every_strategy_builds_from_the_default_config_block():
-    settings = {k: v for k, v in config_lib.base_config().strategy.to_dict().items() if k != "name"}
-    assert sorted(settings) == sorted(strategies.SETTINGS)
+    """Each strategy takes some keys of config.strategy, every key is some strategy's, and each builds from
+    the default block's values of the keys it takes."""
+    block = config_lib.base_config().strategy
+    declared = strategies.strategy_settings()
+    assert sorted({k for keys in declared.values() for k in keys}) == sorted(k for k in block if k != "name")
     for name in strategies.STRATEGIES:
-        assert make_strategy(name, **settings).name == name
+        assert make_strategy(name, **{k: block[k] for k in declared[name]}).name == name
+
+
+def test_each_strategy_declares_its_factorys_signature():
+    """The settings a strategy takes are its factory's parameters, with no ``**kwargs`` to swallow others;
+    ``stragglers`` is what make_strategy supplies, not a setting."""
+    for name, factory in strategies.STRATEGIES.items():
+        parameters = inspect.signature(factory).parameters.values()
+        assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters), name
+        assert strategies.strategy_settings()[name] == tuple(p.name for p in parameters if p.name != "stragglers")
+    assert [n for n, f in strategies.STRATEGIES.items() if "stragglers" in inspect.signature(f).parameters] == [
+        "backup"]
+
+
+@pytest.mark.parametrize("name, settings, match", [
+    ("sync", dict(period=4), r"strategy.period=4 applies to strategy.name=local_sgd, diloco, easgd or "
+                             r"streaming_diloco only, not sync \(strategy 'sync' takes none\)"),
+    ("ssp", dict(period=4), r"not ssp \(strategy 'ssp' takes: staleness\)"),
+    ("local_sgd", dict(staleness=2), r"strategy.staleness=2 applies to strategy.name=async or ssp only, not "
+                                     r"local_sgd \(strategy 'local_sgd' takes: period, sync_steps\)"),
+    ("backup", dict(warmup_steps=5), r"strategy.warmup_steps=5 .* \(strategy 'backup' takes: backup_workers\)"),
+])
+def test_a_setting_the_strategy_does_not_take_is_refused(name, settings, match):
+    with pytest.raises(StrategyError, match=match):
+        make_strategy(name, **settings)
+
+
+def test_a_config_setting_the_strategy_does_not_take_is_refused_at_load_time():
+    base = config_lib.base_config()
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.period=4 applies to strategy.name=local_sgd.* not "
+                                                     r"sync \(strategy 'sync' takes none\); leave strategy.period "
+                                                     r"at its default 1"):
+        config_lib.override(base, **{"strategy.period": 4})
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.mixing=\(0.5, 0.25, 0.25\) applies to "
+                                                     r"strategy.name=gossip only, not ssp \(strategy 'ssp' takes: "
+                                                     r"staleness\)"):
+        config_lib.load("sync_strategies:ssp", ["--config.strategy.mixing=(0.5, 0.25, 0.25)"])
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.period=16 .* not sync"):
+        config_lib.override(config_lib.load("sync_strategies:local_sgd"), **{"strategy.name": "sync"})
+    # A key left at its default is no setting of anybody's; one the strategy takes is its own.
+    assert config_lib.override(base, **{"strategy.name": "ssp", "strategy.period": 1}).strategy.name == "ssp"
+    config_lib.load("sync_strategies:local_sgd", ["--config.strategy.period=64"])
+
+
+def test_stragglers_go_only_to_a_factory_that_takes_them(monkeypatch):
+    seen = {}
+
+    def waits(stragglers=None):
+        seen["stragglers"] = stragglers
+        return strategies.sync()
+
+    monkeypatch.setitem(strategies.STRATEGIES, "waits", waits)
+    marker = strategies.stragglers.Stragglers()
+    assert make_strategy("sync", stragglers=marker).name == "sync"  # sync() takes no stragglers
+    make_strategy("waits", stragglers=marker)
+    assert seen["stragglers"] is marker
+    monkeypatch.setitem(strategies.STRATEGIES, "lazy", lambda **_: strategies.sync())
+    with pytest.raises(TypeError, match=r"takes \*_: a plug-in's factory names each setting"):
+        make_strategy("lazy")
 
 
 @pytest.mark.parametrize("name", ["async", "ssp"])
@@ -200,7 +267,7 @@ def test_post_local_sgd_averages_every_h_steps_and_pays_only_then(setup):
     mid = states[4]
     placed = lambda state: jax.device_put(state, jax.tree.map(lambda x: x.sharding, device_state))  # noqa: E731
     batches = eval_batches(setup["digits"].test, 120, setup["mesh"])
-    local = evaluate(make_eval_step(setup["model"], setup["mesh"], strategy=strategy), placed(mid), batches)
+    local = evaluate(make_eval_step(setup["model"], setup["mesh"], StepSpec(strategy=strategy)), placed(mid), batches)
     mean = jax.tree.map(lambda x: x.mean(0), mid.worker["strategy"]["params"])
     expected = evaluate(make_eval_step(setup["model"], setup["mesh"]), placed(mid.replace(params=mean)), batches)
     assert local["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-5)
@@ -232,7 +299,7 @@ def test_gossip_ring_sends_to_two_neighbours_every_step(setup):
     # The model evaluated is the workers' current mean, computed by the eval program.
     batches = eval_batches(setup["digits"].test, 120, setup["mesh"])
     strategy = make_strategy("gossip", topology="ring")
-    got = evaluate(make_eval_step(setup["model"], setup["mesh"], strategy=strategy), device_state, batches)
+    got = evaluate(make_eval_step(setup["model"], setup["mesh"], StepSpec(strategy=strategy)), device_state, batches)
     mean = jax.tree.map(lambda x: x.mean(0), states[-1].worker["strategy"]["params"])
     placed = jax.device_put(states[-1].replace(params=mean), jax.tree.map(lambda x: x.sharding, device_state))
     expected = evaluate(make_eval_step(setup["model"], setup["mesh"]), placed, batches)
@@ -284,7 +351,7 @@ def test_gossip_consensus_shrinks_by_the_spectral_gap(setup, topology, weights):
     rng = np.random.default_rng(0)
     base = jax.device_get(state.params)
     # Not donated: both disagreements start from ``state`` (jax 0.10 segfaults on a donated buffer here).
-    step = make_train_step(setup["model"], tx, setup["mesh"], strategy=strategy, donate=False)
+    step = make_train_step(setup["model"], tx, setup["mesh"], StepSpec(strategy=strategy, donate=False))
     for disagreement in ("random", "eigenvector"):
         offsets = jax.tree.map(lambda x: rng.normal(size=(P, *x.shape)).astype(np.float32), base)
         if disagreement == "eigenvector":
@@ -311,7 +378,7 @@ METRICS_OPERAND = 8  # bytes: the loss and accuracy pmean (two float32 scalars),
 def _compiled_collectives(setup, strategy, allreduce="psum"):
     model, mesh, tx = setup["model"], setup["mesh"], momentum()
     state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
-    step = make_train_step(model, tx, mesh, strategy=strategy, allreduce=allreduce, donate=False)
+    step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy, allreduce=allreduce, donate=False))
     return hlo.collectives(step.lower(state, setup["batches"][0]).compile()), jax.tree.leaves(state.params)
 
 
@@ -486,8 +553,10 @@ def test_bad_settings_are_refused_with_the_key_and_the_fix(name, settings, match
         make_strategy(name, **settings)
 
 
-def test_unused_settings_are_not_checked():
-    make_strategy("sync", period=0, mixing=(2.0,))  # the block is shared; sync uses none of them
+def test_settings_of_other_strategies_are_refused_not_checked():
+    """The block is shared: sync takes none of them, so they are refused as such, not range-checked."""
+    with pytest.raises(StrategyError, match=r"strategy.mixing=\(2.0,\) applies to strategy.name=gossip only"):
+        make_strategy("sync", period=0, mixing=(2.0,))
 
 
 def test_train_refuses_a_bad_strategy_before_any_work(tmp_path):
@@ -525,7 +594,7 @@ def test_local_models_normalise_locally_and_count_the_statistics_they_average(se
     mesh, tx = setup["mesh"], momentum()
     strategy = make_strategy("local_sgd", period=4)
     state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
-    step = make_train_step(model, tx, mesh, strategy=strategy, donate=False)
+    step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy, donate=False))
     _, record = step(state, setup["batches"][0])  # step 0 of 4: no parameter averaging
     stats = costmodel.dense_allreduce_traffic(state.model_state, P, "ring")
     assert stats.bytes_sent > 0

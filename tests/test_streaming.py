@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (dtx/streaming.py) on 8 workers: one fragment is DiLoCo, fragments on staggered
+"""Streaming DiLoCo (dtx/strategies/streaming.py) on 8 workers: one fragment is DiLoCo, fragments on staggered
 schedules with overlap follow a reference written out in numpy, and the peak bytes per step are
 ``1/P`` of DiLoCo's at equal bytes over a period.
 
@@ -11,11 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from dtx import costmodel, hlo, quantize
-from dtx.state import init_train_state
+from dtx.comm import costmodel, hlo
+from dtx.compress import quantize
+from dtx.step.state import init_train_state
 from dtx.strategies import StrategyError, make_strategy
-from dtx.streaming import fragment_slices
-from dtx.tasks import cross_entropy
+from dtx.strategies.streaming import fragment_slices
+from dtx.data.tasks import cross_entropy
 
 P = 8
 BATCH = 64
@@ -179,3 +180,23 @@ def test_quantised_outer_gradients_send_4_bit_codes(setup, run):
 def test_bad_settings_name_the_key_and_the_range(settings, match):
     with pytest.raises(StrategyError, match=match):
         make_strategy("streaming_diloco", **settings)
+
+
+def test_a_setting_streaming_diloco_does_not_take_is_refused():
+    """Its fragments, overlap and bits are its own (diloco refuses them); gossip's topology is not its."""
+    with pytest.raises(StrategyError, match=r"strategy.topology='complete' applies to strategy.name=gossip only, not "
+                                            r"streaming_diloco \(strategy 'streaming_diloco' takes: period, "
+                                            r"fragments, overlap, outer_bits, merge_alpha, outer_learning_rate, "
+                                            r"outer_momentum\)"):
+        make_strategy("streaming_diloco", topology="complete")
+    with pytest.raises(StrategyError, match=r"strategy.fragments=2 applies to strategy.name=streaming_diloco only, "
+                                            r"not diloco"):
+        make_strategy("diloco", period=4, fragments=2)
+    from dtx import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match=r"strategy.overlap=1 .* not diloco .*; leave strategy.overlap "
+                                                     r"at its default 0"):
+        config_lib.load("sync_strategies:diloco", ["--config.strategy.overlap=1"])
+    loaded = config_lib.load("sync_strategies:diloco", ["--config.strategy.name=streaming_diloco",
+                                                        "--config.strategy.overlap=1"])
+    assert (loaded.strategy.period, loaded.strategy.overlap) == (16, 1)

@@ -1,4 +1,4 @@
-"""Tasks (dtx.tasks): each task's loss and metrics, on 8 devices == 1 device with both drivers,
+"""Tasks (dtx.data.tasks): each task's loss and metrics, on 8 devices == 1 device with both drivers,
 exact masked means however unevenly padding falls on the devices, and the transformer LM
 experiment through the drivers, a strategy and a compressor.
 
@@ -7,6 +7,7 @@ parameters are held to ``atol=1e-6, rtol=1e-5`` after a few SGD-momentum steps, 
 ``rtol=1e-5``; integer counts exactly.
 """
 
+import inspect
 import json
 from typing import NamedTuple
 
@@ -16,13 +17,15 @@ import optax
 import pytest
 
 from dtx import config as config_lib
-from dtx import hlo, models, optim, tasks
+from dtx.comm import hlo
+from dtx import models, optim
+from dtx.data import tasks
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader, eval_batches
-from dtx.datasets import Split
-from dtx.state import init_train_state
-from dtx.step import make_eval_step, make_train_step
-from dtx.trainer import evaluate
+from dtx.data.datasets import Split
+from dtx.step.state import init_train_state
+from dtx.step import StepSpec, make_eval_step, make_train_step
+from dtx.run.trainer import evaluate
 
 PARAM_TOL = dict(atol=1e-6, rtol=1e-5)
 STEPS = 4
@@ -66,7 +69,7 @@ class Run(NamedTuple):
     state: object  # the final state, on the host
     records: list  # each step's metrics
     start: object  # the initial parameters
-    compiled: object  # dtx.hlo.total of the compiled step
+    compiled: object  # dtx.comm.hlo.total of the compiled step
 
 
 TX = optim.make_optimizer("momentum", 0.1, momentum=0.9)
@@ -85,7 +88,7 @@ def _run(model, task, split, mesh, driver, steps=STEPS, accum_steps=1) -> Run:
     state = _initial(model, split, mesh)
     start = jax.device_get(state.params)
     loader = TrainLoader(split, BATCH, mesh, seed=0)
-    step = make_train_step(model, TX, mesh, driver=driver, task=task, accum_steps=accum_steps, donate=False)
+    step = make_train_step(model, TX, mesh, StepSpec(driver=driver, task=task, accum_steps=accum_steps, donate=False))
     step = step.lower(state, loader.batch(0)).compile()
     records = []
     for s in range(steps):
@@ -131,7 +134,6 @@ def test_regression_scores_mse_and_mae_per_example():
 
 
 def test_task_settings_are_checked_with_the_key_and_the_fix():
-    assert config_lib.TASKS == tasks.TASKS
     with pytest.raises(tasks.TaskError, match="task.name='ranking'"):
         tasks.make_task("ranking")
     with pytest.raises(tasks.TaskError, match="task.pad_id=0 applies to task.name=next_token"):
@@ -148,6 +150,36 @@ def test_task_settings_are_checked_with_the_key_and_the_fix():
         tasks.classification().check((4,), np.float32)
     with pytest.raises(tasks.TaskError, match="float targets"):
         tasks.regression().check((4,), np.int32)
+
+
+def test_a_setting_the_task_does_not_take_is_refused():
+    """make_task and the config refuse a task setting the chosen task does not take, naming what it takes."""
+    with pytest.raises(tasks.TaskError, match=r"task.label_smoothing=0.1 applies to task.name=classification or "
+                                              r"next_token only, not regression \(task 'regression' takes none\)"):
+        tasks.make_task("regression", label_smoothing=0.1)
+    with pytest.raises(tasks.TaskError, match=r"unknown task setting\(s\) \['smoothing'\] \(task 'classification' "
+                                              r"takes: label_smoothing;"):
+        tasks.make_task("classification", smoothing=0.1)
+    with pytest.raises(config_lib.ConfigError, match=r"task.pad_id=0 applies to task.name=next_token only, not "
+                                                     r"classification \(task 'classification' takes: "
+                                                     r"label_smoothing\); leave task.pad_id at its default -1"):
+        config_lib.override(config_lib.base_config(), **{"task.pad_id": 0})
+    with pytest.raises(config_lib.ConfigError, match=r"task.pad_id=0 .* not regression"):
+        config_lib.load("tiny_lm", ["--config.task.pad_id=0", "--config.task.name=regression"])
+    config_lib.load("tiny_lm", ["--config.task.pad_id=0"])  # next_token takes it
+
+
+def test_each_task_declares_its_factorys_signature():
+    block = config_lib.base_config().task
+    declared = tasks.task_settings()
+    for name, factory in tasks.TASKS.items():
+        parameters = inspect.signature(factory).parameters.values()
+        assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters), name
+        assert declared[name] == tuple(p.name for p in parameters)
+        assert tasks.make_task(name, **{k: block[k] for k in declared[name]}).name == name
+    assert sorted({k for keys in declared.values() for k in keys}) == sorted(k for k in block if k != "name")
+    assert tasks.make_task("next_token", pad_id=-1).valid is None  # the config's -1: every token is scored
+    assert tasks.make_task("next_token", pad_id=0).valid is not None
 
 
 # ----------------------------------------------------------------------------- 8 devices == 1 device
@@ -244,7 +276,7 @@ def test_masked_eval_is_exact_with_uneven_padding(meshes, text, lm_runs):
     for name, mesh, driver in [("1", meshes["1"], "jit"), ("8", meshes["8"], "shard_map"),
                                ("8 jit", meshes["8"], "jit")]:
         state = _initial(model, text["train"], mesh).replace(params=params)
-        step = make_eval_step(model, mesh, driver=driver, task=task)
+        step = make_eval_step(model, mesh, StepSpec(driver=driver, task=task))
         found[name] = evaluate(step, state, eval_batches(test, BATCH, mesh), task)
     nll = _token_nll(params, test.inputs, test.labels)
     real = test.labels != PAD
@@ -272,7 +304,7 @@ TINY_LM_RUNS = {"jit": {"driver": "jit"},
 def tiny_lm_runs(tmp_path_factory):
     """experiments/tiny_lm.py shrunk to a few seconds a run: width 32, 1 block, 16-byte windows, 3 steps."""
     from dtx.experiments import tiny_lm  # the experiment ships inside dtx
-    from dtx.trainer import train
+    from dtx.run.trainer import train
 
     base = config_lib.override(
         tiny_lm.get_config(), **{"num_steps": 3, "optimizer.warmup_steps": 1, "progress": False,

@@ -1,10 +1,10 @@
-"""dtx.topology: every gossip graph's mixing matrix is doubly stochastic (the workers' mean is kept), messages
+"""dtx.comm.topology: every gossip graph's mixing matrix is doubly stochastic (the workers' mean is kept), messages
 are one per nonzero shift, complete and exponential graphs reach exact consensus. Pure numpy, no devices."""
 import numpy as np
 import pytest
 
-from dtx import topology
-from dtx.topology import TOPOLOGIES, mixing_matrix, mixing_terms, neighbours, num_rounds
+from dtx.comm import topology
+from dtx.comm.topology import TOPOLOGIES, mixing_matrix, mixing_terms, neighbours, num_rounds
 
 RING_WEIGHTS = (0.5, 0.25, 0.25)
 

@@ -8,12 +8,14 @@ import sys
 
 import jax
 import pytest
+from ml_collections import ConfigDict
 
 from dtx import config as config_lib
-from dtx import datasets, metrics
+from dtx.data import datasets
+from dtx.run import metrics
 from dtx import mesh as mesh_lib
 from dtx.tools.cli import main
-from dtx.trainer import train
+from dtx.run.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -95,7 +97,7 @@ def test_missing_dataset_file_fails_before_compilation(tmp_path):
 
 
 def test_unknown_model_setting_fails_before_compilation(tmp_path):
-    config = config_lib.override(tiny_config(), **{"model": config_lib.ConfigDict({"name": "mlp", "width": 3})})
+    config = config_lib.override(tiny_config(), **{"model": ConfigDict({"name": "mlp", "width": 3})})
     with no_compilation(), pytest.raises(ValueError, match="model.width"):
         train(config, tmp_path)
 
@@ -197,7 +199,7 @@ def test_sigterm_during_start_up_stops_cleanly_and_the_same_call_then_trains(tmp
     never interrupted -- bit for bit the loss of an uninterrupted run."""
     import signal
 
-    from dtx import setup
+    from dtx.run import setup
 
     compile_step = setup.compile_step
 
@@ -221,7 +223,7 @@ def test_sigterm_during_start_up_stops_cleanly_and_the_same_call_then_trains(tmp
 
 
 def test_a_run_that_cannot_fit_is_refused_before_compiling_with_the_layout_that_would(tmp_path):
-    """memory_limit (what an accelerator reports by itself): the estimate of dtx.memory against it."""
+    """memory_limit (what an accelerator reports by itself): the estimate of dtx.perf.memory against it."""
     with no_compilation(), pytest.raises(config_lib.ConfigError) as refused:
         wide = ("--config.num_steps=12", "--config.progress=False", "--config.model.features=(256,)")
         train(config_lib.load(DEFAULT, wide + ("--config.memory_limit=320000",)), tmp_path / "small")

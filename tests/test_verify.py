@@ -1,4 +1,4 @@
-"""dtx.verify: the performance model against the program XLA compiles (``dtx simulate --verify`` in test_plancheck.py).
+"""dtx.run.verify: the performance model against the program XLA compiles (``dtx simulate --verify`` in test_plancheck.py).
 
 The goal (Das et al.'s per-layer analysis made checkable): for the plans the planner prints for
 VGG-A, OverFeat-FAST and the speech DNN, per-device FLOPs and bytes of every layer, layer group and
@@ -13,10 +13,12 @@ import jax
 import pytest
 
 from dtx import config as config_lib
-from dtx import metrics, perfmodel, verify
-from dtx.clusters import get_cluster
+from dtx.run import metrics, verify
+from dtx.perf import model as perfmodel
+from dtx.perf import layers as layers_lib
+from dtx.perf.clusters import get_cluster
 from dtx.tools.simulate import simulate_main
-from dtx.trainer import train
+from dtx.run.trainer import train
 from dtx.models import build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +29,7 @@ def test_redundant_work_shows_up_as_a_ratio():
     """The check can fail: the same compiled programs, held against another plan's prediction
     (every layer data parallel), are far off."""
     model = build_model("speech_dnn", hidden=(256, 256), num_classes=512)
-    layers = perfmodel.analyze(model, (440,))
+    layers = layers_lib.analyze(model, (440,))
     cluster = get_cluster("haswell_fdr")
     plan = perfmodel.make_plan(layers, cluster, 8, 256, mode="hybrid", group_size=4)
     checks = verify.verify_layers(model, (440,), plan, cluster)
@@ -61,7 +63,7 @@ def test_the_printed_plan_runs_as_printed(tmp_path, capsys):
 
 
 def test_verify_refuses_plans_larger_than_the_mesh():
-    layers = perfmodel.analyze(build_model("speech_dnn"), (440,))
+    layers = layers_lib.analyze(build_model("speech_dnn"), (440,))
     plan = perfmodel.make_plan(layers, get_cluster("haswell_fdr"), 16, 512)
     with pytest.raises(verify.VerifyError, match="16-node plan needs 16 devices, 8 are available"):
         verify.plan_mesh(plan, jax.devices())

@@ -1,4 +1,4 @@
-"""dtx.watchdog: a process stuck between steps exits with EXIT_CODE naming its step and rank; one still
+"""dtx.run.watchdog: a process stuck between steps exits with EXIT_CODE naming its step and rank; one still
 compiling (no step yet) or making progress is left alone. Each case runs in a child process (the watchdog ends
 its process with os._exit)."""
 import os
@@ -6,13 +6,13 @@ import subprocess
 import sys
 import time
 
-from dtx.watchdog import EXIT_CODE
+from dtx.run.watchdog import EXIT_CODE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The module by its path: the child skips importing JAX through dtx/__init__.py (seconds on a busy machine).
 _LOAD = """
 import importlib.util
-spec = importlib.util.spec_from_file_location("watchdog", "dtx/watchdog.py")
+spec = importlib.util.spec_from_file_location("watchdog", "dtx/run/watchdog.py")
 watchdog_lib = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(watchdog_lib)
 StepWatchdog = watchdog_lib.StepWatchdog

@@ -1,20 +1,22 @@
-"""ZeRO-1/2 under the shard_map driver (dtx.zero): explicit reduce-scatter and all-gather.
+"""ZeRO-1/2 under the shard_map driver (dtx.parallel.zero): explicit reduce-scatter and all-gather.
 
 The same parameters as data parallelism after 20 steps, for an elementwise optimizer and
 for LAMB (whose trust ratio needs every tensor's global norm); the compiled program's
-collectives are the ones ZeRO names, with the bytes dtx.zero.traffic counts.
+collectives are the ones ZeRO names, with the bytes dtx.parallel.zero.traffic counts.
 """
 
 import jax
 import numpy as np
 import pytest
 
-from dtx import datasets, hlo, models, optim
+from dtx.data import datasets
+from dtx.comm import hlo
+from dtx import models, optim
 from dtx import mesh as mesh_lib
 from dtx.data import TrainLoader
-from dtx.parallel import gradient_shardings, make_rules, optimizer_rules, state_shardings
-from dtx.state import abstract_train_state, init_train_state
-from dtx.step import StepError, make_train_step
+from dtx.parallel import get_layout
+from dtx.step.state import abstract_train_state, init_train_state
+from dtx.step import StepError, StepSpec, make_train_step
 
 MODEL = dict(features=(64, 32), num_classes=10)  # the output layer's 10-wide bias divides by no 8: kept whole
 STEPS = 20
@@ -22,11 +24,7 @@ STEPS = 20
 
 def _parts(name, mesh, tx, example):
     model = models.build_model("mlp", **MODEL)
-    abstract = abstract_train_state(model, tx, example)
-    orules = optimizer_rules(name, mesh, abstract.params)
-    shardings = state_shardings(abstract, make_rules(name, mesh, abstract.params), mesh, orules)
-    grads = gradient_shardings(abstract.params, orules, mesh) if name.startswith("zero") else None
-    return model, shardings, grads
+    return model, get_layout(name).place(abstract_train_state(model, tx, example), mesh)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +37,9 @@ def runs():
     for opt in ("momentum", "lamb"):
         tx = optim.make_optimizer(opt, 1e-2, momentum=0.9, weight_decay=1e-4 if opt == "lamb" else 0.0)
         for name in ("data", "zero1", "zero2"):
-            model, shardings, grads = _parts(name, mesh, tx, example)
-            state = init_train_state(model, tx, example, 0, mesh, shardings=shardings)
-            step = make_train_step(model, tx, mesh, driver="shard_map", state_shardings=shardings, accum_steps=2,
-                                   gradient_shardings=grads, shard_accumulator=name == "zero2")
+            model, placement = _parts(name, mesh, tx, example)
+            state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+            step = make_train_step(model, tx, mesh, StepSpec(driver="shard_map", accum_steps=2, placement=placement))
             compiled = step.lower(state, loader.batch(0)).compile()
             for s in range(STEPS):
                 state, metrics = step(state, loader.batch(s))
@@ -95,14 +92,31 @@ def test_zero_collectives_are_reduce_scatter_and_all_gather_as_counted(runs, nam
     assert counted - norms == pytest.approx(metrics["comm_bytes"], rel=0.02)
 
 
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_zero_records_carry_every_shard_map_steps_fields(runs, name):
+    """One body: ZeRO's records have data parallelism's fields, in its order and dtypes (counts int32),
+    and comm_bytes_logging is what the one all-reduce of loss and accuracy sends (its rounds too: ZeRO's
+    gradients travel by reduce-scatter, so the averages ride in no gradient psum)."""
+    from dtx.comm import context as comm_lib
+
+    _, metrics, _ = runs["momentum", name]
+    _, reference, _ = runs["momentum", "data"]
+    assert [(k, np.asarray(v).dtype) for k, v in metrics.items()] == [
+        (k, np.asarray(v).dtype) for k, v in reference.items()]
+    assert {"comm_bytes_logging", "comm_rounds_logging"} <= set(metrics)
+    assert np.asarray(metrics["comm_bytes"]).dtype == np.int32
+    averaged = comm_lib.pmean_traffic(np.zeros(2, np.float32), 8)  # loss and accuracy, 8 workers
+    assert int(metrics["comm_bytes_logging"]) == int(reference["comm_bytes_logging"]) == averaged.bytes_sent > 0
+    assert int(metrics["comm_rounds_logging"]) == averaged.messages == 2 * 7
+
+
 def test_zero_under_shard_map_refuses_what_it_cannot_run():
     digits_example = jax.ShapeDtypeStruct((64, 64), np.float32)
     mesh = mesh_lib.make_mesh([("data", 8)])
     tx = optim.make_optimizer("adam", 1e-2)
-    model, shardings, grads = _parts("zero1", mesh, tx, digits_example)
+    model, placement = _parts("zero1", mesh, tx, digits_example)
     with pytest.raises(StepError, match="allreduce 'psum'"):
-        make_train_step(model, tx, mesh, driver="shard_map", state_shardings=shardings, gradient_shardings=grads,
-                        allreduce="ring")
+        make_train_step(model, tx, mesh, StepSpec(driver="shard_map", placement=placement, allreduce="ring"))
 
 
 def test_zero_under_shard_map_skips_an_overflowing_step_everywhere():
@@ -118,13 +132,19 @@ def test_zero_under_shard_map_skips_an_overflowing_step_everywhere():
     batch = TrainLoader(digits.train, 64, mesh, seed=0).batch(0)
     for scale, skipped in ((2.0**60, 1), (2.0**8, 0)):
         scaler = precision.LossScaler(enabled=True, initial_scale=scale)
-        model, shardings, grads = _parts("zero1", mesh, tx, example)
-        model = model.clone(dtype=policy.compute)
-        state = init_train_state(model, tx, example, 0, mesh, loss_scaler=scaler, shardings=shardings)
-        before = jax.device_get((state.params, state.opt_state))
-        step = make_train_step(model, tx, mesh, driver="shard_map", state_shardings=shardings, policy=policy,
-                               loss_scaler=scaler, gradient_shardings=grads, donate=False)
-        new, metrics = step(state, batch)
+        records = {}
+        for name in ("data", "zero1"):
+            model, placement = _parts(name, mesh, tx, example)
+            model = model.clone(dtype=policy.compute)
+            state = init_train_state(model, tx, example, 0, mesh, loss_scaler=scaler, shardings=placement.state)
+            before = jax.device_get((state.params, state.opt_state))
+            step = make_train_step(model, tx, mesh, StepSpec(driver="shard_map", placement=placement, policy=policy,
+                                                             loss_scaler=scaler, donate=False, grad_norm=True))
+            new, metrics = step(state, batch)
+            records[name] = [(k, np.asarray(v).dtype) for k, v in jax.device_get(metrics).items()]
+        # the same records as data parallelism's, loss scaling's and grad_norm included
+        assert records["zero1"] == records["data"]
+        assert {"loss_scale", "skipped", "skipped_steps", "grad_norm"} <= {k for k, _ in records["zero1"]}
         assert int(metrics["skipped"]) == skipped
         after = jax.device_get((new.params, new.opt_state))
         same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))

@@ -9,9 +9,9 @@
 ``collectives``: for each message size (bytes per device, float32) and algorithm it
 prints and saves the measured time, the algorithm bandwidth ``n/t``, the bus bandwidth
 ``algbw·2(p−1)/p`` (NCCL-tests' convention: comparable with link bandwidth whatever
-p), the bytes each device sends (counted from the schedule, :func:`dtx.collectives.
+p), the bytes each device sends (counted from the schedule, :func:`dtx.comm.collectives.
 count_traffic`), and the time the α-β-γ model predicts for the network given by the
-flags (Thakur, Rabenseifner & Gropp 2005; :mod:`dtx.costmodel`). Flat algorithms use
+flags (Thakur, Rabenseifner & Gropp 2005; :mod:`dtx.comm.costmodel`). Flat algorithms use
 all devices on one ``data`` axis; ``hierarchical`` uses a 2D ``(node, local)`` mesh,
 ``(2, 4)`` on 8 devices. On an emulated CPU mesh the devices share the host's cores,
 so measured times show the software cost of each schedule, not a network
@@ -21,9 +21,9 @@ so measured times show the software cost of each schedule, not a network
 with ``communicate=False`` (every collective of the gradient path removed, each
 worker applying its own gradient): *compute* is the second, *communication* the
 difference. It also reports the bytes each worker sends per step (the accountant
-of :mod:`dtx.costmodel` under ``shard_map``; the compiled program's collectives,
-:mod:`dtx.hlo`, under ``jit``) and HFU — XLA's FLOPs of the step over the
-device's peak — when the peak is known (:mod:`dtx.flops`).
+of :mod:`dtx.comm.costmodel` under ``shard_map``; the compiled program's collectives,
+:mod:`dtx.comm.hlo`, under ``jit``) and HFU — XLA's FLOPs of the step over the
+device's peak — when the peak is known (:mod:`dtx.perf.flops`).
 ``--vary allreduce=psum,ring`` measures one row per value.
 """
 
@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dtx import collectives, costmodel
+from dtx.comm import algorithms as algorithms_lib
+from dtx.comm import collectives, costmodel
 from dtx import mesh as mesh_lib
+from dtx.step import get_driver
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -106,13 +108,14 @@ def measure(algorithms, sizes, repeats, alpha, beta, gamma, log=print) -> list[d
         meshes["2d"] = (mesh_lib.make_mesh([("node", outer), ("local", inner)], devices=devices),
                         ("node", "local"), inner)
     rows = []
-    if "hierarchical" in algorithms and not two_level:
-        log(f"  hierarchical skipped: {p} device(s) have no 2D factorisation")
-        algorithms = [a for a in algorithms if a != "hierarchical"]
+    two_levels = [a for a in algorithms if algorithms_lib.get_algorithm(a).levels == 2]
+    if two_levels and not two_level:
+        log(f"  {', '.join(two_levels)} skipped: {p} device(s) have no 2D factorisation")
+        algorithms = [a for a in algorithms if a not in two_levels]
     for size in sizes:
         n = size // 4
         for algorithm in algorithms:
-            mesh, axes, inner = meshes["2d" if algorithm == "hierarchical" else "flat"]
+            mesh, axes, inner = meshes["2d" if algorithm in two_levels else "flat"]
             reduce = collectives.make_allreduce(algorithm, axes, mean=False)
             spec = PartitionSpec(axes)
             fn = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -125,7 +128,7 @@ def measure(algorithms, sizes, repeats, alpha, beta, gamma, log=print) -> list[d
                 "mesh": "x".join(str(mesh.shape[a]) for a in axes), "time_s": seconds, "algbw_Bps": algbw,
                 "busbw_Bps": algbw * 2 * (p - 1) / p, "messages": traffic.messages,
                 "bytes_sent": traffic.bytes_sent,
-                "predicted_s": collectives.predict_time(algorithm, size, p, alpha, beta, gamma, inner),
+                "predicted_s": costmodel.predict_time(algorithm, size, p, alpha, beta, gamma, inner),
             })
             log(_format_row(rows[-1]))
             del x
@@ -177,8 +180,8 @@ def collectives_main(argv: list[str]) -> int:
     """Entry point of ``dtx bench collectives``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="dtx bench collectives", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4KiB..64MiB", help="bytes per device: A..B (powers of 4) or a,b,c")
-    parser.add_argument("--algorithms", nargs="+", default=list(collectives.ALGORITHMS),
-                        help=f"any of {', '.join(collectives.ALGORITHMS)} (space or comma separated)")
+    parser.add_argument("--algorithms", nargs="+", default=list(algorithms_lib.ALGORITHMS),
+                        help=f"any of {', '.join(algorithms_lib.ALGORITHMS)} (space or comma separated)")
     parser.add_argument("--alpha", type=float, default=5e-6, help="model latency per message, s (default 5e-6)")
     parser.add_argument("--bandwidth", type=float, default=1.25e9, help="model link bandwidth, bytes/s (10 Gb/s)")
     parser.add_argument("--gamma", type=float, default=0.0, help="model reduction cost, s per byte")
@@ -191,7 +194,7 @@ def collectives_main(argv: list[str]) -> int:
     try:
         sizes = parse_sizes(args.sizes)
         for algorithm in algorithms:
-            costmodel.check_algorithm(algorithm)
+            algorithms_lib.get_algorithm(algorithm)
         if args.repeats < 1 or args.bandwidth <= 0 or min(args.alpha, args.gamma) < 0:
             raise ValueError("need --repeats >= 1, --bandwidth > 0, --alpha >= 0 and --gamma >= 0")
         if args.devices is not None:
@@ -204,7 +207,7 @@ def collectives_main(argv: list[str]) -> int:
     print(f"allreduce on {p} {jax.devices()[0].platform} device(s); model: α={args.alpha:g}s, "
           f"bandwidth={args.bandwidth / 1e9:g} GB/s, γ={args.gamma:g}s/B; "
           f"bandwidth bound for {_human(sizes[-1])}: "
-          f"{collectives.bandwidth_lower_bound(sizes[-1], p, beta) * 1e3:.3f}ms")
+          f"{costmodel.bandwidth_lower_bound(sizes[-1], p, beta) * 1e3:.3f}ms")
     print(HEADER)
     rows = measure(algorithms, sizes, args.repeats, args.alpha, beta, args.gamma)
     if args.out and rows:
@@ -227,12 +230,12 @@ STEP_HEADER = ("| setting | step (ms) | compute (ms) | communication (ms) | comm
 def build_steps(config):
     """The experiment's train step and its no-collective twin, with a state for each and a batch.
 
-    Built by :mod:`dtx.setup`, as :func:`dtx.train` builds a run (same mesh, data, model,
+    Built by :mod:`dtx.run.setup`, as :func:`dtx.train` builds a run (same mesh, data, model,
     optimizer, policy, compressor and strategy). Returns ``(steps, states, batch, policy)``
     where ``steps``/``states`` map ``"full"`` and (``shard_map`` driver only) ``"compute"``
     to the step and its own state.
     """
-    from dtx import setup  # the same readings of the config as a run's
+    from dtx.run import setup  # the same readings of the config as a run's
 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
@@ -240,7 +243,8 @@ def build_steps(config):
     inputs = setup.load_data(config, mesh)
     parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps,
                               task=inputs.task)
-    kinds = {"full": True, "compute": False} if config.driver == "shard_map" else {"full": True}
+    explicit = get_driver(config.driver).explicit  # only a driver placing its collectives can leave them out
+    kinds = {"full": True, "compute": False} if explicit else {"full": True}
     steps = {kind: setup.make_step(config, parts, mesh, communicate=communicate) for kind, communicate in kinds.items()}
     states = {kind: setup.init_state(config, parts, mesh) for kind in steps}
     return steps, states, inputs.loader.batch(0), parts.policy
@@ -253,7 +257,9 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
     noise hits both alike), every call waiting on the previous one's output (lag-1:
     XLA:CPU deadlocks with many steps in flight, docs/data_parallel.md).
     """
-    from dtx import flops, hlo, setup
+    from dtx.perf import flops
+    from dtx.comm import hlo
+    from dtx.run import setup
 
     step_fns, states, batch, policy = build_steps(config)
     compiled = setup.compile_step(step_fns["full"], states["full"], batch)  # the first call reuses it
@@ -295,7 +301,7 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
 
 def describe(config) -> str:
     """The settings that decide what a step communicates, e.g. ``shard_map psum, none, sync``."""
-    text = f"{config.driver} {config.allreduce}" if config.driver == "shard_map" else config.driver
+    text = f"{config.driver} {config.allreduce}" if get_driver(config.driver).explicit else config.driver
     return f"{text}, {config.compression.name}, {config.strategy.name}"
 
 
@@ -367,8 +373,9 @@ def step_main(argv: list[str]) -> int:
             print(STEP_HEADER)
             first = False
         print(step_row(name or describe(config), result), flush=True)
-    if config.driver != "shard_map":
-        print("(compute/communication split needs --config.driver=shard_map: under jit XLA places the collectives)")
+    if not get_driver(config.driver).explicit:
+        print(f"(compute/communication split needs --config.driver=shard_map: under {config.driver} XLA places the "
+              "collectives)")
     if result["peak_flops"] is None:
         print(f"(HFU: no peak FLOP/s known for device kind {jax.devices()[0].device_kind!r}; "
               "set --config.peak_flops)")

@@ -22,8 +22,8 @@ _COMMANDS = {
     "launch": ("dtx.tools.launch", "launch_main", "run an experiment as several local processes (jax.distributed)"),
     "simulate": ("dtx.tools.simulate", "simulate_main", "predict iteration time and scaling (Das et al. model)"),
     "plot": ("dtx.tools.plots", "plot_main", "compare runs: PNG plots of their metrics"),
-    "eval": ("dtx.evaluate", "eval_main", "evaluate a run's checkpoint (newest or --step N) on the test split"),
-    "export": ("dtx.evaluate", "export_main", "write a run's checkpoint for plain flax (--out DIR)"),
+    "eval": ("dtx.run.evaluate", "eval_main", "evaluate a run's checkpoint (newest or --step N) on the test split"),
+    "export": ("dtx.run.evaluate", "export_main", "write a run's checkpoint for plain flax (--out DIR)"),
     "bench collectives": ("dtx.tools.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
     "bench step": ("dtx.tools.bench", "step_main", "split a train step's time into compute and communication"),
 }
@@ -93,9 +93,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         stem = os.path.splitext(os.path.basename(experiment.split(":")[0]))[0]
         workdir = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
-    from dtx.checkpoint import CheckpointError
-    from dtx.preflight import show_on_terminal
-    from dtx.trainer import train
+    from dtx.ckpt.checkpoint import CheckpointError
+    from dtx.run.preflight import show_on_terminal
+    from dtx.run.trainer import train
 
     show_on_terminal()
 

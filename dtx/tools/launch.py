@@ -48,7 +48,7 @@ def launch_main(argv: list[str]) -> int:
         "runs", f"{os.path.splitext(os.path.basename(args.experiment))[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "dtx.tools.cli", "train", args.experiment, "--workdir", workdir, *rest,
                f"--config.emulate_cpu_devices={args.devices_per_process}"]
     processes = []
@@ -167,7 +167,7 @@ def _supervise(processes, logs: str) -> int:
     return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,22 +1,22 @@
 """``dtx simulate --verify``: each plan the simulator chose, compiled on emulated devices, its predicted
-FLOPs and bytes per layer, per group and for the whole step against what XLA compiles (:mod:`dtx.verify`)."""
+FLOPs and bytes per layer, per group and for the whole step against what XLA compiles (:mod:`dtx.run.verify`)."""
 
 from __future__ import annotations
 
 import sys
 
-from dtx.clusters import Cluster
-from dtx.tools.simulate import plan_text
+from dtx.perf.clusters import Cluster
+from dtx.perf.model import plan_text
 
 
 VERIFY_TOLERANCE = 0.10  # the goal: compiled within 10 % of predicted, per layer, per group and for the step
 
 
 def verify_plans(args, cluster: Cluster, points) -> list[dict]:
-    """Compile each plan that fits the emulated devices; predicted against compiled (:mod:`dtx.verify`)."""
+    """Compile each plan that fits the emulated devices; predicted against compiled (:mod:`dtx.run.verify`)."""
     import jax
 
-    from dtx import verify
+    from dtx.run import verify
     from dtx.models import build_model
 
     if cluster.bytes_per_element == 2 and jax.default_backend() == "cpu":
@@ -51,7 +51,7 @@ def _check_json(check) -> dict:
 
 def print_checks(verified: list[dict]) -> None:
     print("\nverify: each plan compiled on emulated CPU devices (nothing runs); per device per iteration; "
-          "predicted = dtx.perfmodel, compiled = XLA's cost analysis (FLOPs) and the HLO's collectives (bytes, "
+          "predicted = dtx.perf.model, compiled = XLA's cost analysis (FLOPs) and the HLO's collectives (bytes, "
           "ring convention)")
     if not verified:
         print("  no plan of 2..--verify-devices nodes to compile; add such node counts to --nodes")

@@ -28,7 +28,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from dtx import metrics as metrics_lib
+from dtx.run import metrics as metrics_lib
 
 
 @dataclasses.dataclass
@@ -105,7 +105,7 @@ DEFAULT_METRICS = ("loss", "accuracy", "test_accuracy", "examples_per_sec", "ste
 QUALITY_METRICS = ("loss", "accuracy", "test_accuracy")  # also drawn against time and bytes
 X_AXES = {"step": ("step", "step"), "time": ("elapsed_s", "seconds since the run started"),
           "bytes": ("comm_bytes_total", "bytes sent per worker"),
-          # the modelled time on --config.cluster (dtx.simclock); runs without one draw no such plot
+          # the modelled time on --config.cluster (dtx.perf.simclock); runs without one draw no such plot
           "sim_time": ("sim_time_s", "simulated seconds on the cluster")}
 
 

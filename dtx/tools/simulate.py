@@ -4,8 +4,8 @@
         --node-flops 2.3e12 --memory-bandwidth 1.36e11 --bandwidth 6.8e9 --latency 2e-6
     dtx simulate --model overfeat_fast --cluster haswell_fdr --per-node-batch 4 --plan hybrid --json
 
-Analyses the model abstractly (:func:`dtx.perfmodel.analyze`; nothing full-size
-runs), plans each node count (:func:`dtx.perfmodel.make_plan`), prints a table of
+Analyses the model abstractly (:func:`dtx.perf.layers.analyze`; nothing full-size
+runs), plans each node count (:func:`dtx.perf.model.make_plan`), prints a table of
 iteration time under both overlap bounds, speedup, efficiency and the per-layer plan,
 then the per-layer analysis (Das et al., arXiv 1602.06709 §3) at the largest node
 count, and, given ``--out DIR``, writes a PNG speedup plot there (nothing is written
@@ -13,10 +13,10 @@ without it). ``--json`` prints the same as
 JSON instead of tables. ``--verify`` then compiles every plan of 2 to
 ``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
 group and for the whole training step, the predicted and the compiled per-device
-FLOPs and bytes with their ratio (:mod:`dtx.verify`); it exits with status 1 when
+FLOPs and bytes with their ratio (:mod:`dtx.run.verify`); it exits with status 1 when
 one is more than 10 % off. ``--memory`` prints, per node count and layout (data,
 ZeRO-1/2, FSDP, model, hybrid and the planner's plan), the per-device bytes of
-:mod:`dtx.memory` and whether they fit the node (``Cluster.device_memory``); the
+:mod:`dtx.perf.memory` and whether they fit the node (``Cluster.device_memory``); the
 planner then picks, per node count, the fastest plan that fits (a node count where
 none does is reported as refused). Bad input exits with status 2 and a message naming the fix.
 """
@@ -32,12 +32,14 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from dtx import costmodel, perfmodel
-from dtx import memory as memory_lib
-from dtx.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
+from dtx import parallel
+from dtx.comm import algorithms
+from dtx.perf import model as perfmodel
+from dtx.perf import layers as layers_lib
+from dtx.perf import memory as memory_lib
+from dtx.perf.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
 
 _PHYSICAL = ("node_flops", "memory_bandwidth", "bandwidth", "latency")
-MEMORY_LAYOUTS = ("data", "zero1", "zero2", "fsdp", "model", "hybrid")
 
 
 def _positive(kind):
@@ -93,8 +95,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", type=float, help="network latency alpha, seconds")
     p.add_argument("--efficiency", type=_efficiency, help="fraction of peak: 0.7 or conv=0.8,dense=0.6")
     p.add_argument("--bytes-per-element", type=int, choices=(1, 2, 4, 8), help="4 = fp32, 2 = bf16")
-    p.add_argument("--algorithm", default="ring", choices=[a for a in costmodel.ALGORITHMS if a != "hierarchical"],
-                   help="allreduce algorithm (alpha-beta formulas of dtx.costmodel)")
+    p.add_argument("--algorithm", default="ring", choices=[a for a, declared in algorithms.ALGORITHMS.items() if declared.levels == 1],
+                   help="allreduce algorithm (alpha-beta formulas of dtx.comm.costmodel)")
     p.add_argument("--overlap", default="none", choices=perfmodel.OVERLAPS,
                    help="bound that speedup and plan use; both are printed")
     p.add_argument("--plan", default="auto", choices=perfmodel.PLANS, help="per-layer parallelism")
@@ -103,10 +105,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     p.add_argument("--verify", action="store_true",
                    help="compile each printed plan of up to --verify-devices nodes on emulated CPU devices and print "
-                        "per layer the predicted and the compiled per-device FLOPs and bytes (dtx.verify)")
+                        "per layer the predicted and the compiled per-device FLOPs and bytes (dtx.run.verify)")
     p.add_argument("--memory", action="store_true",
                    help="print per-device memory (params, grads, optimizer, activations, buffers) per layout and "
-                        "node count, and whether it fits the cluster's device memory (dtx.memory)")
+                        "node count, and whether it fits the cluster's device memory (dtx.perf.memory)")
     p.add_argument("--optimizer", default="adam", choices=sorted(memory_lib.SLOTS),
                    help="optimizer whose state the memory model counts (default adam)")
     p.add_argument("--precision", help="dtx precision policy for the memory model, e.g. p=f32,c=bf16 "
@@ -140,15 +142,15 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     return cluster
 
 
-def _analyze(name: str, input_shape: Sequence[int] | None) -> tuple[perfmodel.Layer, ...]:
+def _analyze(name: str, input_shape: Sequence[int] | None) -> tuple[layers_lib.Layer, ...]:
     from dtx.models import build_model  # the model zoo imports flax modules: only when simulating
 
     model = build_model(name)
     shape = input_shape or getattr(type(model), "default_input_shape", None)
     if shape is None:
-        raise perfmodel.PerfModelError(f"model {name!r} has no default input shape; pass --input-shape, "
+        raise layers_lib.PerfModelError(f"model {name!r} has no default input shape; pass --input-shape, "
                                        "e.g. --input-shape 28,28,1")
-    return perfmodel.analyze(model, shape)
+    return layers_lib.analyze(model, shape)
 
 
 def _memory_setup(args, cluster: Cluster):
@@ -165,26 +167,32 @@ def _memory_setup(args, cluster: Cluster):
 
 
 def _memory_rows(estimate, layers, points) -> list[dict]:
-    """Per node count: each layout of :data:`MEMORY_LAYOUTS` and the planner's plan, per-device bytes."""
+    """Per node count: each registered layout (but user rules) and the planner's plan, per-device bytes.
+
+    A layout splitting every kernel runs its ``model`` group over all ``n`` devices; one splitting the dense
+    layers only (Das et al.'s hybrid) over the plan's group (2 when the plan has none)."""
     rows = []
+    layouts = [lay for lay in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank)
+               if lay.kernels != "explicit"]
     for point in points:
         n, batch, plan = point.nodes, point.global_batch, point.plan
         hybrid = plan.group_size if plan.group_size > 1 else 2
-        for layout in MEMORY_LAYOUTS + ("plan",):
-            g = {"model": n, "hybrid": hybrid}.get(layout, 1)
-            split = [layer for layer in layers if layout == "model" or (layout == "hybrid" and layer.kind == "dense")]
-            if layout in ("model", "hybrid") and (n % g or g == 1 or any(x.kernel_shape[-1] % g for x in split)):
+        for lay in layouts:
+            g = {"all": n, "dense": hybrid}.get(lay.kernels, 1)
+            split = [layer for layer in layers if lay.kernels == "all" or (lay.kernels == "dense" and layer.kind == "dense")]
+            if lay.needs_model_axis and (n % g or g == 1 or any(x.kernel_shape[-1] % g for x in split)):
                 continue  # dtx.parallel refuses a split that does not divide (or there is no group)
-            if layout == "plan":
-                e = estimate(layers, "rules", nodes=n, global_batch=batch, group_size=plan.group_size,
-                             sharded=plan.sharded)
-            else:
-                e = estimate(layers, layout, nodes=n, global_batch=batch, group_size=g)
-            rows.append(dict(nodes=n, layout=layout if layout != "plan" else f"plan ({plan_text(plan)})",
-                             group_size=plan.group_size if layout == "plan" else g, params=e.params,
-                             grads=e.grads, optimizer=e.optimizer, activations=e.activations, buffers=e.buffers,
-                             total=e.total))
+            e = estimate(layers, lay, nodes=n, global_batch=batch, group_size=g)
+            rows.append(_memory_row(n, lay.name, g, e))
+        e = estimate(layers, parallel.LAYOUTS["rules"], nodes=n, global_batch=batch, group_size=plan.group_size,
+                     sharded=plan.sharded)
+        rows.append(_memory_row(n, f"plan ({perfmodel.plan_text(plan)})", plan.group_size, e))
     return rows
+
+
+def _memory_row(nodes: int, layout: str, group_size: int, e) -> dict:
+    return dict(nodes=nodes, layout=layout, group_size=group_size, params=e.params, grads=e.grads,
+                optimizer=e.optimizer, activations=e.activations, buffers=e.buffers, total=e.total)
 
 
 def _size(nbytes: float) -> str:
@@ -193,7 +201,7 @@ def _size(nbytes: float) -> str:
 
 def _print_memory(rows: list[dict], cluster: Cluster, args) -> None:
     capacity = "unknown" if cluster.device_memory == float("inf") else _size(cluster.device_memory)
-    print(f"\nmemory per device (dtx.memory, {args.memory_backend} buffers; {args.optimizer}; total = the step's peak: "
+    print(f"\nmemory per device (dtx.perf.memory, {args.memory_backend} buffers; {args.optimizer}; total = the step's peak: "
           f"state + the largest of forward, backward, update), node memory {capacity}:")
     print(f"{'nodes':>6} {'layout':<28} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>11} "
           f"{'buffers':>10} {'total':>10}  fits")
@@ -202,15 +210,6 @@ def _print_memory(rows: list[dict], cluster: Cluster, args) -> None:
         print(f"{r['nodes']:>6} {r['layout'][:28]:<28} {_size(r['params']):>10} {_size(r['grads']):>10} "
               f"{_size(r['optimizer']):>10} {_size(r['activations']):>11} {_size(r['buffers']):>10} "
               f"{_size(r['total']):>10}  {fits}")
-
-
-def plan_text(plan: perfmodel.Plan) -> str:
-    if not plan.sharded:
-        return "data"
-    kind = "model" if plan.group_size == plan.nodes else "hybrid"
-    names = plan.sharded if len(plan.sharded) <= 4 else (*plan.sharded[:2], "...", plan.sharded[-1])
-    more = f" ({len(plan.sharded)} layers)" if len(plan.sharded) > 4 else ""
-    return f"G={plan.group_size} {kind}: {', '.join(names)}{more}"
 
 
 def _finite(record: dict) -> dict:
@@ -238,7 +237,7 @@ def _print_tables(args, cluster, points, report, plot) -> None:
           f"{'efficiency':>10}  plan")
     for p in points:
         print(f"{p.nodes:>6} {p.per_node_batch:>10g} {p.plan.times['none']:>11.4f}s {p.plan.times['ideal']:>11.4f}s "
-              f"{p.speedup:>8.2f} {p.efficiency:>10.3f}  {plan_text(p.plan)}")
+              f"{p.speedup:>8.2f} {p.efficiency:>10.3f}  {perfmodel.plan_text(p.plan)}")
     last = points[-1]
     print(f"\nper layer at {last.nodes} nodes ({last.per_node_batch:g} per node; bytes sent per node per iteration; "
           f"balanced = data-parallel compute >= its allreduce, Das et al. §3):")
@@ -299,12 +298,12 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                     fitted += perfmodel.scaling(layers, cluster, [point.nodes], **setting, memory=lambda plan: estimate(
                         plan.layers, "rules", nodes=plan.nodes, global_batch=plan.global_batch,
                         group_size=plan.group_size, sharded=plan.sharded).total)
-                except perfmodel.PerfModelError as e:
+                except layers_lib.PerfModelError as e:
                     refused[point.nodes] = str(e)
             chosen = {point.nodes: point for point in fitted}
             memory_rows = _memory_rows(estimate, layers, [chosen.get(point.nodes, point) for point in points])
             if not fitted:
-                raise perfmodel.PerfModelError(" ".join(refused.values()))
+                raise layers_lib.PerfModelError(" ".join(refused.values()))
             points = fitted
     except ValueError as e:  # ModelConfigError, ClusterError, PerfModelError, CollectiveError
         print(f"dtx simulate: error: {e}", file=sys.stderr)

@@ -1,0 +1,388 @@
+"""Checkpoints on orbax: asynchronous saves, retention, strict and verified restore onto any mesh, fallback.
+
+What a checkpoint holds is the whole :class:`~dtx.step.state.TrainState` — parameters,
+optimizer state, model state, loss scale, rng and step — and since batches are a
+function of ``(seed, step)`` (:mod:`dtx.data`), the step is also the data
+iterator's position: restoring it resumes the exact run.
+
+Each step directory has two orbax items: ``state`` (the arrays, written
+asynchronously, every shard by the process that holds its replica 0) and
+``manifest`` (:mod:`dtx.ckpt.integrity`: per-shard SHA-256 digests hashed in the save's
+commit thread, caller metadata, an optional HMAC). Orbax alone restores
+bit-flipped array data without complaint; the manifest makes dtx refuse it.
+Restores are strict: a structure, shape or dtype that differs from what the run
+expects is an error naming the parameter path, never a silent cast, pad or
+truncation. Symbolic links and paths leaving the checkpoint directory are
+refused; nothing on the load path unpickles.
+
+A state with NaN or inf is never saved: one jitted reduction on the devices
+decides (so every process agrees), and the refusal first lets the pending save
+commit, so the last good checkpoint is never disturbed. :meth:`Checkpointer.resume`
+restores the newest step that verifies (or exactly the one asked for) and moves
+newer steps to ``DIR/superseded/`` — kept, never deleted — so the resumed run's
+saves cannot collide with them. With several processes, each verifies what it
+restored and they agree (one ``pmax``) before any of them accepts a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from dtx.ckpt import integrity
+from dtx.ckpt.integrity import CheckpointDamaged, CheckpointError, flatten
+
+MANIFEST_VERSION = integrity.MANIFEST_VERSION
+SUPERSEDED = "superseded"  # where a resume moves the steps newer than the one it restored
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What :meth:`Checkpointer.resume` restored, and the newer steps it skipped with the reason."""
+
+    state: Any
+    metadata: dict
+    step: int
+    skipped: list[tuple[int, str]]
+
+
+class Checkpointer:
+    """Saves and restores train states under ``directory/<step>/``.
+
+    Args:
+      directory: where step directories live (created if missing).
+      keep: how many of the newest checkpoints to keep (older ones are deleted
+        only after a newer one has committed).
+      async_save: write in a background thread while training continues.
+      hmac_key: sign every manifest file with HMAC-SHA256 under this key, and refuse
+        to restore manifests that are unsigned or signed otherwise.
+      read_only: restore only (``dtx eval``, ``dtx export``): create nothing, remove no
+        temporaries — a run may still be writing into ``directory``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
+                 hmac_key: bytes | None = None, read_only: bool = False):
+        if keep < 1:
+            raise CheckpointError(f"checkpoint.keep={keep} must be >= 1")
+        self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.islink(self.directory):
+            raise CheckpointError(f"checkpoint directory {self.directory} is a symbolic link; refusing to use it")
+        if read_only and not os.path.isdir(self.directory):
+            raise CheckpointError(f"no checkpoint directory at {self.directory}")
+        if not read_only:
+            os.makedirs(self.directory, exist_ok=True)
+        if jax.process_index() == 0 and not read_only:
+            self._remove_stale_temporaries()
+        self._key = hmac_key or None
+        self._closed = False
+        # read_only: orbax's own read_only flag only logs warnings on every start; nothing here saves or deletes.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                                               enable_async_checkpointing=async_save, create=not read_only)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": _state_handler(), "manifest": _ManifestHandler()})
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, state: Any, metadata: dict | None = None) -> None:
+        """Start saving ``state`` as checkpoint ``step`` (returns before the write ends when async).
+
+        Only the device-to-host copy of this process's shards happens here; their digests
+        are computed in the commit thread. A failure of an earlier save is raised here.
+        """
+        self._raise_if_failed()
+        bad = integrity.non_finite(state)
+        if bad:
+            self.wait()  # the pending save commits before this error can end the process
+            raise CheckpointError(
+                f"not saving step {step}: {', '.join(map(repr, bad[:3]))}{' ...' if len(bad) > 3 else ''} "
+                f"has non-finite values (the run diverged); the last good checkpoint in {self.directory} "
+                f"(step {self.latest_step()}) is kept")
+        copies = integrity.ShardCopies(state)
+        manifest = _ManifestSave(integrity.header(step, metadata or {}, state), copies, self._key)
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), manifest=manifest)
+        try:
+            self._manager.save(int(step), args=args, force=True)
+        except Exception as e:  # surface storage failures with the step and directory named
+            raise CheckpointError(f"saving checkpoint {step} to {self.directory} failed: {e}") from e
+
+    def wait(self) -> None:
+        """Block until pending saves have committed; raise if one failed."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointError(f"saving a checkpoint to {self.directory} failed: {e}") from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Leaving on an error still lets the pending save commit (a process that exits first loses it)."""
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as e:  # never hide the error that stopped the run
+            print(f"dtx: while stopping on {kind.__name__}, a pending checkpoint save failed too: {e}",
+                  file=sys.stderr, flush=True)
+
+    def _raise_if_failed(self) -> None:
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointError(f"saving a checkpoint to {self.directory} failed: {e}") from e
+
+    # --------------------------------------------------------------- restoring
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def metadata(self, step: int) -> dict:
+        """The metadata saved with checkpoint ``step`` (config, data digest, ...), read without
+        restoring any array: what a resume checks before it commits to a layout."""
+        step_dir = self._step_dir(step)
+        self._check_tree(step_dir)
+        return integrity.read_manifest(step_dir, self._key).metadata
+
+    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
+        """Restore checkpoint ``step`` into the layout of ``target``.
+
+        Args:
+          step: which checkpoint.
+          target: a pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set (e.g.
+            from :func:`abstract_target`): the shapes and dtypes the run expects and
+            where each array should live — any mesh or device count.
+
+        Returns:
+          ``(state, metadata)``.
+
+        Raises:
+          CheckpointError: a structure/shape/dtype mismatch (naming the path, the saved
+            and the expected value); :class:`CheckpointDamaged` (a subclass) for symlinks
+            or escaping paths, a missing, garbled or (with a key) unsigned manifest, and
+            data whose digests differ from the manifest — on any process.
+        """
+        try:
+            restored, manifest, error = *self._attempt(step, target), None
+        except CheckpointDamaged as e:
+            error = e
+        if not _everyone(error is None):
+            raise error or CheckpointDamaged(f"checkpoint {self._step_dir(step)} failed verification on another "
+                                             "process (see that process's log)")
+        return restored, manifest.metadata
+
+    def resume(self, target: Any, *, step: int | None = None,
+               check: Callable[[dict], None] | None = None) -> Resumed:
+        """Restore the newest step that verifies, or exactly ``step``; ``check(metadata)`` may refuse one.
+
+        A damaged step (:class:`CheckpointDamaged`) is skipped, saying so on stderr, unless
+        ``step`` was asked for; any other error (``check``'s, a mismatch) ends the resume.
+        Steps newer than the one restored are moved to ``DIR/superseded/``.
+        """
+        steps = self.steps()
+        if step is not None and step not in steps:
+            raise CheckpointError(f"checkpoint.resume_step={step}: {self.directory} holds no step {step} (it holds "
+                                  f"{steps}); choose one of them, or 0 for the newest step that verifies")
+        skipped = []
+        for candidate in [step] if step is not None else steps[::-1]:
+            try:
+                restored, manifest, error = *self._attempt(candidate, target, check), None
+            except CheckpointDamaged as e:
+                error = e
+            if _everyone(error is None):
+                self._set_aside_newer(candidate)
+                return Resumed(restored, manifest.metadata, candidate, skipped)
+            why = str(error) if error else "its shards failed verification on another process (see its log)"
+            if step is not None:
+                raise CheckpointDamaged(f"checkpoint.resume_step={step}: {why}")
+            skipped.append((candidate, why))
+            print(f"dtx: WARNING: not resuming from checkpoint step {candidate}: {why}", file=sys.stderr, flush=True)
+        reasons = "; ".join(f"step {s}: {why}" for s, why in skipped) or "it holds none"
+        raise CheckpointDamaged(f"no checkpoint in {self.directory} verifies ({reasons}); move them away or train "
+                                "into a new --workdir")
+
+    # ------------------------------------------------------------------ helpers
+    def _attempt(self, step: int, target: Any, check: Callable[[dict], None] | None = None):
+        """This process's restore of ``step``, verified against the manifest: ``(state, manifest)``."""
+        step_dir = self._step_dir(step)
+        self._check_tree(step_dir)
+        manifest = integrity.read_manifest(step_dir, self._key)
+        if check is not None:
+            check(manifest.metadata)
+        _check_matches(manifest, target, step_dir)
+        handler = _state_handler()
+        try:
+            restored = handler.restore(epath.Path(step_dir) / "state", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+        except Exception as e:  # truncated or garbled files fail inside tensorstore
+            raise CheckpointDamaged(f"checkpoint {step_dir} is unreadable ({type(e).__name__}: {e}); "
+                                    f"{integrity.FIX}") from e
+        finally:
+            handler.close()
+        names = dict(flatten(ocp.tree.get_param_names(target, include_empty_nodes=False)))  # orbax's array names
+        integrity.verify_restored(manifest, restored, step_dir,
+                                  lambda path, region: integrity.read_stored_region(step_dir, names[path], region))
+        return restored, manifest
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(int(step)))
+
+    def _check_tree(self, step_dir: str) -> None:
+        real_root = os.path.realpath(self.directory)
+        if not os.path.isdir(step_dir):
+            raise CheckpointError(f"no checkpoint at {step_dir}")
+        for root, dirs, files in os.walk(step_dir, followlinks=False):
+            for name in dirs + files:
+                path = os.path.join(root, name)
+                if os.path.islink(path):
+                    raise CheckpointDamaged(f"checkpoint {step_dir} contains a symbolic link ({path}); refusing it")
+                if not os.path.realpath(path).startswith(real_root + os.sep):
+                    raise CheckpointDamaged(f"checkpoint path {path} leaves {self.directory}; refusing it")
+
+    def _set_aside_newer(self, step: int) -> None:
+        newer = [s for s in self.steps() if s > step]
+        if not newer:
+            return
+        if jax.process_index() == 0:
+            aside = os.path.join(self.directory, SUPERSEDED)
+            os.makedirs(aside, exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in newer:
+                name, n = f"{s}.{stamp}", 1
+                while os.path.exists(os.path.join(aside, name)):
+                    name, n = f"{s}.{stamp}.{n}", n + 1
+                os.rename(self._step_dir(s), os.path.join(aside, name))
+            print(f"dtx: moved checkpoint steps {newer} (newer than the resumed step {step}) to {aside}; dtx never "
+                  "deletes them", file=sys.stderr, flush=True)
+        _everyone(True)  # a barrier: nobody saves before they are gone
+        self._manager.reload()
+
+    def _remove_stale_temporaries(self) -> None:
+        # Orbax writes a step into a temporary directory and renames it on commit; a
+        # process killed mid-save leaves the temporary behind. Committed steps are untouched.
+        for name in os.listdir(self.directory):
+            if ".orbax-checkpoint-tmp" in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+
+# --------------------------------------------------------------------- orbax glue
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+    """Orbax's pytree handler, writing replica 0 of every shard whole (no replica-parallel slicing), so
+    the bytes it writes are the shard copies :class:`dtx.ckpt.integrity.ShardCopies` hashed."""
+    handlers = ocp.type_handlers
+    registry = handlers.create_type_handler_registry(
+        (int, handlers.ScalarHandler()), (float, handlers.ScalarHandler()), (np.number, handlers.ScalarHandler()),
+        (np.ndarray, handlers.NumpyHandler()), (jax.Array, handlers.ArrayHandler(use_replica_parallel=False)))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+class _ManifestHandler(ocp.AsyncCheckpointHandler):
+    """Writes the ``manifest`` item from orbax's commit thread: the header (process 0) and every process's
+    digests, hashed there — the step commits only once they are written."""
+
+    async def async_save(self, directory: epath.Path, args: _ManifestSave):
+        return [ocp.future.CommitFutureAwaitingContractedSignals(self._write(directory, args), name="dtx_manifest")]
+
+    async def _write(self, directory: epath.Path, args: _ManifestSave) -> None:
+        self.save(directory, args)
+
+    def save(self, directory: epath.Path, args: _ManifestSave) -> None:
+        step, arrays = args.header["step"], args.header["arrays"]
+        part = integrity.part(step, args.copies.digests(), arrays)
+        (directory / integrity.part_file(jax.process_index())).write_text(integrity.dumps(part, args.key))
+        if jax.process_index() == 0:
+            (directory / integrity.HEADER_FILE).write_text(integrity.dumps(args.header, args.key))
+
+    def restore(self, directory: epath.Path, args=None):
+        raise NotImplementedError("dtx reads manifests with dtx.ckpt.integrity.read_manifest")
+
+
+@ocp.args.register_with_handler(_ManifestHandler, for_save=True)
+@dataclasses.dataclass
+class _ManifestSave(ocp.args.CheckpointArgs):
+    header: dict
+    copies: integrity.ShardCopies
+    key: bytes | None
+
+
+@ocp.args.register_with_handler(_ManifestHandler, for_restore=True)
+@dataclasses.dataclass
+class _ManifestRestore(ocp.args.CheckpointArgs):  # orbax wants one; dtx reads manifests itself
+    pass
+
+
+def _everyone(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (one pmax); the answer is the same everywhere."""
+    if jax.process_count() == 1:
+        return ok
+    return ocp.multihost.global_max([0 if ok else 1])[0] == 0
+
+
+def abstract_target(abstract_state: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s carrying the shardings a restored state should have."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+
+
+def state_digest(state: Any) -> str:
+    """One SHA-256 over every array of ``state`` (paths, dtypes, shapes and bytes): equal iff bit-identical.
+
+    A comparison tool (tests, notebooks), not part of saving or restoring: it needs each
+    whole array on this host, so it gathers arrays that span several processes.
+    """
+    h = hashlib.sha256()
+    for path, leaf in flatten(state):
+        h.update(path.encode())
+        h.update(integrity.sha256_hex(_whole_array(leaf)).encode())
+    return h.hexdigest()
+
+
+def _whole_array(leaf) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if leaf.sharding.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
+
+
+def _check_matches(manifest: integrity.Manifest, target: Any, step_dir: str) -> None:
+    saved = manifest.arrays
+    expected = dict(flatten(target))
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {step_dir} has a different structure than this run: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''} (a different model or optimizer?)"
+        )
+    for path, leaf in expected.items():
+        shape, dtype = list(leaf.shape), np.dtype(leaf.dtype).name
+        saved_shape, saved_dtype, _ = saved[path]
+        if saved_shape != shape or saved_dtype != dtype:
+            raise CheckpointError(
+                f"checkpoint {step_dir}: {path!r} was saved as {saved_dtype}{saved_shape} "
+                f"but this run expects {dtype}{shape}; dtx never casts, pads or truncates on restore"
+            )

@@ -1,0 +1,178 @@
+"""The layouts: how the train state is placed on the mesh, each declared by what it needs.
+
+A layout is a declaration (:class:`Layout`): which Dense/Conv kernels it splits over the
+``model`` axis, which ZeRO stage of the state it splits over the batch axes, which drivers
+run it, the settings it takes and its rank by communication cost. Everything else —
+its partitioning rules, the optimizer state's, where the reduced gradients live, where
+activations live, what the memory model (:mod:`dtx.perf.memory`) charges it — follows
+from those fields, so the set-up, the memory model, ``verify`` and ``dtx simulate`` ask
+the layout and never compare its name. A new layout is one declaration and one line of
+:data:`LAYOUTS` (docs/extending.md).
+
+* ``data`` — replicate every parameter, split the batch (Das et al., arXiv 1602.06709, §2;
+  the Hitchhiker's Guide, arXiv 1810.11787, §3.1).
+* ``zero1`` / ``zero2`` — ZeRO stages 1 and 2 (Rajbhandari et al. 2020, arXiv 1910.02054):
+  parameters replicated, the optimizer state split over every device; the gradients are
+  reduce-scattered to it, each device updates its ``1/N`` of every tensor, the new parameters
+  are all-gathered. Stage 2 also keeps the gradients split while they are accumulated over
+  micro-batches (one reduce-scatter per micro-batch into a ``1/N`` accumulator).
+* ``hybrid`` — Das et al. §3.3: convolutions data-parallel, fully connected layers
+  model-parallel inside groups of ``G`` devices (the ``model`` axis).
+* ``model`` — every Dense/Conv kernel's output features split over the ``model`` axis
+  (Das et al. §3.2): activations are exchanged instead of weight gradients.
+* ``fsdp`` — ZeRO stage 3: every parameter and its optimizer state split over every device
+  along its largest divisible dimension; gathered for use, reduce-scattered for the update.
+* ``rules`` — the user's own rules (``parallel.rules``), e.g. a per-layer plan of
+  :mod:`dtx.perf.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import Mesh
+
+from dtx import mesh as mesh_lib
+from dtx.config import check_block, register_check
+from dtx.parallel import rules as rules_lib
+from dtx.parallel.activations import ActivationLayout, activation_layout
+from dtx.parallel.rules import PartitionError
+
+KERNEL_SPLITS = ("none", "all", "dense", "explicit")
+
+
+class Placement(NamedTuple):
+    """A layout applied to one state on one mesh: what a step is built with (:meth:`Layout.place`)."""
+
+    layout: Layout
+    state: Any  # a NamedSharding per leaf of the TrainState
+    gradients: Any  # ZeRO 1/2: where the reduced gradients live (split like the optimizer state), else None
+    activations: ActivationLayout | None  # where model-parallel layers' activations live, else None
+
+    @property
+    def shard_accumulator(self) -> bool:
+        """Whether each micro-batch's gradient is split while accumulated (ZeRO stage 2)."""
+        return self.layout.zero_stage == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A way to place the train state on the mesh, known to the rest of dtx only by these fields.
+
+    Attributes:
+      name: its ``parallel.name``.
+      kernels: which Dense/Conv kernels are split over the ``model`` axis by their output
+        features — ``none``, ``all`` (model parallelism), ``dense`` (Das et al.'s hybrid) or
+        ``explicit`` (the user's ``parallel.rules``).
+      zero_stage: what is split over every device along the batch axes: 0 nothing, 1 the
+        optimizer state, 2 also the gradients while accumulated, 3 also the parameters (FSDP).
+      drivers: the step drivers that run it (:mod:`dtx.step.drivers`).
+      cost_rank: its place by communication per step, cheapest first (which layout to suggest
+        when a run does not fit).
+      settings: the ``parallel.*`` keys it takes besides ``name``.
+    """
+
+    name: str
+    kernels: str = "none"
+    zero_stage: int = 0
+    drivers: tuple[str, ...] = ("shard_map", "jit")
+    cost_rank: int = 0
+    settings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
+            raise PartitionError(f"layout {self.name!r}: kernels must be one of {KERNEL_SPLITS} and zero_stage 0-3")
+
+    @property
+    def needs_model_axis(self) -> bool:
+        """Whether it splits kernels over a ``model`` mesh axis that must exist."""
+        return self.kernels in ("all", "dense")
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every device holds the whole state (data parallelism): the one layout whose gradient
+        all-reduce strategies and compressors can replace."""
+        return self.kernels == "none" and self.zero_stage == 0
+
+    def check(self, mesh: Mesh) -> None:
+        """Refuse a mesh this layout cannot run on, naming the fix."""
+        if self.needs_model_axis and mesh_lib.MODEL_AXIS not in mesh.axis_names:
+            raise PartitionError(
+                f"parallel.name={self.name!r} needs a {mesh_lib.MODEL_AXIS!r} mesh axis (the model-parallel group), "
+                f"e.g. --config.mesh='((\"data\", -1), (\"model\", 2))' (in Python: make_mesh([(\"data\", -1), "
+                f"(\"model\", 2)])); the mesh has axes {mesh.axis_names}")
+
+    def param_rules(self, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
+        """The parameters' rules, first match wins, ending with ``(".*", P())``."""
+        self.check(mesh)
+        if self.kernels == "explicit":
+            return rules_lib.explicit_rules(explicit, abstract_params)
+        if self.zero_stage < 3 and self.kernels == "none":  # ZeRO 1/2 keep the parameters whole
+            return list(rules_lib.REPLICATED)
+        if abstract_params is None:
+            raise PartitionError(f"parallel.name={self.name!r} derives its rules from the parameters; "
+                                 "pass abstract_params")
+        if self.zero_stage == 3:
+            return rules_lib.fsdp_rules(abstract_params, mesh)
+        return rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name)
+
+    def optimizer_rules(self, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
+        """The rules of the optimizer state (and under ZeRO 1/2 of the reduced gradients): split over every
+        device for ZeRO 1/2, the parameters' own otherwise."""
+        if self.zero_stage in (1, 2):
+            self.check(mesh)
+            return rules_lib.fsdp_rules(abstract_params, mesh)
+        return self.param_rules(mesh, abstract_params, explicit)
+
+    def place(self, abstract_state: Any, mesh: Mesh, explicit: Sequence = ()) -> Placement:
+        """Shardings of the whole state, of the reduced gradients (ZeRO 1/2) and the activation layout."""
+        params = self.param_rules(mesh, abstract_state.params, explicit)
+        optimizer = self.optimizer_rules(mesh, abstract_state.params, explicit)
+        state = rules_lib.state_shardings(abstract_state, params, mesh, optimizer)
+        gradients = (rules_lib.gradient_shardings(abstract_state.params, optimizer, mesh)
+                     if self.zero_stage in (1, 2) else None)
+        activations = activation_layout(jax.tree.map(lambda s: s.spec, state.params), mesh)
+        return Placement(self, state, gradients, activations)
+
+
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
+    Layout("data", cost_rank=0),
+    Layout("zero1", zero_stage=1, cost_rank=1),
+    Layout("zero2", zero_stage=2, cost_rank=2),
+    Layout("hybrid", kernels="dense", drivers=("jit",), cost_rank=3),
+    Layout("model", kernels="all", drivers=("jit",), cost_rank=4),
+    Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5),
+    Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
+)}
+
+
+def get_layout(layout: str | Layout) -> Layout:
+    """The registered layout ``name`` (a :class:`Layout` passes through)."""
+    if isinstance(layout, Layout):
+        return layout
+    if layout not in LAYOUTS:
+        raise PartitionError(f"unknown parallel.name {layout!r}; choose one of {list(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+# The functions of the layouts by name, for code that holds a name (configs, the memory model's callers).
+
+def make_rules(name: str | Layout, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
+    """The parameter rules of layout ``name`` on ``mesh`` (:meth:`Layout.param_rules`)."""
+    return get_layout(name).param_rules(mesh, abstract_params, explicit)
+
+
+def optimizer_rules(name: str | Layout, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
+    """The optimizer state's rules of layout ``name`` (:meth:`Layout.optimizer_rules`)."""
+    return get_layout(name).optimizer_rules(mesh, abstract_params, explicit)
+
+
+@register_check
+def check_config(config) -> None:
+    """``parallel.name`` is a registered layout, and a ``parallel.*`` setting goes only to a layout that takes it
+    (``parallel.rules``: to ``rules``)."""
+    get_layout(config.parallel.name)
+    check_block(config, "parallel", {name: layout.settings for name, layout in LAYOUTS.items()})

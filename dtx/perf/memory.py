@@ -1,0 +1,347 @@
+"""Per-device memory of a training step, by layout: what fits, and what does not.
+
+ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054) splits data parallelism's
+replicated training state in three: optimizer state (stage 1), gradients (stage
+2), parameters (stage 3, FSDP). Activations are accounted per layer as in
+Korthikanti et al. 2022 (arXiv 2205.05198): what the backward pass needs of the
+forward pass, per example, times the examples a device holds. This module adds
+both up, per device, for the layouts of :mod:`dtx.parallel`, and models when
+they are live: the peak of the step, not the sum of its parts.
+
+Per Dense/Conv layer ``l`` (``W`` weights, ``N`` devices, ``G`` the ``model``
+group, ``b = B/(N·k)`` a device's share of a micro-batch, ``e_p, e_c, e_r`` bytes
+of the policy's params, compute and reduce dtypes), the layer runs in a mode:
+
+* ``data`` — weights whole: ``data``, ``zero1``, ``zero2``, unsplit layers.
+* ``split`` — kernel split over the group (``model``, ``hybrid``, ``rules``): ``W/G``
+  each, the group's input gathered (``b·G·in`` kept for the weight gradient).
+* ``fsdp`` stores ``W/N``; XLA's SPMD partitioner then chooses per layer
+  (:func:`_fsdp_mode`): **gather the weights** (whole gradient, all-reduced),
+  **gather the activations** (``B·in`` kept, a ``1/N`` gradient, nothing to
+  reduce) or **contract** the local slices (``B·out`` kept, ``1/N`` gradient).
+  XLA sometimes decides otherwise (docs/memory.md lists where).
+
+Categories (``MemoryEstimate``):
+
+* **params** ``Σ W·e_p / shards``; **optimizer** ``k`` slots (:data:`SLOTS`) like the
+  params, ``1/N`` for ``zero1``/``zero2``/``fsdp`` (tensors with a dimension ``N`` divides).
+* **grads** — what backprop produces: ``W·e_p`` per layer computed with whole
+  weights (ZeRO-1/2 included: the step reduce-scatters after the backward pass),
+  ``W/G``, ``W/N``; with ``k > 1`` micro-batches plus an accumulator (``1/N`` for
+  ``zero2``/``fsdp``).
+* **activations** — the batch plus, per layer, autodiff's residuals
+  (:func:`activation_profile`: from the layer's output up to the next layer's
+  input — ReLU outputs and masks, batch-norm's centred input and square, dropout
+  masks, pool outputs — counted by JAX's own VJP, ``b·s_l``). Without a flax
+  model: ``s_l = (in + out)·e_c`` (the input for ``dW``, one output-sized array).
+* **buffers** — what the compiled program adds (XLA:CPU, read from its buffer
+  assignment): the all-reduce's out-of-place result (``W·e_r`` per reduced
+  gradient — a reduce-scatter compiles as that all-reduce plus a slice), two
+  copies of each convolution kernel made before the forward pass (re-laid out
+  for the forward, freed after it; flipped for the input gradient, kept to the
+  layer's backward; a 1×1 kernel is only flipped), a max pool's ``5·in`` window-index arrays (built before the
+  forward pass, freed by the pool) and ``4·out`` int32 argmax indices (kept to
+  its backward; counted in activations), a re-laid-out input batch for a first
+  convolution, and a compute-dtype copy of the parameters (mixed precision).
+  ``backend="gpu"`` drops the XLA:CPU terms and reduce-scatters ``1/N`` (unchecked).
+
+Peak (``total``): parameters, optimizer state and the batch live throughout; the
+rest in three phases (``stash_j`` = layer ``j``'s activations)::
+
+    forward(i)  = Σ_{j≤i} stash_j + Σ_{j≥i} (pool iotas_j + relaid_j) + Σ_j flipped_j
+    backward(i) = Σ_{j≤i} (stash_j + flipped_j) + Σ_{j≥i} grad_j
+    update      = Σ grad + Σ reduce buffers
+    total       = params + optimizer + inputs + max(forward, backward, update)
+
+It is a model of what dtx's jit step keeps when XLA:CPU compiles it at float32,
+checked against ``compiled.memory_analysis()`` (:func:`compiled_peak`):
+``benchmarks/memory_model.py`` (all models × layouts), ``tests/test_memory.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dtx.parallel.layouts import LAYOUTS, Layout, get_layout
+from dtx.paths import path_str
+from dtx.perf.model import Plan
+from dtx.perf.layers import Layer, analyze
+from dtx.precision import Policy
+
+SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2, "lars": 1, "lamb": 2}
+BACKENDS = ("xla_cpu", "gpu")
+POOL_INDEX_ARRAYS = 4  # XLA:CPU max pool: one int32 window index per input dimension (NHWC)
+
+
+class MemoryModelError(ValueError):
+    """Bad input to the memory model; the message names the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of one layout; ``total`` is the step's peak (module docstring), not the sum."""
+
+    layout: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    total: float
+    by_layer: Mapping[str, float]  # activation bytes per Dense/Conv layer
+    modes: Mapping[str, str]  # data, split, gather_weights, gather_activations, contracting
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)  # forward, backward, update: transient bytes
+
+    @property
+    def phase(self) -> str:
+        """The phase the peak falls in."""
+        return max(self.phases, key=self.phases.get) if self.phases else ""
+
+    def fits(self, capacity: float) -> bool:
+        return self.total <= capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Stash:
+    """Bytes per example after a layer: ``kept`` by autodiff; XLA:CPU's max-pool arrays ``pool_kept``, ``pool_in``."""
+
+    kept: float
+    pool_kept: float = 0.0  # int32 argmax indices, kept to the pool's backward
+    pool_in: float = 0.0  # int32 window-index iotas and a broadcast, built before the forward pass
+
+
+def _fsdp_divisible(shape: Sequence[int], n: int) -> bool:
+    """Whether ``fsdp`` splits a tensor of ``shape`` over ``n`` devices (:mod:`dtx.parallel`)."""
+    return n > 1 and any(d % n == 0 for d in shape)
+
+
+def _split(shapes: Sequence[Sequence[int]], n: int) -> float:
+    """Elements per device of tensors each split ``1/n`` when a dimension divides (``fsdp``, ZeRO state)."""
+    return sum(math.prod(shape) / (n if _fsdp_divisible(shape, n) else 1) for shape in shapes)
+
+
+def _tensors(layer: Layer) -> list[tuple[int, ...]]:
+    """The layer's kernel and (when it has one) its bias, whose size is the output features."""
+    bias = layer.weights - math.prod(layer.kernel_shape)
+    return [tuple(layer.kernel_shape)] + ([(bias,)] if bias else [])
+
+
+def _fsdp_mode(layer: Layer, n: int, batch: float, arriving: str) -> tuple[str, str]:
+    """How XLA's SPMD partitioner runs an ``fsdp`` layer, and how it leaves the activations.
+
+    The kernel is split along its largest dimension ``n`` divides (:mod:`dtx.parallel`).
+    Split on the output features, XLA gathers the activations when the kernel is
+    larger than the layer's whole-batch input (output split by features), else the
+    weights. Split on the input features, it gathers the weights while the batch
+    arrives split by examples, else it contracts the local slices and all-reduces
+    the whole-batch output (replicated). A model of its choice, read from the
+    compiled programs of the zoo (docs/memory.md).
+    """
+    shape = layer.kernel_shape
+    dim = next(d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0)
+    if dim == len(shape) - 1:
+        if math.prod(shape) > batch * layer.in_elements:
+            return "gather_activations", "features"
+        return "gather_weights", "batch"
+    if dim == len(shape) - 2 and arriving != "batch":
+        return "contracting", "replicated"
+    return "gather_weights", "batch"
+
+
+def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, global_batch: int, group_size: int = 1,
+             sharded: Sequence[str] = (), optimizer: str = "adam", policy: Policy = Policy(),
+             stash: Mapping[str, Stash] | None = None, input_bytes: float | None = None,
+             other_params: int | Sequence[Sequence[int]] = 0,
+             model_state_bytes: float = 0.0, accum_steps: int = 1, backend: str = "xla_cpu") -> MemoryEstimate:
+    """Per-device memory of a training step of ``layers`` under ``layout``.
+
+    Args:
+      layers: from :func:`dtx.perf.layers.analyze`.
+      layout: a layout of :data:`dtx.parallel.LAYOUTS` (or its name); the model reads only what it
+        declares: which kernels it splits over the ``model`` axis and its ZeRO stage.
+      nodes / global_batch: devices ``N`` and examples per step ``B``.
+      group_size: ``G``, the ``model`` axis (``model``, ``hybrid``, ``rules``).
+      sharded: for ``rules``: the layers split over ``model`` (``Plan.sharded``).
+      optimizer: a name of :data:`SLOTS` (:mod:`dtx.optim`).
+      policy: parameter, compute and reduce dtypes (:class:`dtx.precision.Policy`).
+      stash: per layer, what :func:`activation_profile` measures; default ``(in + out)·e_c``.
+      input_bytes: one example of the batch with its label (default: the first layer's input, float32).
+      other_params: parameters outside Dense/Conv layers (norm scales and offsets): a count, or
+        their shapes (then ``fsdp`` and ZeRO split each as :mod:`dtx.parallel` does).
+      model_state_bytes: non-trainable state (batch-norm statistics), replicated.
+      accum_steps: micro-batches per step.
+      backend: ``"xla_cpu"`` (checked: every buffer term of the module docstring) or
+        ``"gpu"`` (unchecked: no pool index arrays, kernel or input copies, and a true
+        reduce-scatter for ZeRO/FSDP, ``1/N`` buffer).
+    """
+    if backend not in BACKENDS:
+        raise MemoryModelError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    cpu = backend == "xla_cpu"
+    try:
+        lay = get_layout(layout)
+    except ValueError:
+        raise MemoryModelError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}") from None
+    state_split_everywhere = lay.zero_stage >= 1  # the optimizer state split 1/N (ZeRO 1, 2, FSDP)
+    params_split = lay.zero_stage == 3  # FSDP stores 1/N of every parameter
+    if optimizer not in SLOTS:
+        raise MemoryModelError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(SLOTS)}")
+    n, g, k = nodes, group_size, accum_steps
+    if n < 1 or g < 1 or k < 1 or n % g or global_batch % (n * k):
+        raise MemoryModelError(f"global batch {global_batch} must split over {n} devices × {k} micro-batches, "
+                               f"and the group size {g} must divide {n}")
+    e_p, e_c = np.dtype(policy.params).itemsize, np.dtype(policy.compute).itemsize
+    e_r = np.dtype(policy.reduce).itemsize
+    if lay.kernels == "explicit":
+        split = set(sharded)
+    elif lay.kernels in ("all", "dense"):
+        split = {layer.name for layer in layers if lay.kernels == "all" or layer.kind == "dense"}
+    else:
+        split = set()
+    split = split if g > 1 else set()
+    micro = global_batch / k  # examples of one micro-batch, all devices
+    b = micro / n
+    rows = []  # per layer: stash, pool iotas, flipped and re-laid-out kernels, gradient, reduce buffer
+    params = optim = accumulator = 0.0
+    modes, by_layer = {}, {}
+    arriving = "batch"  # fsdp: how the previous layer left the activations (XLA's choice propagates)
+    for i, layer in enumerate(layers):
+        w, s = layer.weights, (stash or {}).get(layer.name) or Stash((layer.in_elements + layer.out_elements) * e_c)
+        stored_split = params_split and _fsdp_divisible(layer.kernel_shape, n)
+        act = b * (s.kept + (s.pool_kept if cpu else 0.0))  # output side: B/N examples' worth, however split
+        mode, shards = "data", 1
+        if layer.name in split:
+            mode, shards = "split", g
+            if not (cpu and layer.kind == "conv" and math.prod(layer.kernel_shape[:-2]) == 1):
+                act += b * g * layer.in_elements * e_c  # the group's gathered input, kept for dW
+            # A split 1×1 convolution's gathered input is gathered again in the backward pass instead
+            # (measured on XLA:CPU, ResNet-50 at G = 2: twice the forward's all-gathers).
+        elif stored_split:
+            mode, arriving = _fsdp_mode(layer, n, micro, arriving)
+            shards = 1 if mode == "gather_weights" else n
+            act += micro * e_c * {"gather_weights": 0, "gather_activations": layer.in_elements,
+                                  "contracting": layer.out_elements}[mode]
+        if cpu and i == 0 and layer.kind == "conv":  # XLA:CPU re-lays out the batch for a first convolution
+            act += b * layer.in_elements * e_c
+        modes[layer.name], by_layer[layer.name] = mode, act
+        stored = _split(_tensors(layer), n) if params_split else w / shards
+        params += stored * e_p
+        state_split = state_split_everywhere and _fsdp_divisible(layer.kernel_shape, n)
+        optim += SLOTS[optimizer] * (_split(_tensors(layer), n) if state_split_everywhere else stored) * e_p
+        grad = w * e_p / shards
+        accumulator += grad / (n if lay.zero_stage >= 2 and state_split and shards == 1 else 1)
+        reduced = n // shards > 1  # devices holding the same slice sum their gradients
+        buffer = grad * e_r / e_p / (n if not cpu and state_split_everywhere else 1) if reduced else 0.0
+        copy = w * e_c / shards if cpu and layer.kind == "conv" else 0.0  # flipped: kept to the backward
+        relaid = copy if math.prod(layer.kernel_shape[:-2]) > 1 else 0.0  # a 1×1 kernel is used as stored
+        rows.append((act, b * s.pool_in if cpu else 0.0, copy, relaid, grad, buffer))
+    shapes = [(other_params,)] if isinstance(other_params, int) else [tuple(x) for x in other_params]
+    other = sum(math.prod(shape) for shape in shapes) * e_p
+    params += (_split(shapes, n) * e_p if params_split else other)
+    optim += SLOTS[optimizer] * (_split(shapes, n) * e_p if state_split_everywhere else other)
+    stash_, held, copies, relaid, grads, reduce = (list(column) for column in zip(*rows))
+    grads[-1] += other  # norm-parameter gradients, small: counted with the last layer's
+    carry = accumulator + other if k > 1 else 0.0  # the accumulator beside each micro-batch's gradient
+    inputs = (input_bytes if input_bytes is not None else layers[0].in_elements * 4 + 4) * global_batch / n
+    compute_copy = params * e_c / e_p if e_c != e_p else 0.0
+    count = range(len(layers))
+    forward = max(sum(stash_[:i + 1]) + sum(held[i:]) + sum(relaid[i:]) for i in count) + sum(copies)
+    backward = max(sum(stash_[:i + 1]) + sum(copies[:i + 1]) + sum(grads[i:]) for i in count)
+    update = sum(grads) + sum(reduce)
+    phases = dict(forward=forward + compute_copy, backward=backward + compute_copy + carry, update=update + carry)
+    peak = max(phases.values())
+    return MemoryEstimate(
+        layout=lay.name, params=params, grads=sum(grads) + carry, optimizer=optim, activations=inputs + sum(stash_),
+        buffers=sum(reduce) + sum(copies) + sum(relaid) + sum(held) + compute_copy,
+        total=params + optim + inputs + model_state_bytes + peak, by_layer=by_layer, modes=modes, phases=phases)
+
+
+def estimate_plan(plan: Plan, **kwargs) -> MemoryEstimate:
+    """The memory of a :class:`dtx.perf.model.Plan`: its split layers in groups of ``G``, the rest data-parallel."""
+    return estimate(plan.layers, "rules", nodes=plan.nodes, global_batch=plan.global_batch,
+                    group_size=plan.group_size, sharded=plan.sharded, **kwargs)
+
+
+def activation_profile(model: Any, input_shape: Sequence[int]) -> dict[str, Stash]:
+    """Per Dense/Conv layer, the bytes per example the backward pass keeps (:class:`Stash`).
+
+    Traces ``jax.vjp`` of the model's training forward pass at batch 1 and 2
+    (``make_jaxpr``: nothing runs) and gives each residual JAX saves to the last
+    Dense/Conv layer at or before the equation that produced it (by its flax name
+    stack); per example = batch 2 − batch 1, so parameters, the input batch and
+    per-channel statistics drop out. Each max pool adds XLA:CPU's arrays: ``4·out``
+    int32 argmax indices to ``kept``, ``4·in`` int32 index iotas and one float32
+    broadcast of ``in`` to ``pool_in`` (read from the compiled buffer assignment).
+    """
+    import jax
+    import jax.extend.core as jex
+    import jax.numpy as jnp
+
+    names = [layer.name for layer in analyze(model, input_shape)]
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape)), train=False))
+    state = {key: value for key, value in variables.items() if key != "params"}
+
+    def loss(params, state, x):
+        out = model.apply({"params": params, **state}, x, train=True, mutable=list(state) or False,
+                          rngs={"dropout": jax.random.key(0)})
+        return (out[0] if state else out).astype(jnp.float32).sum()
+
+    def per_layer(batch: int) -> dict[str, list[float]]:
+        x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
+        closed, shapes = jax.make_jaxpr(lambda p, s, x: jax.vjp(lambda p, x: loss(p, s, x), p, x),
+                                        return_shape=True)(variables["params"], state, x)
+        jaxpr = closed.jaxpr
+        count = len(jax.tree.leaves(shapes[1]))  # the VJP closure's leaves are the residuals
+        residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - count:] if not isinstance(v, jex.Literal)}
+        found, current = {name: [0.0, 0.0, 0.0] for name in names}, names[0]
+        for eqn in jaxpr.eqns:
+            stack = str(eqn.source_info.name_stack)
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                current = next((name for name in names if stack == name or stack.endswith("/" + name)), current)
+            for var in eqn.outvars:
+                if var in residuals:
+                    residuals.discard(var)  # saved once, however often it is used
+                    found[current][0] += var.aval.size * var.aval.dtype.itemsize
+            if eqn.primitive.name == "reduce_window_max":
+                found[current][1] += POOL_INDEX_ARRAYS * 4 * eqn.outvars[0].aval.size
+                found[current][2] += (POOL_INDEX_ARRAYS + 1) * 4 * eqn.invars[0].aval.size
+        return found
+
+    one, two = per_layer(1), per_layer(2)
+    return {name: Stash(*(b - a for a, b in zip(one[name], two[name]))) for name in names}
+
+
+def model_terms(model: Any, input_shape: Sequence[int]) -> dict[str, Any]:
+    """What :func:`estimate` needs of a flax model beyond its layers: residuals, other parameters, state, batch."""
+    import jax
+    import jax.numpy as jnp
+
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape)), train=False))
+    layers = {layer.name for layer in analyze(model, input_shape)}
+    other = [tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
+             if path_str(path[:-1]) not in layers]
+    state = sum(math.prod(v.shape) * v.dtype.itemsize for key, tree in variables.items() if key != "params"
+                for v in jax.tree.leaves(tree))
+    return dict(stash=activation_profile(model, input_shape), input_bytes=math.prod(input_shape) * 4 + 4,
+                other_params=other, model_state_bytes=state)
+
+
+def estimate_model(model: Any, input_shape: Sequence[int], layout: str, **kwargs) -> MemoryEstimate:
+    """:func:`estimate` for a flax model (:func:`model_terms`: residuals, norm parameters, batch-norm state)."""
+    return estimate(analyze(model, input_shape), layout, **{**model_terms(model, input_shape), **kwargs})
+
+
+def compiled_peak(compiled: Any) -> int:
+    """XLA's per-device peak of a compiled step: ``argument + output − alias + temp`` bytes.
+
+    Arguments (state and batch) live throughout; outputs that do not alias a
+    donated argument are extra; ``temp`` is the buffer assignment's temporary
+    allocation (its own peak, fragmentation included). (``peak_memory_in_bytes``
+    of this jax omits ``temp`` on CPU, so it is not used.)
+    """
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes

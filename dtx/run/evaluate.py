@@ -1,0 +1,352 @@
+"""A finished (or running) run's checkpoints, evaluated or exported: ``dtx eval`` and ``dtx export``.
+
+    dtx eval WORKDIR [--step N]
+    dtx export WORKDIR --out DIR [--step N]
+
+Both rebuild the run from ``WORKDIR/config.json`` — mesh, data, model, optimizer,
+precision, strategy, exactly as ``dtx.train`` built them — and restore a checkpoint
+through :class:`dtx.ckpt.checkpoint.Checkpointer` (read-only), so every integrity check of
+a resume applies: per-shard SHA-256 digests, the HMAC of signed manifests, strict
+shapes and dtypes. The newest checkpoint by default, or step ``N``.
+
+``eval`` runs the run's own evaluation program on the test split: the numbers equal
+the ones the run recorded for that step. ``export`` writes the evaluated parameters
+and the model state (batch-norm statistics) for plain flax: ``variables.msgpack``
+(:func:`flax.serialization.msgpack_serialize` of ``{"params": ..., "batch_stats": ...}``),
+``model.json`` (class, constructor keywords, input shape) and, when the model's module
+is a self-contained file, a copy of it as ``model.py`` (docs/checkpoints.md shows the
+load). A run that trained a module or optimizer passed to ``dtx.train`` cannot be
+rebuilt from its config: pass the same ones to :func:`evaluate_run` / :func:`export_run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import flax.serialization
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec
+from ml_collections import ConfigDict
+
+from dtx.ckpt import checkpoint as checkpoint_lib
+from dtx.comm import context as comm_lib
+from dtx.data import datasets, userdata
+from dtx.run import preflight
+from dtx.data import tasks as tasks_lib
+from dtx import config as config_lib
+from dtx import mesh as mesh_lib
+from dtx.data.loader import TrainLoader, eval_batches
+from dtx.step import state_specs
+
+from dtx.run import rundir, setup
+from dtx.run import trainer as train_lib  # noqa: E402
+
+VARIABLES_FILE, MODEL_FILE, SOURCE_FILE = "variables.msgpack", "model.json", "model.py"
+
+
+class RunError(ValueError):
+    """A workdir that cannot be evaluated or exported as asked; the message says what to do."""
+
+
+class Restored(NamedTuple):
+    """A run rebuilt from its workdir, with one checkpoint restored."""
+
+    config: ConfigDict
+    mesh: Any
+    dataset: datasets.Dataset
+    parts: setup.Parts
+    state: Any
+    step: int
+    directory: str  # the checkpoint directory
+
+
+def evaluate_run(workdir: str | os.PathLike, *, step: int | None = None, **given) -> dict:
+    """Test metrics of checkpoint ``step`` (default: the newest) of the run in ``workdir``.
+
+    Returns ``{"step", "test_loss", "test_<metric>" (e.g. test_accuracy), "test_examples", ...}``,
+    computed by the run's own evaluation program (same mesh, driver, task and batches as
+    ``dtx.train``'s). ``given``: ``model=``, ``optimizer=``, ``task=``, ``data=`` — the ones the run
+    was given in ``dtx.train``, which its config cannot rebuild (:func:`restore` says which).
+    """
+    run = restore(workdir, step=step, **given)
+    parts, config = run.parts, run.config
+    if run.dataset.test is None:
+        raise RunError(f"{workdir} trained on data without a test split: nothing to evaluate; pass "
+                       "data={'train': ..., 'test': ...}")
+    eval_step = setup.make_eval(config, parts, run.mesh)
+    batches = eval_batches(run.dataset.test, config.eval_batch_size, run.mesh)
+    return {"step": run.step, **train_lib.evaluate(eval_step, run.state, batches, parts.task)}
+
+
+def export_run(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, **given) -> dict:
+    """Write checkpoint ``step``'s evaluated parameters and model state to ``out`` for plain flax.
+
+    Returns what ``model.json`` holds. Refuses an ``out`` that already holds an export
+    (dtx never overwrites) or is a file.
+    """
+    out = os.fspath(out)
+    for name in (VARIABLES_FILE, MODEL_FILE):
+        if os.path.exists(os.path.join(out, name)):
+            raise FileExistsError(f"--out {out!r} already holds {name}; choose an empty or new directory "
+                                  "(dtx never overwrites an export)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunError(f"--out {out!r} is a file; name a directory (it is created if missing)")
+    run = restore(workdir, step=step, **given)
+    variables = {"params": _evaluated_params(run), **run.state.model_state}
+    variables = jax.tree.map(np.asarray, jax.device_get(variables))
+    payload = flax.serialization.msgpack_serialize(variables)
+    net = run.parts.model
+    described = {
+        "class": preflight.qualified_name(net),
+        "class_name": type(net).__qualname__,
+        "kwargs": _constructor_kwargs(net),
+        "source": None,
+        "input_shape": list(run.parts.example.shape[1:]),
+        "input_dtype": np.dtype(run.parts.example.dtype).name,
+        "collections": sorted(variables),
+        "step": run.step,
+        "workdir": os.path.abspath(os.fspath(workdir)),
+        "variables_sha256": hashlib.sha256(payload).hexdigest(),
+        "apply": "model.apply(variables, inputs, train=False) -> logits",
+    }
+    source = _self_contained_source(type(net))
+    os.makedirs(out, exist_ok=True)
+    if source is not None:
+        with open(os.path.join(out, SOURCE_FILE), "w", encoding="utf-8") as f:
+            f.write(source)
+        described["source"] = SOURCE_FILE
+    with open(os.path.join(out, VARIABLES_FILE), "wb") as f:
+        f.write(payload)
+    with open(os.path.join(out, MODEL_FILE), "w", encoding="utf-8") as f:
+        json.dump(described, f, indent=2)
+    return described
+
+
+def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Module | None = None,
+            optimizer: optax.GradientTransformation | None = None, task: tasks_lib.Task | None = None,
+            data=None) -> Restored:
+    """Rebuild the run in ``workdir`` from its ``config.json`` and restore checkpoint ``step`` (newest if None).
+
+    ``model``, ``optimizer``, ``task``, ``data``: what the run was given in ``dtx.train`` instead of its
+    config (``config.json`` marks those blocks ``"given"``); refused when such a block's argument is missing.
+    """
+    workdir = os.fspath(workdir)
+    saved = _saved_config(workdir)
+    arguments = {"model": model, "optimizer": optimizer, "task": task, "dataset": data}
+    for block, argument in arguments.items():
+        entry = saved.get(block, {})
+        if isinstance(entry, dict) and preflight.GIVEN in entry and argument is None:
+            name = "data" if block == "dataset" else block
+            what = entry.get("class") or entry.get("description") or entry.get("name") or entry.get("fingerprint")
+            raise RunError(
+                f"{workdir} trained with a {name} passed to {entry[preflight.GIVEN]} ({what}), which its config "
+                f"cannot rebuild; in Python, pass the same one: dtx.run.evaluate.evaluate_run({workdir!r}, {name}=...) "
+                f"(or export_run)")
+    config = config_from_json(saved)
+    if config.emulate_cpu_devices:
+        mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
+    task = task or tasks_lib.make_task(config.task.name,
+                                       **config_lib.chosen_settings(config.task, tasks_lib.task_settings()))
+    if data is None:  # as dtx.train reads the config
+        data = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
+                                     synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len)
+    dataset = userdata.as_dataset(data, task)
+    recorded = saved.get("dataset", {}).get("fingerprint")
+    if recorded and recorded != userdata.fingerprint(dataset):
+        raise RunError(f"data: these arrays are not the ones {workdir} trained on (fingerprint "
+                       f"{userdata.fingerprint(dataset)}, the run recorded {recorded}); pass the run's data")
+    loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
+    num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
+    parts = setup.build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model,
+                              optimizer=optimizer, task=task)
+    directory = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory) or not any(n.isdigit() for n in os.listdir(directory)):
+        raise RunError(f"{workdir} has no checkpoint in {directory}: only runs that save checkpoints can be "
+                       "evaluated or exported; train with --config.checkpoint.every_steps=N (it also saves the "
+                       "last step)")
+    checkpointer = checkpoint_lib.Checkpointer(directory, hmac_key=rundir.hmac_key(config.checkpoint.hmac_key_env),
+                                               read_only=True)
+    try:
+        steps = checkpointer.steps()
+        chosen = steps[-1] if step is None else int(step)
+        if chosen not in steps:
+            raise RunError(f"--step {chosen}: {directory} holds no checkpoint {chosen}; it holds {steps}")
+        target = checkpoint_lib.abstract_target(parts.abstract_state, parts.placement.state)
+        state, _ = checkpointer.restore(chosen, target)
+    finally:
+        checkpointer.close()
+    return Restored(config, mesh, dataset, parts, state, chosen, directory)
+
+
+def config_from_json(saved: dict) -> ConfigDict:
+    """The locked, validated config a run's ``config.json`` records (JSON lists back to tuples).
+
+    Blocks that ``dtx.train`` replaced with an argument keep their defaults: the argument, not
+    the config, says what ran.
+    """
+    config = config_lib.base_config()
+    for key, value in saved.items():
+        if key not in config:
+            raise RunError(f"config.json has key {key!r}, which this dtx does not know (a run of another version?)")
+        if isinstance(value, dict) and preflight.GIVEN in value:
+            continue
+        try:
+            if key == "model":  # experiments replace the whole block (another model, other settings)
+                config.model = ConfigDict(_tuples(value))
+            elif isinstance(config[key], ConfigDict):
+                _assign(config[key], value, key)
+            else:
+                setattr(config, key, _tuples(value))
+        except (TypeError, AttributeError, KeyError) as e:
+            raise RunError(f"config.json: key {key!r} does not fit this dtx's config ({e})") from None
+    config_lib.validate(config)
+    return config
+
+
+def eval_main(argv: Sequence[str]) -> int:
+    """``dtx eval WORKDIR [--step N]``: print the test metrics of a checkpoint; exit 0, 2 (bad input) or 4."""
+    parser = argparse.ArgumentParser(prog="dtx eval", description="Evaluate a training run's checkpoint on the "
+                                     "test split, rebuilding the run from WORKDIR/config.json.")
+    parser.add_argument("workdir", help="a dtx train --workdir that saved checkpoints")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    args = parser.parse_args(argv)
+    metrics = _reporting_errors(lambda: evaluate_run(args.workdir, step=args.step))
+    if isinstance(metrics, int):
+        return metrics
+    figures = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("test_") and k != "test_examples")
+    print(f"step {metrics['step']}: {figures}  ({metrics.get('test_examples')} test examples)")
+    print(json.dumps(metrics))
+    return 0
+
+
+def export_main(argv: Sequence[str]) -> int:
+    """``dtx export WORKDIR --out DIR [--step N]``: write a checkpoint's variables for plain flax."""
+    parser = argparse.ArgumentParser(prog="dtx export", description="Write a checkpoint's parameters and batch-norm "
+                                     "statistics to DIR for plain flax (variables.msgpack, model.json, model.py); "
+                                     "docs/checkpoints.md shows how to load them.")
+    parser.add_argument("workdir", help="a dtx train --workdir that saved checkpoints")
+    parser.add_argument("--out", required=True, help="directory to write (created; never overwritten)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    args = parser.parse_args(argv)
+    described = _reporting_errors(lambda: export_run(args.workdir, args.out, step=args.step))
+    if isinstance(described, int):
+        return described
+    print(f"step {described['step']}: {described['class']} -> {os.path.join(args.out, VARIABLES_FILE)} "
+          f"({', '.join(described['collections'])}), {os.path.join(args.out, MODEL_FILE)}")
+    return 0
+
+
+# ---------------------------------------------------------------------- helpers
+def _reporting_errors(work):
+    try:
+        return work()
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"dtx: error: {e}", file=sys.stderr)
+        return 2
+    except checkpoint_lib.CheckpointError as e:
+        print(f"dtx: checkpoint error: {e}", file=sys.stderr)
+        return 4
+
+
+def _saved_config(workdir: str) -> dict:
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise RunError(f"{workdir} holds no config.json: give the --workdir of a dtx train run")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise RunError(f"{path} is not valid JSON ({e})") from None
+
+
+def _tuples(value):
+    """JSON arrays back to the tuples dtx configs hold."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def _assign(block: ConfigDict, values: dict, prefix: str) -> None:
+    for key, value in values.items():
+        if key not in block:
+            raise KeyError(f"{prefix}.{key}")
+        if isinstance(block[key], ConfigDict):
+            _assign(block[key], value, f"{prefix}.{key}")
+        else:
+            setattr(block, key, _tuples(value))
+
+
+def _evaluated_params(run: Restored):
+    """The parameters the run evaluates: the strategy's global model (the workers' mean for local SGD and
+    gossip), computed by the strategy itself on the run's mesh."""
+    if not run.parts.strategy.caps.local_models:
+        return run.state.params
+    axes = mesh_lib.batch_axes(run.mesh)
+    comm = comm_lib.CommContext(axes, mesh_lib.data_parallel_size(run.mesh),
+                                lambda tree: jax.lax.pmean(tree, axes))
+
+    def body(state):  # each worker sees its own slice of the per-worker state, as in the eval step
+        return run.parts.strategy.eval_params(state.replace(worker=jax.tree.map(lambda x: x[0], state.worker)), comm)
+
+    program = jax.shard_map(body, mesh=run.mesh, in_specs=(state_specs(axes),), out_specs=PartitionSpec(),
+                            check_vma=False)
+    return jax.jit(program)(run.state)
+
+
+def _constructor_kwargs(model: nn.Module) -> dict:
+    """The module's constructor keywords as JSON (dtypes by name, tuples as lists); ``norm_axis_name`` is
+    left out (its default, None, is right outside a dtx step)."""
+    out = {}
+    for f in dataclasses.fields(model):
+        if not f.init or f.name in ("parent", "name", "norm_axis_name"):
+            continue
+        out[f.name] = _jsonable(getattr(model, f.name), f.name)
+    return out
+
+
+def _jsonable(value, name: str):
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v, name) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, name) for k, v in value.items()}
+    try:
+        return np.dtype(value).name  # jnp.float32, np.float32, "bfloat16"
+    except TypeError:
+        raise RunError(f"cannot export: the model's field {name}={value!r} has no JSON form; export a model whose "
+                       "constructor takes numbers, strings, dtypes and tuples of them") from None
+
+
+def _self_contained_source(cls: type) -> str | None:
+    """The source of ``cls``'s module when it is one file importing no dtx code (dtx's models are), else None."""
+    try:
+        path = inspect.getsourcefile(cls)
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source)
+    except (TypeError, OSError, SyntaxError):  # a notebook cell, a built-in, a compiled extension
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "dtx"):
+            return None
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "dtx" for a in node.names):
+            return None
+    return source

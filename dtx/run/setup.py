@@ -1,0 +1,329 @@
+"""What a run is built from, read from the config in one place: its mesh, data, parts and step.
+
+``dtx.train`` and ``dtx bench step`` both build through here (so the step a benchmark times is the
+step a run trains), ``dtx eval`` / ``dtx export`` rebuild a run's parts with :func:`build_parts`.
+Everything that can be refused without compiling is refused here, naming the config key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from ml_collections import ConfigDict
+
+from dtx import config as config_lib
+from dtx.data import datasets
+from dtx import mesh as mesh_lib
+from dtx.data import tasks as tasks_lib
+from dtx.data import userdata
+from dtx import compress
+from dtx.perf import clusters, flops, model as perfmodel, simclock
+from dtx.perf import layers as layers_lib
+from dtx.comm import hlo
+from dtx import models, optim, precision
+from dtx import parallel
+from dtx import strategies
+from dtx.data.loader import TrainLoader
+from dtx.paths import named_leaves
+from dtx.strategies.stragglers import Stragglers
+from dtx.step.state import TrainState, abstract_train_state, init_train_state
+from dtx.step import StepSpec, check_accumulation, check_combination, make_eval_step, make_train_step
+
+
+def make_mesh(config: ConfigDict):
+    """The run's device mesh (``config.mesh``), refusing batch sizes that do not split over it."""
+    mesh = mesh_lib.make_mesh(config.mesh)
+    mesh_lib.check_batch_size(config.global_batch_size, mesh)
+    mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
+    return mesh
+
+
+class Inputs(NamedTuple):
+    """The run's data: what it trains on, how it is batched, and how long the run is."""
+
+    dataset: datasets.Dataset
+    loader: TrainLoader
+    num_steps: int
+    task: tasks_lib.Task  # the loss and metrics (config.task, or train(..., task=))
+
+
+def load_data(config: ConfigDict, mesh, *, task: tasks_lib.Task | None = None, data=None) -> Inputs:
+    """``config.dataset`` (or your ``data``), checked against the task, batched over ``mesh``."""
+    task = task or tasks_lib.make_task(config.task.name, **_settings(config.task, tasks_lib.task_settings()))
+    if data is None:
+        data = datasets.load_dataset(
+            config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
+            synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len,
+        )
+    dataset = userdata.as_dataset(data, task)  # labels the task cannot score are refused here
+    loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
+    num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
+    return Inputs(dataset, loader, num_steps, task)
+
+
+class Parts(NamedTuple):
+    """What a run is built from, read from the config in one place (:func:`train`, ``dtx bench step``)."""
+
+    policy: precision.Policy
+    loss_scaler: precision.LossScaler
+    model: nn.Module
+    tx: optax.GradientTransformation
+    learning_rate: optax.Schedule  # of config.optimizer (unused when a custom optimizer is given)
+    peak_learning_rate: float
+    compressor: compress.Compressor
+    strategy: strategies.Strategy
+    example: jax.ShapeDtypeStruct  # the inputs' shape and dtype
+    workers: int  # data-parallel size: the leading axis of per-worker state
+    abstract_state: TrainState
+    placement: parallel.Placement  # the layout's shardings of the state, gradients and activations
+    task: tasks_lib.Task  # the loss and metrics (config.task, or train(..., task=))
+
+
+def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_epoch: int, num_steps: int, *,
+                model: nn.Module | None = None, optimizer: optax.GradientTransformation | None = None,
+                task: tasks_lib.Task | None = None) -> Parts:
+    """Precision policy, model, optimizer, compressor, strategy, and the state's shape and layout.
+
+    Everything that can be refused without compiling is refused here (accumulation that
+    does not split, impossible combinations, shape-dependent settings).
+    """
+    policy = precision.parse_policy(config.precision)
+    if np.dtype(policy.params) == np.float16:
+        raise config_lib.ConfigError(
+            f"precision={config.precision!r}: float16 master weights overflow and lose small updates (a probe "
+            "had every parameter non-finite after one step); keep params=float32 and compute in float16 "
+            "(p=f32,c=f16: dynamic loss scaling turns on by itself), or use bfloat16")
+    loss_scaler = _loss_scaler(config.loss_scale, policy)
+    if model is None:
+        model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
+        model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
+                                   param_dtype=policy.params, **model_kwargs)
+    opt = config.optimizer
+    peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
+                                         opt.scaling)
+    warmup_steps = opt.warmup_steps or round(opt.warmup_epochs * steps_per_epoch)
+    learning_rate = optim.make_schedule(opt.schedule, peak_lr, num_steps, warmup_steps, power=opt.decay_power,
+                                        boundaries=opt.step_boundaries, factor=opt.step_factor)
+    tx = optimizer if optimizer is not None else optim.make_optimizer(
+        opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay, exclude=opt.exclude,
+        trust_coefficient=opt.trust_coefficient)
+    check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
+    compressor = compress.make_compressor(config.compression.name,
+                                          **_settings(config.compression, compress.compressor_settings()))
+    # backup's arrival order is the straggler model's, the one the simulated clock times (dtx.perf.simclock)
+    strategy = strategies.make_strategy(config.strategy.name, stragglers=stragglers(config),
+                                        **_settings(config.strategy, strategies.strategy_settings()))
+    if not parallel.get_layout(config.parallel.name).replicated and not (
+            strategy.caps.identity and compressor.caps.identity):
+        raise config_lib.ConfigError(
+            f"parallel.name={config.parallel.name!r} with strategy.name={config.strategy.name!r} / "
+            f"compression.name={config.compression.name!r}: strategies and compression replace the gradient "
+            "all-reduce of data parallelism, which a partitioned model or ZeRO (its own reduce-scatter and "
+            "all-gather) does not run; use parallel.name=data with them, or strategy.name=sync and "
+            "compression.name=none with this partitioning")
+    check_combination(config.driver, strategy, compressor, loss_scaler)
+
+    example = jax.ShapeDtypeStruct(dataset.train.inputs.shape, dataset.train.inputs.dtype)
+    workers = mesh_lib.data_parallel_size(mesh)
+    abstract_state = abstract_train_state(model, tx, example, loss_scaler, strategy, compressor, workers)
+    if loss_scaler.enabled and jax.tree.leaves(abstract_state.worker["compress"]):
+        raise config_lib.ConfigError(
+            f"compression.name={config.compression.name!r} keeps per-worker state (error-feedback residuals, "
+            "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
+            "use compute=bfloat16 (no loss scaling), or an unbiased compressor without it (compression.name=terngrad "
+            "or qsgd, or randomk with compression.error_feedback=False)")
+    placement = parallel.get_layout(config.parallel.name).place(abstract_state, mesh, config.parallel.rules)
+    layout = placement.activations
+    if config.driver not in placement.layout.drivers:
+        raise config_lib.ConfigError(
+            f"parallel.name={config.parallel.name!r} runs under driver {' or '.join(placement.layout.drivers)}"
+            + (f" (it makes layers {', '.join(sorted(layout.kernels))} model-parallel: XLA places their activation "
+               "collectives)" if layout is not None else "")
+            + f"; set --config.driver={placement.layout.drivers[0]}")
+    check_memory(config, model, example, policy, mesh, layout)
+    return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
+                 abstract_state, placement,
+                 task or tasks_lib.make_task(config.task.name, **_settings(config.task, tasks_lib.task_settings())))
+
+
+def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, layout) -> None:
+    """Refuse, before compiling, a run whose estimated per-device peak (:mod:`dtx.perf.memory`) exceeds the device's
+    memory (``memory_limit``, or what an accelerator reports), naming the biggest consumers and the cheapest
+    layout that would fit (the layouts by their declared communication cost)."""
+    from dtx.perf import memory
+
+    capacity = config.memory_limit or _device_memory()
+    if not capacity:
+        return
+    chosen = parallel.get_layout(config.parallel.name)
+    sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
+    group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
+    common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
+                  policy=policy, accum_steps=config.grad_accum_steps,
+                  backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu")
+    # A layout that splits kernels is estimated by the kernels it actually split on this model.
+    rules = parallel.LAYOUTS["rules"] if chosen.kernels != "none" and sharded else chosen
+    try:
+        mine = memory.estimate_model(model, example.shape[1:], rules, group_size=group if rules.kernels != "none" else 1,
+                                     sharded=sharded if rules.kernels == "explicit" else (), **common)
+    except (ValueError, TypeError):  # a model the memory model cannot analyse: nothing to refuse on
+        return
+    if mine.fits(capacity):
+        return
+    parts = sorted(((mine.params, "parameters"), (mine.grads, "gradients"), (mine.optimizer, "optimizer state"),
+                    (mine.activations, "activations"), (mine.buffers, "communication buffers")), reverse=True)
+    biggest = ", ".join(f"{what} {_gib(value)}" for value, what in parts[:3])
+    fits = []
+    for other in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank):
+        if other is chosen or other.kernels == "explicit" or (other.needs_model_axis and group == 1):
+            continue
+        try:
+            alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **common)
+        except (ValueError, TypeError):
+            continue
+        if alternative.fits(capacity):
+            driver = "" if config.driver in other.drivers else f"--config.driver={other.drivers[0]} "
+            fits.append(f"{driver}--config.parallel.name={other.name} fits: {_gib(alternative.total)} of "
+                        f"{_gib(capacity)}")
+            break
+    hint = fits[0] if fits else ("no layout fits on this mesh: lower global_batch_size, raise grad_accum_steps, "
+                                 "or use more devices")
+    raise config_lib.ConfigError(
+        f"this run needs about {_gib(mine.total)} per device (dtx.perf.memory's estimate, peak in the {mine.phase} phase) "
+        f"but a device has {_gib(capacity)} (memory_limit or the accelerator's): biggest are {biggest}. {hint}")
+
+
+def _device_memory() -> float:
+    """Bytes an accelerator reports for one device (0 on CPU, which reports none)."""
+    try:  # this process's own device: another process's cannot be asked (multi-process runs)
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 — a backend without memory statistics reports nothing
+        return 0.0
+    return float((stats or {}).get("bytes_limit", 0))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def cluster_spec(config: ConfigDict) -> simclock.ClusterSpec | None:
+    """The modelled cluster of ``config.cluster`` (``None`` without a name: no simulated clock)."""
+    block = config.cluster
+    try:
+        cluster = clusters.from_settings(block.name, node_flops=block.node_flops,
+                                         memory_bandwidth=block.memory_bandwidth, bandwidth=block.bandwidth,
+                                         latency=block.latency)
+    except clusters.ClusterError as e:
+        raise simclock.ClockError(str(e)) from None
+    if cluster is None:
+        return None
+    return simclock.ClusterSpec(cluster, stragglers(config), float(block.overlap), float(block.get("compute_s", 0.0)))
+
+
+def stragglers(config: ConfigDict) -> Stragglers:
+    """``config.cluster``'s straggler model bound to ``config.seed`` (the arrival order of ``backup`` and the
+    simulated clock's draws are the same)."""
+    block = config.cluster
+    try:
+        return Stragglers(block.straggler, int(config.seed), float(block.sigma), float(block.slow_fraction),
+                          float(block.slow_factor)).check()
+    except ValueError as e:
+        raise simclock.ClockError(str(e)) from None
+
+
+def clock_recorder(config: ConfigDict, parts: Parts, saved: dict | None = None) -> simclock.Recorder | None:
+    """The run's simulated clock (``None`` without ``config.cluster``): the example's own dtype (a token model
+    takes integer ids; the clock only traces shapes), the strategy's capabilities (who waits for whom)."""
+    return simclock.recorder_for_run(cluster_spec(config), parts.model, parts.example.shape[1:], parts.example.dtype,
+                                     workers=parts.workers, global_batch=config.global_batch_size,
+                                     accum_steps=config.grad_accum_steps, algorithm=config.allreduce,
+                                     caps=parts.strategy.caps, saved=saved)
+
+
+def step_spec(config: ConfigDict, parts: Parts, *, communicate: bool = True) -> StepSpec:
+    """The run's step settings: its driver, precision, accumulation, allreduce, strategy, compressor, task
+    and the layout's placement (``communicate=False``: the no-collective twin, for ``dtx bench step``)."""
+    return StepSpec(driver=config.driver, policy=parts.policy, loss_scaler=parts.loss_scaler,
+                    accum_steps=config.grad_accum_steps, allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
+                    strategy=parts.strategy, compressor=parts.compressor, task=parts.task, placement=parts.placement,
+                    communicate=communicate, grad_norm=config.log_grad_norm)
+
+
+def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = True):
+    """The run's jitted train step (``communicate=False``: its no-collective twin, for ``dtx bench step``)."""
+    return make_train_step(parts.model, parts.tx, mesh, step_spec(config, parts, communicate=communicate))
+
+
+def make_eval(config: ConfigDict, parts: Parts, mesh):
+    """The run's jitted evaluation step: the train step's driver, policy, strategy, task and placement."""
+    return make_eval_step(parts.model, mesh, step_spec(config, parts))
+
+
+def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
+    """A fresh state of ``parts``, seeded by ``config.seed``, laid out on ``mesh``."""
+    return init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
+                            parts.placement.state, parts.strategy, parts.compressor)
+
+
+def compile_step(train_step, state: TrainState, batch):
+    """The step's executable; lowering and compiling here fills the cache its first call uses."""
+    return train_step.lower(state, batch).compile()
+
+
+def step_flops(config: ConfigDict, compiled) -> float | None:
+    """FLOPs per device of one step (XLA's cost analysis); unknown under accumulation, whose loop XLA counts once."""
+    return None if compiled is None or config.grad_accum_steps > 1 else flops.compiled_flops(compiled)
+
+
+def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch: int) -> dict:
+    """The first record's view of the step: compiled and modelled communication, model FLOPs.
+
+    ``comm_bytes_compiled_per_step`` / ``comm_rounds_compiled_per_step``: what the compiled
+    program's collectives send per device per step (:mod:`dtx.comm.hlo`; a collective in a
+    conditional branch counts as if taken, one in a loop once). ``model_flops_per_step``:
+    forward + backward of the model's Dense/Conv layers on the global batch, and
+    ``comm_bytes_modelled_per_step``: the bytes :mod:`dtx.perf.model` predicts for this
+    layout (data, model, hybrid or rules over Dense/Conv kernels; synchronous SGD without
+    compression), for models it can analyse.
+    """
+    sent = hlo.total(compiled)
+    out = {"comm_bytes_compiled_per_step": float(sent.bytes_sent), "comm_rounds_compiled_per_step": float(sent.rounds)}
+    try:
+        layers = layers_lib.analyze(model, parts.example.shape[1:], dtype=parts.policy.compute)
+    except (layers_lib.PerfModelError, TypeError, ValueError):  # no Dense/Conv, or a model analyze cannot trace
+        return out
+    out["model_flops_per_step"] = float(sum(layer.train_flops for layer in layers) * global_batch)
+    # The perf model covers synchronous SGD over data-parallel and column-split (model-parallel) layers.
+    activations = parts.placement.activations
+    kernels = dict(activations.kernels) if activations is not None else {}
+    split = {path.rsplit("/", 1)[0] for path, sharding in named_leaves(parts.placement.state.params)
+             if not sharding.is_fully_replicated}
+    columns = all(tuple(spec)[-1:] == (mesh_lib.MODEL_AXIS,) and not any(tuple(spec)[:-1]) for spec in kernels.values())
+    if (parts.strategy.caps.identity and parts.compressor.caps.identity and split <= set(kernels) and columns
+            and set(kernels) <= {layer.name for layer in layers}):
+        group = mesh.shape[mesh_lib.MODEL_AXIS] if kernels else 1
+        e = np.dtype(parts.policy.reduce).itemsize
+        out["comm_bytes_modelled_per_step"] = float(sum(
+            sum(perfmodel.layer_bytes(layer, mesh.size, global_batch, group, layer.name in kernels, e,
+                                      last=layer is layers[-1]))
+            for layer in layers))
+    return out
+
+
+def _settings(block: ConfigDict, taken: dict[str, tuple[str, ...]]) -> dict:
+    """The keys of a plug-in's config block that its chosen plug-in takes (``taken``: each plug-in's declared
+    settings): the keyword arguments of its factory. The config's check refused any other key set away from
+    its default."""
+    return config_lib.chosen_settings(block, taken)
+
+
+def _loss_scaler(settings: ConfigDict, policy: precision.Policy) -> precision.LossScaler:
+    enabled = settings.name == "dynamic" or (settings.name == "auto" and policy.needs_loss_scaling)
+    return precision.LossScaler(enabled=enabled, initial_scale=settings.initial,
+                                growth_interval=settings.growth_interval, backoff=settings.backoff,
+                                min_scale=settings.min_scale)

@@ -1,0 +1,249 @@
+"""One training run, told top to bottom: set-up, the loop, evaluation.
+
+The config is read here and in :mod:`dtx.run.setup` (what a run is built from) and :mod:`dtx.run.rundir`
+(resume or refuse); everything below receives plain values and built collaborators. The loop's
+records, one step behind the dispatch, are :mod:`dtx.run.steplog`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from ml_collections import ConfigDict
+
+from dtx.ckpt import checkpoint as checkpoint_lib
+from dtx import config as config_lib
+from dtx import mesh as mesh_lib
+from dtx.run import metrics as metrics_lib
+from dtx.run import preflight, rundir, setup, steplog
+from dtx.perf import simclock
+from dtx.data import tasks as tasks_lib
+from dtx.data import userdata
+from dtx.comm import costmodel
+from dtx.perf import flops
+from dtx.data.loader import TrainLoader, eval_batches
+from dtx.run.metrics import to_host
+from dtx.run.setup import Parts
+from dtx.step.state import TrainState, num_params
+from dtx.step import EvalStep, get_driver
+from dtx.ckpt.preemption import PreemptionWatcher
+from dtx.run.watchdog import StepWatchdog
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run leaves behind: its final state and its final evaluation."""
+
+    state: TrainState
+    metrics: dict
+    workdir: str
+    preempted: bool = False  # stopped by SIGTERM at a step boundary; run again to resume
+    saved: bool = False  # a checkpoint holds the returned state (preempted runs: resume continues from it)
+
+
+__all__ = ["TrainResult", "evaluate", "train"]
+
+
+def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | None = None,
+          optimizer: optax.GradientTransformation | None = None,
+          optimizer_description: str | None = None, task: tasks_lib.Task | None = None, data=None) -> TrainResult:
+    """Train ``config`` and evaluate on the test split; records go to ``workdir``.
+
+    Args:
+      config: the experiment (:func:`dtx.config.load`, :func:`dtx.config.override`).
+      workdir: where records, TensorBoard events, checkpoints and traces go.
+      model: a flax module to train instead of the one ``config.model`` names; it is
+        called as ``model(inputs, train=bool)`` and returns logits.
+      optimizer: an optax optimizer to use instead of the one ``config.optimizer``
+        describes (its learning rate is then not logged).
+      optimizer_description: how ``config.json`` and the first record name ``optimizer``
+        (default: read from the optax transformation's factories and settings).
+      task: the loss and metrics (:mod:`dtx.data.tasks`) instead of the ones ``config.task`` names.
+      data: your arrays instead of ``config.dataset``: ``(inputs, labels)``, ``{"train": ...,
+        "test": ...}``, :class:`dtx.data.datasets.Split` or :class:`dtx.data.datasets.Dataset`, in memory or
+        memory-mapped (:mod:`dtx.data.userdata`); without a test split nothing is evaluated.
+
+    Raises before any compilation on bad input (unknown names, batch sizes that do
+    not split over the mesh, missing dataset files, a workdir that already holds a run).
+    """
+    config_lib.validate(config)
+    run_start = time.perf_counter()
+    workdir = os.fspath(workdir)
+    checkpoint_dir = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
+    rundir.check_paths(workdir, checkpoint_dir)
+    if config.emulate_cpu_devices:
+        mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    multi_process = mesh_lib.initialize_distributed(config.distributed)
+    # SIGTERM from here on -- start-up included, where loading and compiling take seconds --
+    # stops the run at a step boundary instead of killing it. Several processes agree on the
+    # step through JAX's preemption sync point, which needs checkpoints to be worth it.
+    watch = not multi_process or bool(config.checkpoint.every_steps) or config.checkpoint.resume != "never"
+    with PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
+        return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
+                      model=model, optimizer=optimizer, optimizer_description=optimizer_description,
+                      task=task, data=data)
+
+
+def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
+           preemption: PreemptionWatcher, run_start: float, **given) -> TrainResult:
+    run = _start(config, workdir, checkpoint_dir, multi_process, run_start, **given)
+    state, data_digest, every, log = run.state, run.data_digest, config.checkpoint.every_steps, run.log
+    watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index())
+    trace = metrics_lib.StepTrace(os.path.join(workdir, "profile"), run.start_step + 1, config.profile_steps,
+                                  enabled=jax.process_index() == 0)
+    # The loop moves data only explicitly (batch placement, metric reads): an implicit
+    # host<->device transfer would be a hidden sync point, so the guard refuses it.
+    # Leaving on an error, the checkpointer still lets its pending save commit (after the watchdog stopped).
+    with run.writer, run.checkpointer or contextlib.nullcontext(), log, watchdog, trace, jax.transfer_guard("disallow"):
+        preempted = preemption.requested(run.start_step)  # a SIGTERM during start-up: no step runs
+        for step in range(run.start_step, run.start_step if preempted else run.num_steps):
+            trace.before_step(step, state)  # --config.profile_steps: starts/stops a profiler trace
+            batch = run.loader.batch(step)
+            # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
+            batch_hash = hashlib.sha256(run.loader.indices(step).tobytes()).hexdigest()[:16]
+            data_digest = hashlib.sha256((data_digest + batch_hash).encode()).hexdigest()[:16]
+            state, step_metrics = run.train_step(state, batch)
+            # Waits for the step before (lag-1), reads it once, records it every log_every steps.
+            log.dispatched(step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
+            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < run.num_steps and run.tests:
+                run.writer.write(step + 1, evaluate(run.eval_step, state, run.tests, run.parts.task))
+            preempted = preemption.requested(step + 1)
+            if run.checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == run.num_steps):
+                with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
+                    run.checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
+                                                             "data_digest": data_digest, "workers": run.parts.workers,
+                                                             "user_data": run.user_data, "comm": log.comm_saved(),
+                                                             **({"clock": run.clock.saved()} if run.clock else {})})
+            if preempted:
+                break
+        log.flush()  # the last step, whatever log_every says
+        trace.stop()
+
+        if run.checkpointer:
+            run.checkpointer.close()  # waits for the last save; a failed save raises here
+        if preempted:
+            run.writer.write(int(to_host(state.step)), {"preempted": 1})
+            saved = run.checkpointer is not None and run.checkpointer.latest_step() == int(to_host(state.step))
+            return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True, saved=saved)
+
+        final = evaluate(run.eval_step, state, run.tests, run.parts.task) if run.tests else {}
+        if final:
+            run.writer.write(run.num_steps, final)
+    return TrainResult(state=state, metrics=final, workdir=workdir)
+
+
+class _Run(NamedTuple):
+    """What the loop needs, built before its first step by :func:`_start`."""
+
+    parts: Parts
+    loader: TrainLoader
+    num_steps: int
+    train_step: object
+    eval_step: EvalStep
+    tests: list | None  # the test split's batches (None: nothing to evaluate)
+    checkpointer: checkpoint_lib.Checkpointer | None
+    state: TrainState
+    start_step: int
+    data_digest: str
+    user_data: str | None  # the fingerprint of train(..., data=); a resume checks it
+    writer: metrics_lib.MetricWriter
+    log: steplog.StepLog
+    clock: simclock.Recorder | None = None  # --config.cluster: sim_time_s in the records
+
+
+def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool, run_start: float, *,
+           model, optimizer, optimizer_description=None, task=None, data=None) -> _Run:
+    """Devices, the run directory, data, parts, steps and state (fresh or resumed), and the first record."""
+    mesh = setup.make_mesh(config)
+    resuming, hmac_key = rundir.prepare(config, workdir, checkpoint_dir, multi_process)
+    inputs = setup.load_data(config, mesh, task=task, data=data)
+    dataset, loader, num_steps = inputs.dataset, inputs.loader, inputs.num_steps
+    user_data = userdata.fingerprint(dataset) if data is not None else None  # the caller's arrays: a resume checks them
+    # Dropped examples, a warmup as long as the run, config keys an argument replaces: said before any work.
+    preflight.warn(config, train_size=loader.size, data_parallel=mesh_lib.data_parallel_size(mesh),
+                   num_steps=num_steps, model=model, optimizer=optimizer, data_given=data is not None,
+                   task_given=task is not None)
+    parts = setup.build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model,
+                              optimizer=optimizer, task=inputs.task)
+    ran = preflight.what_ran(config, parts.model, model_given=model is not None, optimizer_given=optimizer is not None,
+                             optimizer=optimizer, optimizer_description=optimizer_description, train_size=loader.size,
+                             task_name=inputs.task.name, task_given=task is not None, data_fingerprint=user_data,
+                             data_description=userdata.describe(dataset) if data is not None else None)
+    # The rate each step uses, for the records (computed once: the loop allows no implicit transfers).
+    lr_by_step = (np.asarray(jax.jit(jax.vmap(parts.learning_rate))(np.arange(num_steps)))
+                  if optimizer is None else None)
+    train_step = setup.make_step(config, parts, mesh)
+    eval_step = setup.make_eval(config, parts, mesh)
+    checkpointer = None
+    if config.checkpoint.every_steps or resuming:
+        checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
+                                                   async_save=config.checkpoint.async_save, hmac_key=hmac_key)
+    resumed = rundir.resume(checkpointer, config, parts.abstract_state, parts.placement.state, parts.workers,
+                            user_data) if resuming else None
+    state = resumed.state if resuming else setup.init_state(config, parts, mesh)
+    saved = resumed.metadata if resuming else {}
+    # --config.cluster: every record's sim_time_s, the run's modelled time on that cluster (dtx.perf.simclock)
+    # the example's own dtype: a token model takes integer ids (the clock only traces shapes)
+    clock = setup.clock_recorder(config, parts, saved.get("clock"))
+    start_step = int(to_host(state.step))
+    if resuming and jax.process_index() == 0:
+        print(f"dtx: resumed from step {start_step} ({checkpoint_dir})", file=sys.stderr, flush=True)
+    tests = eval_batches(dataset.test, config.eval_batch_size, mesh) if dataset.test is not None else None
+    # What the compiled step does, read once from the program the loop's first call reuses:
+    # FLOPs per device and the bytes its collectives send (dtx.comm.hlo); beside them, what the
+    # model predicts: the useful FLOPs and, for Dense/Conv layouts, the bytes (dtx.perf.model).
+    compiled = setup.compile_step(train_step, state, loader.batch(start_step))
+    step_flops = setup.step_flops(config, compiled)
+    program = {} if compiled is None else setup.program_figures(compiled, parts.model, parts, mesh,
+                                                                config.global_batch_size)
+    peak_flops = flops.device_peak_flops(parts.policy.compute, config.peak_flops)
+    comm = steplog.CommTotals(**saved.get("comm", {}))
+    if not get_driver(config.driver).explicit:  # XLA placed the collectives: their bytes are the compiled program's
+        comm.fixed = (program.get("comm_bytes_compiled_per_step", 0.0), program.get("comm_rounds_compiled_per_step", 0.0))
+
+    main_process = jax.process_index() == 0
+    if main_process:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(ran.config, f, indent=2)  # the config, naming the module/optimizer that replaced its blocks
+    # A resume drops the records past its step (a killed run's abandoned future): one history per step.
+    writer = metrics_lib.MetricWriter(workdir, enabled=main_process, resumed_from=start_step if resuming else None)
+    writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
+                              "precision": str(parts.policy), **ran.record,
+                              **({"peak_learning_rate": parts.peak_learning_rate} if optimizer is None else {}),
+                              **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
+                              **{k: v for k, v in program.items() if k != "model_flops_per_step"},
+                              **({"resumed_from": start_step} if resuming else {}),
+                              **({"resume_skipped": [{"step": s, "reason": why} for s, why in resumed.skipped]}
+                                 if resuming and resumed.skipped else {})})
+    log = steplog.StepLog(
+        writer, log_every=config.log_every, global_batch_size=config.global_batch_size, num_devices=mesh.size,
+        comm=comm, learning_rates=lr_by_step, loss_scaler=parts.loss_scaler,
+        # The yardstick of every communication figure: a float32 ring allreduce of the gradients.
+        reference_bytes=costmodel.dense_allreduce_traffic(parts.abstract_state.params, parts.workers, "ring",
+                                                          "float32").bytes_sent,
+        utilisation=lambda seconds: flops.utilisation(program.get("model_flops_per_step"), step_flops, mesh.size,
+                                                      seconds, peak_flops),
+        peak_learning_rate=parts.peak_learning_rate if optimizer is None else None,
+        bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process), run_start=run_start,
+        extras=(clock,) if clock else ())
+    return _Run(parts, loader, num_steps, train_step, eval_step, tests, checkpointer, state, start_step,
+                saved.get("data_digest", ""), user_data, writer, log, clock)
+
+
+def evaluate(eval_step: EvalStep, state: TrainState, batches, task: tasks_lib.Task | None = None) -> dict:
+    """Exact test metrics: integer counts and float64 sums over every real example (and, for sequences,
+    every scored token): ``test_loss``, ``test_<metric>``, ``test_examples`` and the task's own
+    (:func:`dtx.data.tasks.summarize`; ``task`` default classification)."""
+    return tasks_lib.summarize([to_host(eval_step(state, batch)) for batch in batches], task)

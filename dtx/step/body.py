@@ -1,0 +1,308 @@
+"""The per-worker training and evaluation bodies that both drivers of :mod:`dtx.step` run.
+
+One step of data-parallel SGD (Das et al., arXiv 1602.06709, §2), job by job, each a
+named helper here or a collaborator passed in:
+
+1. keys — the step's, each worker's (dropout), and one shared by all (:func:`step_keys`);
+2. the loss — the task's (:mod:`dtx.data.tasks`) on the model's forward pass in the precision
+   policy's dtypes (:func:`make_loss_fn`);
+3. gradients — per worker, summed over micro-batches into one accumulator (:func:`gradients`);
+4. the reduction — the compressor around the configured allreduce, in the reduce dtype,
+   with the finiteness verdict of what is applied (:func:`make_reduce`);
+5. the update — the strategy's (:mod:`dtx.strategies`), which calls the reduction;
+6. the averages — loss, metrics, overflow flags and batch-norm statistics in one
+   all-reduce, and their bytes (:func:`averages`);
+7. loss scaling — skip the step everywhere when any gradient overflowed (:func:`skip_unless_finite`).
+
+:func:`train_body` runs them in three parts: the worker's pass (1–3, 6: :func:`worker_pass`), the
+strategy's update (4–5) and the end (7 and the records: :func:`finish`). ZeRO under ``shard_map``
+(Rajbhandari et al. 2020, arXiv 1910.02054; :mod:`dtx.step.zero_step`) runs the same three parts,
+its reduce-scatter as the pass's ``split_micro``/``split_grads`` and the update at ``jit`` level.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from dtx.comm import context as comm_lib
+from dtx.comm import costmodel
+from dtx import strategies
+from dtx.data import tasks as task_lib
+from dtx.data.loader import Batch
+from dtx.precision import Policy, all_finite, select_tree
+from dtx.data.tasks import Task
+
+Metrics = dict[str, jax.Array]
+
+
+class BodyError(ValueError):
+    """A body configuration that cannot work (accumulation that does not split the batch, ...)."""
+
+
+def train_body(state, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor, comm, axes,
+               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False):
+    """One training step on this worker's batch (module docstring): ``(state, metrics)``.
+
+    Three parts, each one function, so that a driver may run them apart: :func:`worker_pass` (jobs
+    1–3 and 6), the strategy's update (4–5) and :func:`finish` (7 and the records). ZeRO under
+    ``shard_map`` (:mod:`dtx.step.zero_step`) runs the pass inside ``shard_map`` and the update at
+    ``jit`` level, where an optimizer sees whole tensors."""
+    rng, step_rng, shared_key, index = step_keys(state, axes)
+    reduce = make_reduce(compressor, policy, scaler, state.loss_scale, comm, grad_norm)
+    ctx = strategies.StepContext(tx=tx, comm=comm, reduce=reduce, key=shared_key, index=index)
+    worked = worker_pass(state, batch, strategy.grad_params(state, ctx), rng, step_rng, model=model, policy=policy,
+                         scaler=scaler, accum_steps=accum_steps, strategy=strategy, axes=axes, shards=shards,
+                         constrain=constrain, layout=layout, split_grads=split_grads, split_micro=split_micro,
+                         task=task, merged=averages_merge(comm, strategy, compressor))
+    new_state, stats = strategy.apply(state, worked.grads, ctx)
+    return finish(state, new_state, stats, worked, scaler, strategy.name)
+
+
+class Pass(NamedTuple):
+    """A worker's pass over its batch (:func:`worker_pass`): what the update and :func:`finish` need.
+    Arrays only, so that it can leave a ``shard_map`` (loss, metrics, flag, statistics, key: replicated)."""
+
+    grads: Any  # this worker's gradient after ``split_grads`` (ZeRO: its 1/N of the mean)
+    loss: jax.Array  # the averages over all workers (:class:`Averages`)
+    values: dict
+    finite: jax.Array | None
+    model_state: Any
+    rng: jax.Array  # the key data the next step starts from
+    traffic: Metrics  # the averages' part of the comm fields (:func:`averages_traffic`)
+
+
+def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, scaler, accum_steps, strategy, axes,
+                shards, constrain, layout, split_grads, split_micro, task, merged, accumulator=None) -> Pass:
+    """The loss, this worker's gradients (accumulated, split by ``split_micro``/``split_grads``), its
+    finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``)."""
+    denominator = valid_denominator(task, batch, axes, accum_steps, strategy)
+    loss_fn = make_loss_fn(model, policy, task, layout, list(state.model_state), denominator,
+                           functools.partial(scaler.scale_loss, state.loss_scale))
+    if axes and not strategy.caps.local_models:
+        # Differentiate per-device copies: each gradient is then its own batch's, and *we* choose how
+        # to combine them (shard_map would otherwise sum them when transposing the cast).
+        params = lax.pcast(params, axes, to="varying")
+    grads, loss, values, model_state = gradients(loss_fn, params, state.model_state, batch, step_rng, accum_steps,
+                                                 shards, constrain, axes, split_micro, accumulator)
+    grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
+    # Each worker's verdict on what it is about to send, before any compressor sees it: a compressor may
+    # leave overflowing entries out of the average, and the step must be skipped all the same
+    # (Micikevicius et al. 2018, §3.2).
+    finite_here = all_finite(policy.cast_to_reduce(grads)) if scaler.enabled else None
+    mean = averages(axes, loss, values, finite_here, model_state)
+    return Pass(grads, mean.loss, mean.values, mean.finite, mean.model_state, jax.random.key_data(rng),
+                averages_traffic(mean, task, axes, strategy, merged))
+
+
+def finish(state, new_state, stats: Metrics, worked: Pass, scaler, strategy_name: str):
+    """The step's end after the update (``new_state``, its ``stats``): the loss-scaling skip, the next
+    key and step, and the records — ``loss``, the task's metrics, the update's stats with the averages'
+    traffic added, and with loss scaling ``loss_scale``, ``skipped``, ``skipped_steps``."""
+    applied_finite = stats.pop("grads_finite", None)
+    if scaler.enabled and applied_finite is None:
+        raise BodyError(f"loss scaling needs strategy {strategy_name!r} to reduce the gradients once per step "
+                        "and return the reduction's stats")
+    metrics = {"loss": worked.loss, **worked.values, **stats}
+    if worked.traffic:
+        metrics.update(comm_bytes=stats["comm_bytes"] + worked.traffic["comm_bytes"],
+                       comm_rounds=stats["comm_rounds"] + worked.traffic["comm_rounds"],
+                       comm_bytes_logging=worked.traffic["comm_bytes_logging"],
+                       comm_rounds_logging=worked.traffic["comm_rounds_logging"])
+    model_state = worked.model_state
+    if scaler.enabled:
+        finite = jnp.logical_and(worked.finite, applied_finite)
+        new_state, model_state = skip_unless_finite(finite, new_state, model_state, state)
+        metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32))
+        new_state = new_state.replace(loss_scale=scaler.update(state.loss_scale, finite))
+        metrics["skipped_steps"] = new_state.loss_scale.skipped_steps
+    return new_state.replace(step=state.step + 1, model_state=model_state, rng=worked.rng), metrics
+
+
+def step_keys(state, axes):
+    """``(carried rng, this worker's step key, a key shared by all workers, worker index)``."""
+    rng, step_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
+    shared_key = jax.random.fold_in(step_rng, 1)  # the same on every worker (random-k's common indices)
+    index = lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
+    if axes:  # independent dropout per device; the carried rng stays replicated
+        step_rng = jax.random.fold_in(step_rng, index)
+    return rng, step_rng, shared_key, index
+
+
+def make_reduce(compressor, policy: Policy, scaler, loss_scale, comm: comm_lib.CommContext, grad_norm: bool):
+    """The gradient reduction a strategy calls: ``(grads, compress_state, key) -> (grads, state, stats)``.
+
+    The synchronisation point of data-parallel SGD: one averaged gradient for all, compressed as
+    configured and communicated in the reduce dtype, unscaled. With loss scaling ``stats`` carries
+    ``grads_finite``, the verdict on the applied gradient (a float16 sum of finite gradients can
+    itself overflow); the body takes it out of the metrics.
+    """
+
+    def reduce(grads, compress_state, key):
+        grads, compress_state, stats = compressor.update(policy.cast_to_reduce(grads), compress_state, key, comm)
+        grads = scaler.unscale(loss_scale, policy.cast_to_params(grads))
+        if scaler.enabled:
+            stats = {**stats, "grads_finite": all_finite(grads)}
+        if grad_norm:  # of the gradient every replica applies (unscaled, after compression)
+            stats = {**stats, "grad_norm": optax.tree.norm(grads)}
+        return grads, compress_state, stats
+
+    return reduce
+
+
+def make_loss_fn(model, policy: Policy, task: Task, layout, mutable: list, denominator, scale=lambda loss: loss):
+    """``(params, model_state, micro_batch, rng) -> (scaled loss, (loss, metrics, model_state))``: the
+    forward pass in the policy's compute dtype inside the activation ``layout``, scored by the task."""
+
+    def loss_fn(params, model_state, micro, micro_rng):
+        variables = {"params": policy.cast_to_compute(params), **model_state}
+        inputs = policy.cast_to_compute(micro["inputs"])
+        with layout():
+            out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
+        logits, model_state = out if mutable else (out, model_state)
+        loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(logits), micro["labels"], denominator)
+        return scale(loss), (loss, values, model_state)
+
+    return loss_fn
+
+
+def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None,
+              accumulator=None):
+    """``(grads, loss, metrics, model_state)`` of the batch: one pass, or ``k`` micro-batches summed into one
+    accumulator (no k-fold copies). Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice,
+    so each stays spread over all devices and both drivers see the same ones. ``split_micro`` lays each
+    micro-batch's gradient out as the accumulator is (ZeRO-2); ``accumulator(params)`` is that accumulator's
+    zero (default: ``split_micro`` of zeros; ZeRO under ``shard_map`` makes it without a collective)."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        (_, (loss, values, model_state)), grads = grad_fn(params, model_state, batch, rng)
+        return grads, loss, values, model_state
+
+    def split(x):
+        if x.shape[0] % (shards * k):
+            raise BodyError(f"accum_steps={k} must divide the per-device batch {x.shape[0] // shards}; "
+                            "see dtx.step.check_accumulation")
+        x = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:])
+        return constrain(jnp.swapaxes(x, 0, 1).reshape((k, -1) + x.shape[3:]))
+
+    micro_batches = jax.tree.map(split, batch)
+    split_micro = split_micro or (lambda tree: tree)
+
+    def one(carry, inputs):
+        grads_sum, loss_sum, values_sum, model_state = carry
+        micro, index = inputs
+        (_, (loss, values, model_state)), grads = grad_fn(params, model_state, micro, jax.random.fold_in(rng, index))
+        grads_sum = jax.tree.map(jnp.add, grads_sum, split_micro(grads))
+        return (grads_sum, loss_sum + loss, jax.tree.map(jnp.add, values_sum, values), model_state), None
+
+    zero = jnp.zeros((), jnp.float32)
+    if axes:  # the running sums hold per-device values: type them so for shard_map's checker
+        zero = lax.pcast(zero, axes, to="varying")
+    # The metrics' names, from the first micro-batch's shapes (tracing only, nothing runs).
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    names = jax.eval_shape(lambda: grad_fn(params, model_state, first, rng)[0][1][1])
+    accumulator = accumulator or (lambda tree: split_micro(jax.tree.map(jnp.zeros_like, tree)))
+    init = (accumulator(params), zero, {name: zero for name in names}, model_state)
+    (grads, loss, values, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
+    return jax.tree.map(lambda g: g / k, grads), loss / k, {n: v / k for n, v in values.items()}, model_state
+
+
+class Averages(NamedTuple):
+    """The step's averages over the workers (:func:`averages`)."""
+
+    loss: jax.Array
+    values: dict
+    finite: jax.Array | None  # every worker's gradients finite (loss scaling), else None
+    model_state: Any
+    traffic: costmodel.Traffic
+
+
+def averages(axes, loss, values, finite, model_state) -> Averages:
+    """Loss and the task's metrics (the records), whether every worker's gradients are finite (with loss
+    scaling) and the model state (batch-norm statistics), averaged in one all-reduce of one float32 vector
+    (one ring of a few entries, not one per scalar), with that all-reduce's traffic."""
+    names = list(values)
+    scalars = [loss.astype(jnp.float32), *(values[n].astype(jnp.float32) for n in names)]
+    if finite is not None:  # 1 where this worker overflowed: the mean is 0 only if no worker did
+        scalars.append(jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
+    vector = jnp.stack(scalars)
+    traffic = costmodel.Traffic(0, 0)
+    if axes:
+        vector, model_state = lax.pmean((vector, model_state), axes)
+        traffic = comm_lib.pmean_traffic((vector, model_state), math.prod(lax.axis_size(a) for a in axes))
+    everywhere = None if finite is None else vector[-1] == 0
+    return Averages(vector[0], {n: vector[1 + i] for i, n in enumerate(names)}, everywhere, model_state, traffic)
+
+
+def averages_merge(comm: comm_lib.CommContext, strategy, compressor) -> bool:
+    """Whether the averages ride in the gradients' all-reduce: where the gradients travel by ``psum`` every
+    step, XLA's all-reduce combiner merges the averages' independent all-reduce into that op."""
+    return comm.explicit and comm.native and strategy.caps.reduces_once and compressor.caps.allreduce
+
+
+def averages_traffic(mean: Averages, task: Task, axes, strategy, merged: bool) -> Metrics:
+    """The averages' and the valid-element count's part of the step's ``comm_bytes``/``comm_rounds``
+    (:func:`finish` adds the update's); ``merged`` (:func:`averages_merge`): the averages' bytes, no
+    rounds of their own. Nothing without axes (under ``jit`` the compiled program says).
+
+    The averages' own part is also reported as ``comm_bytes_logging``/``comm_rounds_logging``: it exists
+    for the records, not for training (a local SGD step needs no collective but this one), so the
+    simulated clock (:mod:`dtx.perf.simclock`) does not charge it."""
+    if not axes:
+        return {}
+    counted = count_traffic(task, axes, strategy)
+    logging_rounds = 0 if merged else mean.traffic.messages
+    return {"comm_bytes": comm_lib.count_scalar(mean.traffic.bytes_sent + counted.bytes_sent),
+            "comm_rounds": comm_lib.count_scalar(logging_rounds + counted.messages),
+            "comm_bytes_logging": comm_lib.count_scalar(mean.traffic.bytes_sent),
+            "comm_rounds_logging": comm_lib.count_scalar(logging_rounds)}
+
+
+def skip_unless_finite(finite, new_state, model_state, state):
+    """Dynamic loss scaling's skip: a step with any overflow leaves everything the update wrote as it was
+    (parameters, optimizer, per-worker and shared state, delay buffers, batch-norm statistics), on every
+    replica alike. Returns ``(state, model_state)``."""
+    return select_tree(finite, (new_state, model_state), (state, state.model_state))
+
+
+def valid_denominator(task: Task, batch: Batch, axes, accum_steps: int, strategy):
+    """What each (micro-)batch's sums are divided by so that averaging over micro-batches and workers
+    gives the mean over the *global* batch's valid elements (``None``: every element counts, a plain mean).
+
+    With padding the workers hold different numbers of valid tokens, so a mean of per-worker means is not
+    the global mean; sum / (global count / (workers · micro-batches)) is. Workers with their own models
+    (local SGD, ...) average over their own batch: no collective enters their local steps.
+    """
+    if task.valid is None:
+        return None
+    count = task_lib.valid_count(task, batch["labels"])
+    workers = 1
+    if axes and not strategy.caps.local_models:
+        count = lax.psum(count, axes)
+        workers = math.prod(lax.axis_size(a) for a in axes)
+    return jnp.maximum(count, 1).astype(jnp.float32) / (workers * accum_steps)
+
+
+def count_traffic(task: Task, axes, strategy) -> costmodel.Traffic:
+    """The all-reduce of the valid-element count (:func:`valid_denominator`): an int32 scalar, on its own
+    (the gradients depend on it, so XLA cannot merge it into their all-reduce)."""
+    if task.valid is None or not axes or strategy.caps.local_models:
+        return costmodel.Traffic(0, 0)
+    return comm_lib.pmean_traffic(jnp.zeros((), jnp.int32), math.prod(lax.axis_size(a) for a in axes))
+
+
+def eval_body(model, policy: Policy, reduce_sum, strategy, comm: comm_lib.CommContext, layout, state, batch: Batch,
+              *, task: Task) -> Metrics:
+    """Sums over the real examples of an evaluation batch (:func:`dtx.data.tasks.eval_sums`) at the strategy's
+    global parameters."""
+    params = strategy.eval_params(state, comm)
+    variables = {"params": policy.cast_to_compute(params), **state.model_state}
+    with layout():
+        logits = model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
+    return reduce_sum(task_lib.eval_sums(task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))

@@ -1,0 +1,86 @@
+"""The ``jit`` driver ("pjit-style"): ``jax.jit`` with ``NamedSharding``; XLA places the collectives.
+
+The one per-worker body (:mod:`dtx.step.body`) sees the global batch, its gradient reduction is the
+identity, and XLA's SPMD partitioner inserts the collectives that the state's placement implies —
+data, model, hybrid (Das et al., arXiv 1602.06709, §3), FSDP and ZeRO (Rajbhandari et al. 2020)
+alike. Their bytes cannot be counted while tracing: ``dtx train`` reads them from the compiled
+program (:func:`dtx.comm.hlo.total`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dtx import compress, strategies
+from dtx import mesh as mesh_lib
+from dtx.comm import context as comm_lib
+from dtx.data import tasks as task_lib
+from dtx.step import body
+from dtx.step.spec import StepSpec
+
+
+class JitDriver:
+    """``jax.jit`` with the placement's shardings (module docstring)."""
+
+    name = "jit"
+    explicit = False  # XLA places the collectives: no strategy, compressor or algorithm of ours runs
+
+    def comm(self, mesh: Mesh, spec: StepSpec) -> comm_lib.CommContext:
+        """The compiler's context: the gradient is already global, nothing is counted while tracing."""
+        return comm_lib.compiler(mesh_lib.data_parallel_size(mesh))
+
+    def train_step(self, model, tx, mesh: Mesh, spec: StepSpec):
+        placement = spec.placement
+        gradients = placement.gradients if placement is not None else None
+        split_grads = (functools.partial(lax.with_sharding_constraint, shardings=gradients)
+                       if gradients is not None else _identity)
+        micro_sharding = NamedSharding(mesh, PartitionSpec(None, mesh_lib.batch_axes(mesh)))
+        train = functools.partial(
+            body.train_body, model=model, tx=tx, policy=spec.policy, scaler=spec.loss_scaler,
+            accum_steps=spec.accum_steps, strategy=spec.strategy or strategies.sync(),
+            compressor=spec.compressor or compress.none(), comm=self.comm(mesh, spec), axes=(),
+            shards=mesh_lib.data_parallel_size(mesh),
+            constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=_activations(placement),
+            split_grads=split_grads, split_micro=split_grads if placement is not None and placement.shard_accumulator
+            else _identity, task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm)
+        state_sharding = _state_sharding(mesh, placement)
+        return jax.jit(_without_comm(train), in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
+                       out_shardings=(state_sharding, mesh_lib.replicated(mesh)),
+                       donate_argnums=(0,) if spec.donate else ())
+
+    def eval_step(self, model, mesh: Mesh, spec: StepSpec):
+        evaluate = functools.partial(body.eval_body, model, spec.policy, _identity, spec.strategy or strategies.sync(),
+                                     self.comm(mesh, spec), _activations(spec.placement),
+                                     task=spec.task or task_lib.classification())
+        return jax.jit(evaluate, in_shardings=(_state_sharding(mesh, spec.placement), mesh_lib.batch_sharding(mesh)),
+                       out_shardings=mesh_lib.replicated(mesh))
+
+
+def _state_sharding(mesh: Mesh, placement):
+    return mesh_lib.replicated(mesh) if placement is None else placement.state
+
+
+def _activations(placement):
+    """Where model-parallel layers' activations live: a context manager factory (none: nothing to constrain)."""
+    return placement.activations if placement is not None and placement.activations is not None \
+        else contextlib.nullcontext
+
+
+def _without_comm(train):
+    """Under ``jit`` XLA places the collectives, so the step cannot count them while tracing: their bytes
+    are read from the compiled program instead (:mod:`dtx.comm.hlo`; ``dtx train`` records them)."""
+
+    def step(state, batch):
+        new_state, metrics = train(state, batch)
+        return new_state, {k: v for k, v in metrics.items() if k not in ("comm_bytes", "comm_rounds")}
+
+    return step
+
+
+def _identity(tree):
+    return tree
