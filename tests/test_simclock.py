@@ -191,7 +191,13 @@ def test_straggler_models_have_the_stated_distribution():
     (["--config.cluster=cloud_10gbe", "--config.cluster.bandwidth=-3"], r"cluster.bandwidth=-3.0 must be a positive"),
     (["--config.cluster=cloud_10gbe", "--config.cluster.overlap=1.5"], r"cluster.overlap=1.5 must be in \[0, 1\]"),
     (["--config.cluster.straggler=gamma"], r"cluster.straggler='gamma' is unknown"),
-    (["--config.cluster.slow_factor=0.5"], r"cluster.slow_factor=0.5 must be >= 1"),
+    (["--config.cluster.straggler=slow", "--config.cluster.slow_factor=0.5"], r"cluster.slow_factor=0.5 must be >= 1"),
+    # settings their choice does not take: a clock setting without a cluster, a straggler setting of another model
+    (["--config.cluster.bandwidth=1e9"], r"cluster.bandwidth=1000000000.0 is a setting of the simulated clock, which "
+                                         r"is off \(cluster.name=''\); set --config.cluster=NAME"),
+    (["--config.cluster.sigma=0.5"], r"cluster.sigma=0.5 applies to cluster.straggler=lognormal only, not 'none'"),
+    (["--config.cluster=cloud_10gbe", "--config.cluster.straggler=lognormal", "--config.cluster.slow_factor=2"],
+     r"cluster.slow_factor=2.0 applies to cluster.straggler=slow only, not 'lognormal'"),
     (["--config.strategy.backup_workers=-1"], r"strategy.backup_workers=-1 must be >= 0"),
     (["--config.cluster=cloud_10gbe", "--config.cluster.compute_s=-1"], r"cluster.compute_s=-1.0 must be >= 0"),
 ])

@@ -63,8 +63,9 @@ from dtx.perf import model as perfmodel
 from dtx.perf import layers as layers_lib
 from dtx.perf import clusters
 from dtx.perf.clusters import Cluster
+from dtx.strategies.stragglers import SETTINGS as STRAGGLER_SETTINGS
 from dtx.strategies.stragglers import Stragglers
-from dtx.config import ConfigError, register_check
+from dtx.config import ConfigError, base_config, register_check
 
 class ClockError(ValueError):
     """A cluster block or a model the clock cannot use; the message names the config key and the fix."""
@@ -331,8 +332,22 @@ def retime(records: Sequence[dict], model: ClockModel) -> dict[int, float]:
 
 @register_check
 def check_config(config) -> None:
-    """The clock's block (``config.cluster``): a known cluster, physical numbers, a straggler model."""
-    block = config.cluster
+    """The clock's block (``config.cluster``): a known cluster, physical numbers, a straggler model; no clock
+    setting without a cluster, no straggler setting its model does not take."""
+    block, defaults = config.cluster, base_config().cluster
+    changed = [key for key in block if block[key] != defaults[key]]
+    if not block.name:  # the straggler model stays: backup workers draw their arrival order from it
+        for key in changed:
+            if key not in ("straggler", *{k for keys in STRAGGLER_SETTINGS.values() for k in keys}):
+                raise ConfigError(f"cluster.{key}={block[key]!r} is a setting of the simulated clock, which is off "
+                                  "(cluster.name=''); set --config.cluster=NAME (a dtx simulate preset, or custom) "
+                                  f"or leave cluster.{key} at its default {defaults[key]!r}")
+    for model, keys in STRAGGLER_SETTINGS.items():
+        for key in keys:
+            if key in changed and key not in STRAGGLER_SETTINGS.get(block.straggler, keys):
+                raise ConfigError(f"cluster.{key}={block[key]!r} applies to cluster.straggler={model} only, not "
+                                  f"{block.straggler!r}; set --config.cluster.straggler={model} or leave cluster.{key} "
+                                  f"at its default {defaults[key]!r}")
     clusters.from_settings(block.name, node_flops=block.node_flops, memory_bandwidth=block.memory_bandwidth,
                            bandwidth=block.bandwidth, latency=block.latency)
     Stragglers(block.straggler, 0, block.sigma, block.slow_fraction, block.slow_factor).check()

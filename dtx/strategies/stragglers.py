@@ -31,6 +31,8 @@ from typing import NamedTuple
 import numpy as np
 
 MODELS = ("none", "lognormal", "slow")
+# The cluster block's settings each model takes (the others are refused when set: dtx.perf.simclock).
+SETTINGS = {"none": (), "lognormal": ("sigma",), "slow": ("slow_fraction", "slow_factor")}
 _SALT_TIME, _SALT_SLOW = 0x73747261, 0x736C6F77  # separate streams: tie order / lognormal vs slow-or-not
 
 
