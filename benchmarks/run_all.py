@@ -41,6 +41,8 @@ BENCHMARKS = {
                           "compressors: bytes sent vs accuracy (docs/compression.md)"),
     "perfmodel_verify": (["perfmodel_verify.py"], "perfmodel_verify", 2,
                          "dtx simulate --verify: predicted vs compiled FLOPs and bytes of the planner's plans"),
+    "calibration": (["calibration.py"], "calibration", 1,
+                    "the perf model fed measured per-layer times vs the measured step (Das et al. §2)"),
     "memory_model": (["memory_model.py"], "memory_model", 8,
                      "dtx.perf.memory's per-device peak vs XLA's memory analysis, every model x layout (docs/memory.md)"),
     "checkpoint_memory": (["checkpoint_memory.py"], "checkpoint_memory", 1,

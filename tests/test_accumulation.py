@@ -220,3 +220,26 @@ def test_one_gradient_all_reduce_per_step_whatever_k(runs, meshes, digits):
     gradient_reductions = [eqn for eqn, _ in eqns
                            if _is_collective(eqn) and tuple(eqn.invars[0].aval.shape) in param_shapes]
     assert len(gradient_reductions) == len(jax.tree.leaves(state.params))  # one reduction per gradient leaf
+
+
+def test_a_collective_in_the_micro_batch_loop_is_counted_once_per_trip(runs, meshes, digits):
+    """The compiled program is read as it runs: under ``jit`` XLA all-reduces the gradients inside the
+    micro-batch loop (k times), and the reader counts that all-reduce k times (``trips``), so the bytes a jit
+    run records for k=4 are 4× k=1's; under ``shard_map`` the step reduces once, after the loop."""
+    from dtx.comm import hlo
+
+    mesh = meshes["8"]
+    sharded = mesh_lib.batch_sharding(mesh)
+    batch = {"inputs": jax.ShapeDtypeStruct((BATCH,) + digits.train.inputs.shape[1:], jnp.float32, sharding=sharded),
+             "labels": jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=sharded)}
+    totals, trips = {}, {}
+    for driver in ("jit", "shard_map"):
+        for k in (1, 4):
+            step, state, _ = runs("8", driver, k)
+            compiled = step.lower(_abstract(state, mesh_lib.replicated(mesh)), batch).compile()
+            totals[driver, k] = hlo.total(compiled)
+            trips[driver, k] = sorted({c.trips for c in hlo.collectives(compiled)})
+    assert trips["jit", 4] == [4] and totals["jit", 4].unknown_trips == 0
+    assert totals["jit", 4].bytes_sent == 4 * totals["jit", 1].bytes_sent > 0
+    assert totals["jit", 4].rounds == 4 * totals["jit", 1].rounds
+    assert trips["shard_map", 4] == [1] and totals["shard_map", 4].bytes_sent == totals["shard_map", 1].bytes_sent

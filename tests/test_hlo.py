@@ -147,8 +147,10 @@ def test_scan_and_cond_give_loop_and_conditional_contexts():
     compiled = f.lower(jnp.ones(64), jnp.zeros(1, jnp.int32)).compile()
     found = {c.kind: c for c in hlo.collectives(compiled)}
     assert len(hlo.collectives(compiled)) == 4
-    # The scan body runs 5 times but is listed once: psum of f32[8] over 2: 2·1·4·4 bytes.
-    assert found["all-reduce"][2:] == (2, 32, 32, 2, found["all-reduce"].op_name, "loop")
+    # The scan body runs 5 times: listed once (psum of f32[8] over 2: 2·1·4·4 bytes), with trips=5 from the
+    # while's known trip count, and counted 5 times by the totals.
+    assert found["all-reduce"][2:] == (2, 32, 32, 2, found["all-reduce"].op_name, "loop", 5)
+    assert hlo.communication(compiled)["all-reduce"] == Totals(1, 5 * 32, 5 * 2, 0)
     # Both branches are listed, though at most one runs: all_gather of f32[8] over 4 (3·32),
     # psum_scatter of f32[32] over 4 (result f32[8]: 3·32), ppermute of f32[8] (one pair each).
     assert found["all-gather"][2:6] == (4, 32, 3 * 32, 3) and found["all-gather"].context == "conditional"
@@ -335,9 +337,16 @@ def test_literal_module():
             kind, group, operand, sent, rounds, context), c
     assert found["ar.loop"].op_name == "jit(step)/while/body/psum" and found["ags"].op_name == ""
     per_kind = hlo.communication(MODULE)
-    assert per_kind["all-reduce"] == Totals(4, 256 + 384 + 140 + 0, 2 + 6 + 14 + 0)
+    # The while of the literal carries no known_trip_count: its all-reduce is counted once and said to be.
+    assert found["ar.loop"].trips is None and found["ars"].trips == 1
+    assert per_kind["all-reduce"] == Totals(4, 256 + 384 + 140 + 0, 2 + 6 + 14 + 0, unknown_trips=1)
     assert per_kind["collective-permute"] == Totals(2, 256 + 512, 1 + 2)
     assert hlo.total(MODULE).count == 11
+    # The same loop with the count XLA writes on a compiled while: its body's all-reduce 3 times, the total too.
+    counted = MODULE.replace("while(%tup), condition=%cond, body=%body",
+                             'while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+    assert {c.name: c.trips for c in hlo.collectives(counted)}["ar.loop"] == 3
+    assert hlo.communication(counted)["all-reduce"] == Totals(4, 3 * 256 + 384 + 140, 3 * 2 + 6 + 14, 0)
 
 
 def test_undefined_operand_and_missing_entry_are_errors():
@@ -350,6 +359,6 @@ def test_undefined_operand_and_missing_entry_are_errors():
 
 def test_collective_fields():
     assert Collective._fields == ("kind", "name", "group_size", "operand_bytes", "bytes_sent", "rounds",
-                                  "op_name", "context")
-    assert Totals._fields == ("count", "bytes_sent", "rounds")
+                                  "op_name", "context", "trips")
+    assert Totals._fields == ("count", "bytes_sent", "rounds", "unknown_trips")
     assert COLLECTIVE_KINDS == ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

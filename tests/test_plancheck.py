@@ -1,6 +1,7 @@
 """``dtx simulate --verify`` (dtx.tools.plancheck): for the plans the planner prints for VGG-A, OverFeat-FAST and
-the speech DNN, per-device FLOPs and bytes of every layer, layer group and the whole step within 10 % of the
-prediction (the issue's goal, fixed). Full-size models: nothing runs, programs are only compiled."""
+the speech DNN, per-device FLOPs and bytes of every layer, layer group and the whole step within 2 % of the
+prediction (README.md's claim; the farthest case here, the speech DNN's 8-node step bytes, is 1.6 % off).
+Full-size models: nothing runs, programs are only compiled."""
 
 import json
 
@@ -9,7 +10,7 @@ import pytest
 
 from dtx.tools.simulate import simulate_main
 
-TOLERANCE = 0.10
+TOLERANCE = 0.02
 
 
 def _simulate_json(argv, tmp_path, capsys):

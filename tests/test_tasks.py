@@ -290,6 +290,37 @@ def test_masked_eval_is_exact_with_uneven_padding(meshes, text, lm_runs):
         np.testing.assert_allclose(found[name]["test_loss"], found["1"]["test_loss"], rtol=1e-6)
 
 
+def test_perplexity_is_exp_of_the_unsmoothed_token_cross_entropy(meshes, text, lm_runs):
+    """With label smoothing, ``test_loss`` is the smoothed objective but ``perplexity`` is exp of the plain
+    cross-entropy per real token (numpy, float64), on 8 devices under both drivers; without smoothing the
+    two are one figure."""
+    trained = lm_runs("1", "jit").state.params
+    # A confident model that is mostly right (sharper output logits; labels its own best guess among the
+    # real ids where a real token stands): its smoothed loss lies far from its cross-entropy.
+    params = {**trained, "Dense_0": {**trained["Dense_0"], "kernel": 20 * trained["Dense_0"]["kernel"]}}
+    model, text_test = _lm(), text["test"]
+    logits = np.asarray(_logits(params, text_test.inputs), np.float64)
+    real = text_test.labels != PAD
+    test = Split(text_test.inputs, np.where(real, logits[..., 1:].argmax(-1) + 1, PAD).astype(np.int32))
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_p, test.labels[..., None], -1)[..., 0]
+    smoothed = 0.9 * nll - 0.1 * log_p.mean(-1)  # target (1 - a) one_hot + a / K, a = 0.1
+    state = _initial(model, text["train"], meshes["8"]).replace(params=params)
+    for smoothing, driver in [(0.1, "shard_map"), (0.1, "jit"), (0.0, "shard_map")]:
+        task = tasks.next_token(pad_id=PAD, label_smoothing=smoothing)
+        step = make_eval_step(model, meshes["8"], StepSpec(driver=driver, task=task))
+        record = evaluate(step, state, eval_batches(test, BATCH, meshes["8"]), task)
+        np.testing.assert_allclose(record["perplexity"], np.exp(nll[real].mean()), rtol=1e-5)
+        if smoothing:
+            np.testing.assert_allclose(record["test_loss"], smoothed[real].mean(), rtol=1e-5)
+            np.testing.assert_allclose(record["test_nll"], nll[real].mean(), rtol=1e-5)
+            # The smoothed loss really is another figure: exp of it is no perplexity.
+            assert record["test_loss"] - np.log(record["perplexity"]) > 1.0, record
+        else:
+            assert "test_nll" not in record
+            np.testing.assert_allclose(record["perplexity"], np.exp(record["test_loss"]), rtol=1e-12)
+
+
 # ----------------------------------------------------------------------------- the tiny LM experiment
 
 

@@ -2,8 +2,9 @@
 
 The goal (Das et al.'s per-layer analysis made checkable): for the plans the planner prints for
 VGG-A, OverFeat-FAST and the speech DNN, per-device FLOPs and bytes of every layer, layer group and
-the whole step within 10 % of the prediction. Full-size models: nothing runs, programs are only
-compiled. The tolerance is the issue's goal, fixed.
+the whole step within 2 % of the prediction (README.md's claim). Full-size models: nothing runs, programs
+are only compiled. The farthest figure here is the printed LeNet plan's compiled against modelled step bytes,
+1.7 % off.
 """
 
 import os
@@ -22,7 +23,8 @@ from dtx.run.trainer import train
 from dtx.models import build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOLERANCE = 0.10
+TOLERANCE = 0.02
+FAR = 0.25  # a plan that is not the compiled one: every layer's bytes this far off, or more
 
 
 def test_redundant_work_shows_up_as_a_ratio():
@@ -37,7 +39,7 @@ def test_redundant_work_shows_up_as_a_ratio():
     # The same layers predicted as if data parallel: the program's bytes are not the data-parallel bytes.
     data = perfmodel.make_plan(layers, cluster, 8, 256, mode="data")
     wrong = [sum(perfmodel.layer_bytes(layer, 8, 256)) for layer in data.layers]
-    assert any(abs(c.compiled_bytes / w - 1) > TOLERANCE for c, w in zip(checks, wrong))
+    assert all(abs(c.compiled_bytes / w - 1) > FAR for c, w in zip(checks, wrong))
 
 
 def test_the_printed_plan_runs_as_printed(tmp_path, capsys):

@@ -36,9 +36,14 @@ broadcast) they exceed what the busiest device sends in all.
   With a ``channel_id`` but no ``use_global_device_ids=true``, all-reduce, all-gather and
   reduce-scatter groups list replicas, each spanning every partition (× ``num_partitions``).
 * Only computations reachable from ``ENTRY`` count, once per call site. ``context``: ``"entry"``;
-  ``"loop"`` in a while body or condition (listed once, though it runs trip-count times);
-  ``"conditional"`` in a branch (listed whether or not it runs). Calls, fusions and async
-  wrappers inherit their caller's; the innermost loop or conditional decides.
+  ``"loop"`` in a while body or condition; ``"conditional"`` in a branch (listed whether or not
+  it runs). Calls, fusions and async wrappers inherit their caller's; the innermost loop or
+  conditional decides.
+* **A collective in a loop runs once per trip.** ``trips`` is how many times it runs per call of
+  the program: the product of the ``known_trip_count`` XLA writes on each enclosing ``while``
+  (``n`` for the body, ``n + 1`` for the condition); ``None`` when a loop's count is unknown.
+  :func:`communication` and :func:`total` count bytes and rounds ``trips`` times (once where
+  unknown, and say how many such collectives there were: ``Totals.unknown_trips``).
 
 Pure Python: nothing here imports JAX.
 """
@@ -70,13 +75,18 @@ class Collective(NamedTuple):
     bytes_sent: int  # bytes one device sends (max over devices)
     rounds: int  # message rounds one device takes part in
     op_name: str  # the instruction's metadata op_name ("" when absent)
-    context: str  # "entry", "loop" (while body, counted once) or "conditional" (a branch, counted anyway)
+    context: str  # "entry", "loop" (a while body or condition) or "conditional" (a branch, counted anyway)
+    trips: int | None = 1  # times it runs per call of the program (enclosing loops' trip counts); None: unknown
 
 
 class Totals(NamedTuple):
-    count: int
+    """Collectives, and the bytes one device sends and the rounds it takes part in per call of the program
+    (each collective ``trips`` times)."""
+
+    count: int  # collective instructions
     bytes_sent: int
     rounds: int
+    unknown_trips: int = 0  # collectives in a loop whose trip count XLA does not know: counted once
 
 
 class _Instr(NamedTuple):
@@ -226,7 +236,8 @@ def _ring_bytes(leaves: list, p: int) -> int:
                for leaf in leaves if _nbytes([leaf]))
 
 
-def _collective(kind: str, instr: _Instr, shapes: dict, context: str, partitions: int, replicas: int) -> Collective:
+def _collective(kind: str, instr: _Instr, shapes: dict, context: str, partitions: int, replicas: int,
+                trips: int | None) -> Collective:
     # An in-place collective-permute (slice_sizes=) also takes its output buffer and offsets.
     operands = instr.operands[:1] if kind == "collective-permute" and "slice_sizes=" in instr.attrs else instr.operands
     leaves = []
@@ -258,26 +269,33 @@ def _collective(kind: str, instr: _Instr, shapes: dict, context: str, partitions
             sent = (p - 1) * n // p
         rounds = (2 if kind == "all-reduce" else 1) * (p - 1) if sent else 0
     op_name = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', instr.attrs)
-    return Collective(kind, instr.name, p, n, sent, rounds, op_name.group(1) if op_name else "", context)
+    return Collective(kind, instr.name, p, n, sent, rounds, op_name.group(1) if op_name else "", context, trips)
 
 
-def _called(instr: _Instr) -> list[tuple[str, str | None]]:
-    """``(computation, context, or None to inherit)`` for every computation ``instr`` runs."""
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _called(instr: _Instr) -> list[tuple[str, str | None, int | None]]:
+    """``(computation, context or None to inherit, runs per run of instr)`` for every computation ``instr``
+    runs: a while's body its trip count, its condition one more (``None``: unknown); others once."""
     if instr.opcode in _NO_CALLS:
         return []
     attrs = re.sub(r"metadata=\{.*?\}(?=,\s*[a-z_]+=|$)", "", instr.attrs)
-    calls = [(name, _CONTEXT.get(key)) for key, name in _CALL.findall(attrs)]
+    count = _TRIP_COUNT.search(attrs)
+    n = int(count.group(1)) if count else None
+    runs = {"body": n, "condition": None if n is None else n + 1}
+    calls = [(name, _CONTEXT.get(key), runs.get(key, 1)) for key, name in _CALL.findall(attrs)]
     for key, names in _CALL_LIST.findall(attrs):
-        calls += [(name.strip().lstrip("%"), _CONTEXT.get(key)) for name in names.split(",") if name.strip()]
+        calls += [(name.strip().lstrip("%"), _CONTEXT.get(key), 1) for name in names.split(",") if name.strip()]
     return calls
 
 
 def _module_collectives(text: str) -> list[Collective]:
     computations, entry, partitions, replicas = _parse_module(text)
-    memo: dict[tuple[str, str], list[Collective]] = {}
+    memo: dict[tuple[str, str, int | None], list[Collective]] = {}
 
-    def walk(name: str, context: str, callers: tuple[str, ...]) -> list[Collective]:
-        if (name, context) not in memo:
+    def walk(name: str, context: str, trips: int | None, callers: tuple[str, ...]) -> list[Collective]:
+        if (name, context, trips) not in memo:
             if name in callers or name not in computations:
                 raise HloError(f"computation %{name} is {'recursive' if name in callers else 'not defined'}")
             found, shapes = [], {}
@@ -285,13 +303,14 @@ def _module_collectives(text: str) -> list[Collective]:
                 shapes[instr.name] = instr.shape
                 kind = instr.opcode if instr.opcode in COLLECTIVE_KINDS else _STARTS.get(instr.opcode)
                 if kind:
-                    found.append(_collective(kind, instr, shapes, context, partitions, replicas))
-                for callee, how in _called(instr):
-                    found += walk(callee, how or context, callers + (name,))
-            memo[name, context] = found
-        return memo[name, context]
+                    found.append(_collective(kind, instr, shapes, context, partitions, replicas, trips))
+                for callee, how, runs in _called(instr):
+                    inner = None if trips is None or runs is None else trips * runs
+                    found += walk(callee, how or context, inner, callers + (name,))
+            memo[name, context, trips] = found
+        return memo[name, context, trips]
 
-    return walk(entry, "entry", ())
+    return walk(entry, "entry", 1, ())
 
 
 # ----------------------------------------------------------------------------- public
@@ -308,10 +327,13 @@ def collectives(program: Any) -> list[Collective]:
 
 
 def communication(program: Any) -> dict[str, Totals]:
-    """Count, bytes one device sends and rounds, per kind; every kind of :data:`COLLECTIVE_KINDS` is a key."""
+    """Count, bytes one device sends and rounds per call of the program, per kind (a collective in a loop
+    ``trips`` times); every kind of :data:`COLLECTIVE_KINDS` is a key."""
     found = collectives(program)
-    return {kind: Totals(sum(c.kind == kind for c in found), sum(c.bytes_sent for c in found if c.kind == kind),
-                         sum(c.rounds for c in found if c.kind == kind)) for kind in COLLECTIVE_KINDS}
+    return {kind: Totals(sum(c.kind == kind for c in found),
+                         sum(c.bytes_sent * (c.trips or 1) for c in found if c.kind == kind),
+                         sum(c.rounds * (c.trips or 1) for c in found if c.kind == kind),
+                         sum(c.kind == kind and c.trips is None for c in found)) for kind in COLLECTIVE_KINDS}
 
 
 def total(program: Any) -> Totals:

@@ -17,8 +17,15 @@ Built-in tasks (:data:`TASKS`):
   target's features); metric ``mae`` (mean absolute error).
 * ``next_token``: token-level cross-entropy for language models whose outputs are
   ``(batch, time, vocab)`` logits and labels ``(batch, time)`` token ids; tokens equal to
-  ``pad_id`` are not scored. Metric ``accuracy`` over the scored tokens; evaluation adds
-  ``perplexity`` = exp(mean token loss) (Jelinek et al. 1977; the usual LM figure).
+  ``pad_id`` are not scored; optional label smoothing as for classification. Metric
+  ``accuracy`` over the scored tokens; evaluation adds ``perplexity`` = exp(mean unsmoothed
+  cross-entropy per scored token) (Jelinek et al. 1977; the usual LM figure). With label
+  smoothing ``test_loss`` is the smoothed training objective, not that cross-entropy:
+  evaluation then also sums the unsmoothed one (``test_nll``), and ``perplexity`` = exp(``test_nll``).
+
+With ``label_smoothing > 0`` the loss, ``loss`` in the training records and ``test_loss`` are the
+smoothed objective (classification and next_token alike); only ``next_token`` reports a figure
+(``perplexity``) that must be the unsmoothed cross-entropy, so only it sums that at evaluation.
 
 Your own task: ``Task(name, loss=..., metrics=..., valid=...)`` with functions of the same
 shapes (see :class:`Task`).
@@ -58,6 +65,9 @@ class Task(NamedTuple):
         (``next_token`` adds ``perplexity``).
       check: host side, before anything compiles: ``(labels shape, labels dtype) -> None``,
         raising :class:`TaskError` for labels this task cannot score.
+      eval_metrics: ``(outputs, labels) -> {name: values}`` like ``metrics``, but summed at evaluation
+        only (records ``test_<name>``), never computed in the train step (``next_token`` with label
+        smoothing: ``nll``, the unsmoothed cross-entropy per token that ``perplexity`` exponentiates).
     """
 
     name: str
@@ -66,6 +76,7 @@ class Task(NamedTuple):
     valid: Callable[[Array], Array] | None = None
     summarize: Callable[[dict], dict] | None = None
     check: Callable[[tuple, np.dtype], None] | None = None
+    eval_metrics: Callable[[Array, Array], dict[str, Array]] | None = None
 
 
 def cross_entropy(logits: Array, labels: Array, label_smoothing: float = 0.0) -> Array:
@@ -142,6 +153,11 @@ def next_token(pad_id: int | None = None, label_smoothing: float = 0.0) -> Task:
     are not scored (``None`` or negative, as ``config.task.pad_id=-1``: every token is); the mean
     loss is over the scored tokens of the whole global batch, however unevenly padding is spread
     over devices.
+
+    With ``label_smoothing > 0`` the loss (and ``test_loss``) is the smoothed objective; evaluation
+    also sums the unsmoothed cross-entropy per scored token (``test_nll``), and ``perplexity`` is
+    exp of that, whatever the smoothing (without smoothing ``test_nll`` would equal ``test_loss`` and
+    is not recorded).
     """
     _check_smoothing(label_smoothing)
     if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer))):
@@ -152,25 +168,34 @@ def next_token(pad_id: int | None = None, label_smoothing: float = 0.0) -> Task:
     def valid(labels):
         return labels != pad_id
 
-    def loss(logits, labels):
+    def token_cross_entropy(logits, labels, smoothing):
         if pad_id is None:
-            return cross_entropy(logits, labels, label_smoothing)
+            return cross_entropy(logits, labels, smoothing)
         # Padding ids may lie outside the vocabulary: score a safe id there, then zero it.
         safe = jnp.where(valid(labels), labels, 0)
-        return jnp.where(valid(labels), cross_entropy(logits, safe, label_smoothing), 0.0)
+        return jnp.where(valid(labels), cross_entropy(logits, safe, smoothing), 0.0)
+
+    def loss(logits, labels):
+        return token_cross_entropy(logits, labels, label_smoothing)
 
     def metrics(logits, labels):
         return {"accuracy": jnp.argmax(logits, -1) == labels}
 
+    def nll(logits, labels):  # evaluation only, and only when the loss is smoothed
+        return {"nll": token_cross_entropy(logits, labels, 0.0)}
+
     def summarize(record):
-        return {"perplexity": math.exp(min(record["test_loss"], 700.0))}  # exp overflows a float past ~709
+        # Perplexity is exp of the unsmoothed cross-entropy; test_loss is that only without smoothing.
+        mean_nll = record["test_nll"] if label_smoothing else record["test_loss"]
+        return {"perplexity": math.exp(min(mean_nll, 700.0))}  # exp overflows a float past ~709
 
     def check(shape, dtype):
         if not np.issubdtype(dtype, np.integer) or len(shape) < 2:
             raise TaskError(f"task 'next_token' needs labels of token ids shaped (N, T), got {np.dtype(dtype).name} "
                             f"{tuple(shape)}; build them as inputs = tokens[:, :-1], labels = tokens[:, 1:]")
 
-    return Task("next_token", loss, metrics, valid if pad_id is not None else None, summarize, check)
+    return Task("next_token", loss, metrics, valid if pad_id is not None else None, summarize, check,
+                nll if label_smoothing else None)
 
 
 TASKS: dict[str, Callable[..., Task]] = {
@@ -225,7 +250,8 @@ def valid_count(task: Task, labels: Array) -> Array:
 
 def eval_sums(task: Task, outputs: Array, labels: Array, mask: Array) -> dict:
     """Sums over the real (``mask``) examples' valid elements: ``loss_sum``, ``count`` (elements),
-    ``examples`` and ``<metric>_sum`` — int32 for boolean metrics, so the host's totals are exact."""
+    ``examples`` and ``<metric>_sum`` for the task's ``metrics`` and ``eval_metrics`` — int32 for
+    boolean metrics, so the host's totals are exact."""
     losses = task.loss(outputs, labels)
     scored = mask.reshape(mask.shape + (1,) * (losses.ndim - 1))
     scored = jnp.broadcast_to(scored, losses.shape)
@@ -233,7 +259,10 @@ def eval_sums(task: Task, outputs: Array, labels: Array, mask: Array) -> dict:
         scored = jnp.logical_and(scored, task.valid(labels))
     sums = {"loss_sum": jnp.where(scored, losses, 0.0).sum(), "count": scored.sum(dtype=jnp.int32),
             "examples": mask.sum(dtype=jnp.int32)}
-    for name, values in task.metrics(outputs, labels).items():
+    values_of = dict(task.metrics(outputs, labels))
+    if task.eval_metrics is not None:
+        values_of.update(task.eval_metrics(outputs, labels))
+    for name, values in values_of.items():
         if values.dtype == jnp.bool_:
             sums[f"{name}_sum"] = jnp.logical_and(scored, values).sum(dtype=jnp.int32)
         else:
@@ -244,9 +273,10 @@ def eval_sums(task: Task, outputs: Array, labels: Array, mask: Array) -> dict:
 def summarize(sums: list[dict], task: Task | None = None) -> dict:
     """Host side: exact test records from the eval step's per-batch sums.
 
-    ``test_loss`` and ``test_<metric>`` are means over the scored elements (float64 sums,
-    integer counts); ``test_examples`` counts examples, ``test_tokens`` the scored elements
-    where they differ (sequences); then the task's own records (``perplexity``).
+    ``test_loss`` (the training objective, label smoothing included) and ``test_<metric>``
+    (``metrics`` and ``eval_metrics``, e.g. ``test_nll``) are means over the scored elements
+    (float64 sums, integer counts); ``test_examples`` counts examples, ``test_tokens`` the
+    scored elements where they differ (sequences); then the task's own records (``perplexity``).
     """
     host = [{k: np.asarray(v) for k, v in s.items()} for s in sums]
     count = sum(int(s["count"]) for s in host)

@@ -285,7 +285,7 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
 
     ``comm_bytes_compiled_per_step`` / ``comm_rounds_compiled_per_step``: what the compiled
     program's collectives send per device per step (:mod:`dtx.comm.hlo`; a collective in a
-    conditional branch counts as if taken, one in a loop once). ``model_flops_per_step``:
+    conditional branch counts as if taken, one in a loop once per trip). ``model_flops_per_step``:
     forward + backward of the model's Dense/Conv layers on the global batch, and
     ``comm_bytes_modelled_per_step``: the bytes :mod:`dtx.perf.model` predicts for this
     layout (data, model, hybrid or rules over Dense/Conv kernels; synchronous SGD without

@@ -14,7 +14,7 @@ JSON instead of tables. ``--verify`` then compiles every plan of 2 to
 ``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
 group and for the whole training step, the predicted and the compiled per-device
 FLOPs and bytes with their ratio (:mod:`dtx.run.verify`); it exits with status 1 when
-one is more than 10 % off. ``--memory`` prints, per node count and layout (data,
+one is more than 2 % off (the tolerance of :mod:`dtx.tools.plancheck`). ``--memory`` prints, per node count and layout (data,
 ZeRO-1/2, FSDP, model, hybrid and the planner's plan), the per-device bytes of
 :mod:`dtx.perf.memory` and whether they fit the node (``Cluster.device_memory``); the
 planner then picks, per node count, the fastest plan that fits (a node count where
