@@ -1,12 +1,17 @@
 """dtx.parallel.activations: where a partitioned model's activations live and travel, read off the compiled program.
 
 Equal numbers cannot see redundant compute or hidden communication: these tests read the compiled
-program. A conv-dominated VGG-A twin (widths divisible by 8), global batch 64 on 8 devices.
+program. A conv-dominated VGG-A twin (widths divisible by 8), global batch 64 on 8 devices. And a right
+program can compute wrong numbers: the last test holds every split layer's output, the logits, the loss
+and the gradients of a model-parallel LeNet to one device's.
 """
+
+import contextlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec
@@ -16,8 +21,9 @@ from dtx.comm import hlo
 from dtx import models
 from dtx import mesh as mesh_lib
 
+from dtx.data import TrainLoader
 from dtx.parallel import get_layout
-from dtx.step.state import abstract_train_state
+from dtx.step.state import abstract_train_state, init_train_state
 from dtx.step import StepSpec, make_train_step
 
 WORK_MESHES = {"data8": ("data", [("data", 8)]), "hybrid4x2": ("hybrid", [("data", 4), ("model", 2)]),
@@ -107,3 +113,93 @@ def test_gradients_and_activations_travel_where_the_plan_says(vgg_twin, compiled
     assert grad_bytes[2] == fc_bytes // 4
     # No device gathers the whole batch: data x8 has no all-gather at all.
     assert not any(c.kind == "all-gather" and c.bytes_sent for c in hlo.collectives(compiled_steps["data8"][3]))
+
+
+# ----------------------------------------------------------------------------- values
+# Equal numbers, layer by layer: the compiled-program checks above cannot see a split layer that computes the
+# wrong values (its gathered rows reversed, its gathered feature halves swapped), nor can a comparison of the
+# loss, logits or gradients alone: in LeNet under `model` two layers gather the batch (Conv_0 and Dense_0, whose
+# inputs arrive batch-split) and two gather features (Conv_1 and Dense_1), so a reversal of the gathered rows
+# in every layer undoes itself — per-example layers commute with a permutation of the examples, and batch norm's
+# statistics and the loss's mean do not see one. Every split layer's own output is compared too.
+# Tolerance: each device's slice of a layer contracts its whole (gathered) input, as one device does; XLA may
+# order the float32 sums differently, so the same rtol=1e-5, atol=1e-6 as tests/test_parallel.py.
+VALUE_TOL = dict(rtol=1e-5, atol=1e-6)
+SPLIT_MESHES = {"model4x2": [("data", 4), ("model", 2)], "model2x4": [("data", 2), ("model", 4)]}
+
+
+def _keep_gradient():
+    """An optimizer that applies nothing and keeps the step's gradient in its state (as the parameters are laid
+    out): the gradient the train step computed, exactly, and a state the layout places like the parameters."""
+    return optax.GradientTransformation(
+        lambda params: {"grad": jax.tree.map(jnp.zeros_like, params)},
+        lambda updates, state, params=None: (jax.tree.map(jnp.zeros_like, updates), {"grad": updates}))
+
+
+@pytest.fixture(scope="module")
+def split_lenet(digits):
+    """LeNet on digits, every kernel's widths divisible by 2 and 4: ``run(layout, mesh spec)`` gives one jit-driver
+    train step's loss and gradients and, from a jitted forward pass inside the placement's activation layout,
+    the logits and every Dense/Conv layer's output, on a batch of 64."""
+    model = models.build_model("lenet", conv_features=(4, 8), dense_features=(32,), num_classes=12)
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    tx = _keep_gradient()
+
+    def run(name, spec, devices=None):
+        mesh = mesh_lib.make_mesh(spec, devices=devices)
+        abstract = abstract_train_state(model, tx, example)
+        placement = get_layout(name).place(abstract, mesh)
+        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+        batch = TrainLoader(digits.train, 64, mesh, seed=0).batch(0)
+        layout = placement.activations or (lambda: contextlib.nullcontext())
+
+        def forward(params, model_state, x):
+            outputs = {}
+
+            def spy(next_fun, args, kwargs, context):  # outside the layout: what each layer hands on
+                out = next_fun(*args, **kwargs)
+                if (isinstance(context.module, (nn.Dense, nn.Conv)) and context.module.path
+                        and context.method_name == "__call__"):
+                    outputs["/".join(context.module.path)] = out
+                return out
+
+            with nn.intercept_methods(spy), layout():
+                logits, _ = model.apply({"params": params, **model_state}, x, train=True, mutable=["batch_stats"])
+            return logits, outputs
+
+        logits, outputs = jax.device_get(jax.jit(forward)(state.params, state.model_state, batch["inputs"]))
+        params, host_batch = jax.device_get((state.params, batch))  # before the step donates them
+        step = make_train_step(model, tx, mesh, StepSpec(driver="jit", placement=placement))
+        after, metrics = step(state, batch)
+        return dict(placement=placement, logits=logits, outputs=outputs, loss=float(metrics["loss"]),
+                    grads=jax.device_get(after.opt_state["grad"]), params=params, batch=host_batch)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def one_device(split_lenet):
+    return split_lenet("data", [("data", 1)], devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh_name", sorted(SPLIT_MESHES))
+def test_split_convolutions_compute_what_one_device_computes(split_lenet, one_device, mesh_name):
+    """`model` on (data 4, model 2) and (data 2, model 4): both convolutions (Conv_1's input arriving split by
+    features) and both dense layers split by output features, run by the activation layout's shard_map. Every
+    split layer's output, the logits, the train step's loss and every gradient equal one device's."""
+    got = split_lenet("model", SPLIT_MESHES[mesh_name])
+    kernels = got["placement"].activations.kernels
+    assert sorted(kernels) == ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
+    assert kernels["Conv_1"] == PartitionSpec(None, None, None, "model")
+    np.testing.assert_array_equal(got["params"]["Conv_0"]["kernel"], one_device["params"]["Conv_0"]["kernel"])
+    np.testing.assert_array_equal(got["batch"]["labels"], one_device["batch"]["labels"])
+    assert sorted(got["outputs"]) == sorted(one_device["outputs"]) == sorted(kernels)
+    for name, want in one_device["outputs"].items():
+        np.testing.assert_allclose(got["outputs"][name], want, **VALUE_TOL, err_msg=name)
+        # Not symmetric data: reversing the examples, or the features, changes every layer's output by far more.
+        assert np.abs(want - want[::-1]).max() > 0.1 and np.abs(want - want[..., ::-1]).max() > 0.1, name
+    np.testing.assert_allclose(got["logits"], one_device["logits"], **VALUE_TOL)
+    np.testing.assert_allclose(got["loss"], one_device["loss"], **VALUE_TOL)
+    for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(got["grads"]), jax.tree.leaves(one_device["grads"])):
+        np.testing.assert_allclose(g, want, **VALUE_TOL, err_msg=jax.tree_util.keystr(path))
+    assert np.abs(one_device["grads"]["Conv_0"]["kernel"]).max() > 1e-3  # gradients that are not all ~0

@@ -1,4 +1,5 @@
-"""Gradient compressors: ratio → 1 is the uncompressed path, unbiasedness, error feedback, bytes.
+"""Gradient compressors: ratio → 1 is the uncompressed path, decoded values against numpy references of the
+papers' definitions, unbiasedness, error feedback, bytes.
 
 Every compressor runs as in training: per worker inside a ``shard_map`` over 8 devices,
 each worker with its own gradients. Each program below runs many compressors over
@@ -11,6 +12,10 @@ Tolerances (fixed):
   gaps are <= 4.2e-7 on values of magnitude <= 4.
 * ``EF_TOL``: error feedback's books (applied updates + residuals == sums of the true
   gradients) over 4 steps: float32 round-off of sums of ~10 terms of magnitude <= 4.
+* ``VALUE_TOL``: decoded means and residuals against the float64 references of the papers' definitions
+  (test_decoded_values_equal_a_numpy_reference), 4 steps: float32 sums of 8 workers' values of magnitude
+  <= 6, carried by the residuals (measured gaps <= 5.6e-7); the stochastic roundings take the same draws,
+  so no level differs.
 * ``LOWRANK_TOL``: PowerSGD against a float64 reference over 4 steps. Its products sum up
   to 40 terms of magnitude <= 4, each rounded in float32: <= 40·4·2^-24 ≈ 1e-5 per product,
   carried from step to step by the residual (measured: 1.5e-5 after 4 steps).
@@ -52,6 +57,7 @@ from dtx.step import StepSpec, StepError, check_combination, make_train_step
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 8  # workers
 FLOAT_TOL = dict(rtol=1e-5, atol=1e-6)
+VALUE_TOL = dict(rtol=1e-5, atol=1e-6)
 EF_TOL = dict(rtol=1e-5, atol=1e-5)
 LOWRANK_TOL = dict(rtol=1e-5, atol=5e-5)
 CAST_TOL = dict(rtol=2**-8, atol=1e-6)
@@ -152,6 +158,14 @@ MEMORY = {
     "powersgd": compress.powersgd(1),
 }
 STEPS = 4
+# The compressors without error feedback whose decoded values test_decoded_values_equal_a_numpy_reference checks
+# (the ones with it are MEMORY's): rescaled random-k, TernGrad and QSGD on buckets of QUANT_BUCKET.
+QUANT_BUCKET, QSGD_LEVELS = 16, 4
+UNBIASED_VALUES = {
+    "randomk_unbiased": compress.randomk(0.25, error_feedback=False),
+    "terngrad": compress.terngrad(bucket_size=QUANT_BUCKET),
+    "qsgd": compress.qsgd(levels=QSGD_LEVELS, bucket_size=QUANT_BUCKET),
+}
 DGC = dict(fraction=0.01, momentum=0.9, clip_norm=6.3, warmup_steps=4)  # clips local norms above 17.8
 
 
@@ -165,6 +179,7 @@ def memory(mesh):
     # Stages 25%, 6.25%, 1.5625%, 1%; local norms 16.5 ... 19.6, so clipping bites on about half.
     cases["dgc"] = (compress.topk(**DGC), _gradients(SHAPES, 5, seed=2))
     cases["cast"] = (compress.cast("bfloat16"), grads)
+    cases.update({name: (c, grads) for name, c in UNBIASED_VALUES.items()})  # no residual: values only
     runs = _run(mesh, {**cases, **silent}, silent=set(silent))
     return {name: (case[1], runs[name]) for name, case in {**cases, **silent}.items()}
 
@@ -293,6 +308,132 @@ def test_cast_sends_and_applies_bfloat16(memory):
         np.testing.assert_allclose(got, sent, **CAST_TOL, err_msg=key)
     assert stats["comm_bytes"][0].tolist() == [_ring(5, 2) + _ring(280, 2) + _ring(36, 2)] * STEPS
     assert stats["comm_rounds"][0, 0] == 14  # psum: one combined op
+
+
+def _quantised_rows(name, v, count, u):
+    """Rows ``v`` (R, w) decoded as each paper codes them, in float64; entries past a row's ``count`` are padding
+    (dropped). sign: ±mean|v| over the row's real entries (EF-signSGD); TernGrad: s·sign(v)·[u < |v|/s],
+    s = max|v| per bucket; QSGD: ‖v‖₂·sign(v)·l/L, l = ⌊L|v|/‖v‖₂ + u⌋ clipped to [0, L], per bucket.
+    ``u``: the uniform draws (R, buckets, QUANT_BUCKET)."""
+    rows, w = v.shape
+    if name == "sign":
+        scale = np.abs(v).sum(1, keepdims=True) / np.maximum(count, 1)[:, None]
+        out = np.where(v >= 0, scale, -scale)
+    else:
+        buckets = -(-w // QUANT_BUCKET)
+        b = np.zeros((rows, buckets * QUANT_BUCKET))
+        b[:, :w] = v
+        b = b.reshape(rows, buckets, QUANT_BUCKET)
+        if name == "terngrad":
+            s = np.abs(b).max(-1, keepdims=True)
+            out = s * np.sign(b) * (u < np.abs(b) / np.where(s > 0, s, 1.0))
+        else:
+            norm = np.sqrt((b * b).sum(-1, keepdims=True))
+            level = np.clip(np.floor(np.abs(b) / np.where(norm > 0, norm, 1.0) * QSGD_LEVELS + u), 0, QSGD_LEVELS)
+            out = np.sign(b) * level * norm / QSGD_LEVELS
+        out = out.reshape(rows, -1)[:, :w]
+    return np.where(np.arange(w) < count[:, None], out, 0.0)
+
+
+def _two_phase_reference(name, values, server, key, leaf):
+    """The compressed allreduce of one leaf (1-bit Adam's two phases, Tang et al. 2021) in numpy: ``values``
+    (W, n) float64, ``server`` (W, n) the server residuals or None. Worker i cuts its values into W chunks of
+    ⌈n/W⌉ (zero-padded) and codes them; worker j decodes chunk j from everyone, averages, adds its server
+    residual, re-codes and shares. Only the uniform draws are jax's: worker i's key ``fold_in(key, i)``,
+    split into the two phases, then the leaf. Returns (mean, what each worker's codes decode to, server)."""
+    n = values.shape[1]
+    w = max(1, -(-n // W))
+    counts = np.clip(n - w * np.arange(W), 0, w)
+    padded = np.zeros((W, W * w))
+    padded[:, :n] = values
+    chunks = padded.reshape(W, W, w)  # [worker, chunk, entry]
+    keys = [jax.random.split(jax.random.fold_in(key, i)) for i in range(W)]
+
+    def draws(k, rows):
+        if name == "sign":
+            return None
+        shape = (rows, -(-w // QUANT_BUCKET), QUANT_BUCKET)
+        return np.asarray(jax.random.uniform(jax.random.fold_in(k, leaf), shape), np.float64)
+
+    decoded = np.stack([_quantised_rows(name, chunks[i], counts, draws(keys[i][0], W)) for i in range(W)])
+    y = decoded.mean(0)  # row j: worker j's average of chunk j
+    if server is not None:
+        held = np.zeros((W, W * w))
+        held[:, :n] = server
+        held = held.reshape(W, W, w)
+        y = y + held[np.arange(W), np.arange(W)]
+    shared = np.concatenate([_quantised_rows(name, y[j: j + 1], counts[j: j + 1], draws(keys[j][1], 1))
+                             for j in range(W)])
+    if server is not None:
+        held[np.arange(W), np.arange(W)] = y - shared
+        server = held.reshape(W, -1)[:, :n]
+    return shared.reshape(-1)[:n], decoded.reshape(W, -1)[:, :n], server
+
+
+def _compressor_reference(name, grads):
+    """Per step the decoded mean of every leaf and, at the end, the residuals of ``name`` in float64, from the
+    papers: top-k (each worker's k = ⌈n/4⌉ largest |v|, the rest kept), random-k (k indices drawn alike by every
+    worker from the step's key, values rescaled by n/k without error feedback), and the quantisers through
+    :func:`_two_phase_reference`; error feedback adds the residual first (and keeps the server's, sign)."""
+    names = sorted(grads)  # the leaves' tree order
+    feedback = name in MEMORY
+    residual = {n: np.zeros((W, grads[n][0, 0].size)) for n in names}
+    server = {n: np.zeros((W, grads[n][0, 0].size)) for n in names} if name == "sign" else None
+    means = []
+    for t in range(grads[names[0]].shape[0]):
+        key = jax.random.key(t)
+        step = {}
+        for leaf, n in enumerate(names):
+            v = grads[n][t].reshape(W, -1).astype(np.float64) + residual[n]
+            size = v.shape[1]
+            if name in ("topk", "randomk", "randomk_unbiased"):
+                k = math.ceil(0.25 * size)
+                if name == "topk":
+                    chosen = [np.argsort(-np.abs(v[i]), kind="stable")[:k] for i in range(W)]
+                else:
+                    draw = np.asarray(jax.random.uniform(jax.random.fold_in(key, leaf), (size,)))
+                    chosen = [np.argsort(-draw, kind="stable")[:k]] * W
+                scale = size / k if name == "randomk_unbiased" else 1.0
+                mean = np.zeros(size)
+                for i in range(W):
+                    mean[chosen[i]] += v[i, chosen[i]] * scale / W
+                sent = np.zeros_like(v)
+                for i in range(W):
+                    sent[i, chosen[i]] = v[i, chosen[i]]
+            else:
+                mean, sent, new_server = _two_phase_reference(name, v, server[n] if server else None, key, leaf)
+                if server:
+                    server[n] = new_server
+            if feedback:
+                residual[n] = v - sent
+            step[n] = mean.reshape(grads[n].shape[2:])
+        means.append(step)
+    shaped = lambda tree: {n: x.reshape(grads[n].shape[1:]) for n, x in tree.items()}  # noqa: E731
+    return means, shaped(residual) if feedback else None, shaped(server) if server else None
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk", "randomk_unbiased", "sign", "terngrad", "qsgd"])
+def test_decoded_values_equal_a_numpy_reference(memory, name):
+    """Every worker's decoded mean at each of 4 steps, and the residuals error feedback keeps, against the
+    papers' definitions in float64 (:func:`_compressor_reference`); the stochastic ones (random-k's indices,
+    TernGrad's and QSGD's roundings) with jax's uniform draws from the keys the compressors derive, everything
+    else in numpy. A decoded value scaled by 0, a dropped scale or rescale, or a residual that keeps the wrong
+    entries fails here; the books and the unbiasedness tests above cannot see all of these."""
+    grads, (means, state, _) = memory[name]
+    _same_on_every_worker(means)
+    ref_means, residual, server = _compressor_reference(name, grads)
+    for t, ref in enumerate(ref_means):
+        for n in grads:
+            np.testing.assert_allclose(means[n][0, t], ref[n], **VALUE_TOL, err_msg=f"step {t} {n}")
+    moved = max(np.abs(ref[n]).max() for ref in ref_means for n in grads)
+    assert moved > 0.1  # far above the tolerance: a zeroed mean cannot pass
+    if residual is None:
+        assert state == {}  # unbiased quantisers and rescaled random-k keep nothing
+        return
+    for n in grads:
+        np.testing.assert_allclose(state["residual"][n], residual[n], **VALUE_TOL, err_msg=f"residual {n}")
+        if server is not None:
+            np.testing.assert_allclose(state["server"][n], server[n], **VALUE_TOL, err_msg=f"server {n}")
 
 
 def _matrix(x):

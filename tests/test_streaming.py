@@ -169,6 +169,115 @@ def test_quantised_outer_gradients_send_4_bit_codes(setup, run):
         assert all(np.array_equal(shards[0], s) for s in shards[1:])
 
 
+QUANTISED = dict(STAGGERED, outer_bits=4)
+LEVELS, BUCKET = 2 ** (4 - 1) - 1, 512  # QSGD levels 2^(b-1) - 1 for b = 4; the module's buckets
+
+
+def _flat(tree, workers=False):
+    """The parameter vector of a (host) tree, leaves in tree order; ``workers``: one row per worker."""
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    return np.concatenate([x.reshape(P, -1) if workers else x.reshape(-1) for x in leaves], axis=-1)
+
+
+def _qsgd(v, u):
+    """QSGD (Alistarh et al. 2017) of rows ``v`` (R, w), one bucket per row (w <= BUCKET), with the uniform
+    draws ``u`` (R, BUCKET): ‖v‖₂ · sign(v) · l / L, l = ⌊L|v|/‖v‖₂ + u⌋ clipped to [0, L]. Float64."""
+    v = np.asarray(v, np.float64)
+    norm = np.sqrt((v * v).sum(-1, keepdims=True))
+    level = np.clip(np.floor(np.abs(v) / np.where(norm > 0, norm, 1.0) * LEVELS + u[:, : v.shape[1]]), 0, LEVELS)
+    return np.sign(v) * level * norm / LEVELS
+
+
+def _quantised_mean(deltas, key):
+    """The workers' mean of ``deltas`` (P, n) as the two-phase compressed allreduce computes it, in numpy:
+    each worker i cuts its Δ into P chunks of w = ⌈n/P⌉ (zero-padded) and QSGD-codes them with its own draws;
+    worker j decodes chunk j from every worker, averages, re-codes the average with fresh draws and shares it.
+    Only the uniform draws come from jax (the keys the strategy derives: the step's shared key, the fragment,
+    the worker; then phase 1 and phase 2 halves, leaf 0)."""
+    n = deltas.shape[1]
+    w = -(-n // P)
+    assert w <= BUCKET  # one bucket (one norm) per chunk
+    chunks = np.zeros((P, P * w), np.float32)
+    chunks[:, :n] = deltas
+    chunks = chunks.reshape(P, P, w)  # [worker, chunk, entry]
+    halves = [jax.random.split(jax.random.fold_in(key, i)) for i in range(P)]
+
+    def draw(half, rows):  # leaf 0's draws, one bucket per row
+        return np.asarray(jax.random.uniform(jax.random.fold_in(half, 0), (rows, 1, BUCKET)))[:, 0]
+
+    decoded = np.stack([_qsgd(chunks[i], draw(halves[i][0], P)) for i in range(P)])  # [worker, chunk, entry]
+    averaged = decoded.mean(0)  # row j: worker j's average of chunk j
+    shared = np.concatenate([_qsgd(averaged[j: j + 1], draw(halves[j][1], 1)) for j in range(P)], axis=0)
+    return shared.reshape(-1)[:n]
+
+
+def test_quantised_outer_steps_match_a_numpy_reference(setup, run):
+    """Streaming DiLoCo with 4-bit outer gradients (Douillard et al. 2025), every step of 8 against numpy,
+    each step from the device's state before it: per-worker SGD with momentum; at fragment f's outer step
+    (offset ⌊fH/P⌋) Δ_{i,f} = θ_f − θ_{i,f}, QSGD-coded per worker (L = 7, one norm per chunk) in the
+    two-phase compressed allreduce, averaged, the outer Nesterov step on θ_f; τ = 1 step later each worker
+    merges θ_{i,f} ← αθ_{i,f} + (1−α)θ_f. The quantiser's uniform draws are jax's (same keys); the codes,
+    norms, averages and steps are numpy's. A decoded mean scaled by 0, or left unquantised, moves θ by far
+    more than the tolerance (checked: the outer steps and the quantisation errors are both far above it)."""
+    H, F, tau, alpha, rate, mu = (QUANTISED[k] for k in ("period", "fragments", "overlap", "merge_alpha",
+                                                           "outer_learning_rate", "outer_momentum"))
+    strategy = make_strategy("streaming_diloco", **QUANTISED)
+    out = run(setup, strategy, 8)
+    tx = optax.sgd(LR, momentum=BETA)
+    states = [jax.device_get(init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"],
+                                              strategy=strategy))] + out["states"]
+    grad = _host_grads(setup)
+    n = _flat(states[0].params).size
+    bounds = [f * n // F for f in range(F + 1)]
+    offsets = [f * H // F for f in range(F)]
+    moved, quantisation_error, outer_steps, merges = 0.0, 0.0, 0, 0
+    for t in range(8):
+        before, after = states[t], states[t + 1]
+        theta = _flat(before.params).astype(np.float64)
+        mine = before.worker["strategy"]
+        local = _flat(mine["params"], workers=True)
+        velocity = _flat(mine["opt_state"][0].trace, workers=True).astype(np.float64)
+        batch = jax.device_get(setup["batches"][t])
+        xs, ys = np.split(batch["inputs"], P), np.split(batch["labels"], P)
+        one = lambda i: jax.tree.map(lambda x: x[i], mine["params"])  # noqa: E731
+        g = np.stack([_flat(grad(one(i), xs[i], ys[i])) for i in range(P)]).astype(np.float64)
+        velocity = BETA * velocity + g
+        workers = local.astype(np.float64) - LR * velocity
+        outer = [_flat(before.shared["outer_opt_state"][f][0].trace).astype(np.float64) for f in range(F)]
+        done = t + 1
+        # The strategy's key: this step's key shared by the workers (dtx.step.body.step_keys), then the fragment.
+        _, step_rng = jax.random.split(jax.random.wrap_key_data(before.rng))
+        shared_key = jax.random.fold_in(step_rng, 1)
+        for f in range(F):
+            lo, hi = bounds[f], bounds[f + 1]
+            if (done - offsets[f]) % H == 0:
+                # The workers' θ_{i,f} that were sent: the device's own (not merged this step), so the codes are
+                # taken of the same float32 Δ; they are checked against the numpy inner step below.
+                sent = _flat(after.worker["strategy"]["params"], workers=True)[:, lo:hi]
+                np.testing.assert_allclose(sent, workers[:, lo:hi], **PARAM_TOL, err_msg=f"sent, step {t}")
+                delta = _flat(before.params)[lo:hi][None] - sent  # float32, as the device subtracts
+                mean = _quantised_mean(delta, jax.random.fold_in(shared_key, f))
+                moved = max(moved, np.abs(rate * mean).max())
+                quantisation_error = max(quantisation_error, np.abs(mean - delta.astype(np.float64).mean(0)).max())
+                outer[f] = mu * outer[f] + mean
+                theta[lo:hi] -= rate * (mean + mu * outer[f])
+                outer_steps += 1
+            first = offsets[f] or H
+            if done >= first + tau and (done - first - tau) % H == 0:
+                workers[:, lo:hi] = alpha * workers[:, lo:hi] + (1 - alpha) * theta[lo:hi]
+                merges += 1
+        np.testing.assert_allclose(_flat(after.params), theta, **PARAM_TOL, err_msg=f"global, step {t}")
+        np.testing.assert_allclose(_flat(after.worker["strategy"]["params"], workers=True), workers, **PARAM_TOL,
+                                   err_msg=f"workers, step {t}")
+        np.testing.assert_allclose(_flat(after.worker["strategy"]["opt_state"][0].trace, workers=True), velocity,
+                                   **PARAM_TOL, err_msg=f"inner momentum, step {t}")
+        for f in range(F):
+            np.testing.assert_allclose(_flat(after.shared["outer_opt_state"][f][0].trace), outer[f], **PARAM_TOL,
+                                       err_msg=f"outer momentum {f}, step {t}")
+    assert (outer_steps, merges) == (4, 3)
+    assert min(moved, quantisation_error) > 1000 * PARAM_TOL["atol"], (moved, quantisation_error)
+
+
 @pytest.mark.parametrize("settings, match", [
     (dict(period=2, fragments=3), "strategy.fragments=3 must be <= strategy.period=2"),
     (dict(period=4, overlap=4), "strategy.overlap=4 must be < strategy.period=4"),
