@@ -434,7 +434,7 @@ def test_a_plugin_that_replaces_the_optimizers_part_needs_plain_sgd():
 
 def test_every_packaged_experiment_sets_only_what_its_choices_take():
     """The experiments with an argument too (sweeps set each variant's own settings)."""
-    from dtx.experiments import compression_sweep, large_batch, sync_strategies
+    from dtx.experiments import compression_sweep, sync_strategies
 
     arguments = {"compression_sweep": list(compression_sweep.VARIANTS), "sync_strategies": list(sync_strategies.SETTINGS),
                  "large_batch": ["momentum", "lars", "lamb"]}
