@@ -1,7 +1,10 @@
 """Chaos: kill training runs at random moments, resume them, and compare with an uninterrupted run.
 
-    python benchmarks/chaos.py [--update-docs]   # 52 seeded trials, ~15-25 min on 2 cores
+    python benchmarks/chaos.py [--update-docs]   # 52 seeded trials, ~30 min on 2 cores
     python benchmarks/chaos.py --trials 6      # a quick look (the section is only written for >= 50 trials)
+
+With ``--update-docs`` (and >= 50 trials) it writes its section of BENCHMARKS.md and its log, one line per
+reference run and trial, to ``benchmarks/logs/chaos.log``.
 
 Each trial starts ``dtx train`` (40 trials, 8 emulated devices) or ``dtx launch`` (12 trials, 2 processes
 x 4 devices) on the default experiment with checkpoints every 7 steps, sends SIGKILL or SIGTERM at a
@@ -30,6 +33,7 @@ sys.path.insert(0, REPO)
 import report  # noqa: E402
 
 EXPERIMENT = os.path.join(REPO, "experiments", "digits_mlp.py")
+LOG = os.path.join(HERE, "logs", "chaos.log")  # written with --update-docs, beside the section
 SETTINGS = ["--config.num_steps=60", "--config.checkpoint.every_steps=7", "--config.log_every=1",
             "--config.progress=False", "--config.model.features=(64,)"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
@@ -112,7 +116,14 @@ def main(argv=None) -> int:
     two = max(1, round(args.trials * 12 / 52)) if args.trials > 1 else 0
     plan = [("train", args.seed + i) for i in range(args.trials - two)]
     plan += [("launch", args.seed + 1000 + i) for i in range(two)]
-    rows, counts, start = [], {}, time.perf_counter()
+    rows, counts, start, log = [], {}, time.perf_counter(), []
+    load = os.getloadavg()[0]
+
+    def say(line: str) -> None:
+        log.append(line)
+        print(line, flush=True)
+
+    say(f"chaos: {args.trials} trials, seed {args.seed}, {' '.join(SETTINGS)}; load average {load:.1f}")
     with tempfile.TemporaryDirectory(prefix="dtx-chaos-") as root:
         references = {}
         for kind in sorted({k for k, _ in plan}):
@@ -122,11 +133,12 @@ def main(argv=None) -> int:
                 print(f"reference {kind} run failed: {err}", file=sys.stderr)
                 return 1
             references[kind] = (_outcome(workdir), wall)
-            print(f"reference {kind}: {wall:.1f} s", flush=True)
+            say(f"reference {kind}: {wall:.1f} s")
         for kind, seed in plan:
+            began = time.perf_counter()
             outcome, detail = trial(kind, seed, references[kind][0], references[kind][1], root)
             counts[kind, outcome] = counts.get((kind, outcome), 0) + 1
-            print(f"{kind} seed {seed}: {outcome} ({detail})", flush=True)
+            say(f"{kind} seed {seed}: {outcome} ({detail}; trial {time.perf_counter() - began:.0f} s)")
             if outcome != "held":
                 rows.append(f"| {kind} | {seed} | {detail} |")
     total = {k: sum(v for (kind, _), v in counts.items() if kind == k) for k, _ in plan}
@@ -137,13 +149,19 @@ def main(argv=None) -> int:
     body = "\n".join(table)
     if rows:
         body += "\n\nFailed trials:\n\n| run | seed | what happened |\n|---|---|---|\n" + "\n".join(rows)
-    print(body)
+    say(body)
     if args.trials >= 50:
         preamble = (f"`python benchmarks/chaos.py` on {report.machine('8 emulated CPU devices per run')}; "
-                    f"{time.perf_counter() - start:.0f} s. Each trial kills a run (SIGKILL or SIGTERM to the whole "
-                    "process group, at a seeded moment within the reference run's wall time), runs the same command "
-                    "again, and compares per-step losses, the final record and the last checkpoint bit for bit "
-                    "with an uninterrupted run.")
+                    f"{time.perf_counter() - start:.0f} s, load average {load:.1f} at the start (other jobs on the "
+                    "machine slow the runs and move where each kill lands). Each trial kills a run (SIGKILL or SIGTERM "
+                    "to the whole process group, at a seeded moment within the reference run's wall time), runs the "
+                    "same command again, and compares per-step losses, the final record and the last checkpoint bit "
+                    "for bit with an uninterrupted run. Every trial's signal, moment and outcome: "
+                    "`benchmarks/logs/chaos.log`.")
+        if args.update_docs:
+            os.makedirs(os.path.dirname(LOG), exist_ok=True)
+            with open(LOG, "w", encoding="utf-8") as f:
+                f.write("\n".join(log) + "\n")
         report.write("chaos", preamble, body, update_docs=args.update_docs)
     return 0 if not rows else 1
 
