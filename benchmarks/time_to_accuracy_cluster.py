@@ -1,7 +1,9 @@
 """Time to accuracy on a modelled cluster: every technique on one task, simulated seconds to a target.
 
 Each technique trains once (``dtx.train``, 8 emulated workers, the same experiment,
-steps and evaluations; ``log_every=1`` so every step's bytes are its own) and its
+steps and evaluations; a record at each evaluation, ``log_every = --eval-every``, as a
+deployment logs: the steps between records run without the records' all-reduce, and each
+record lists every step's own bytes and rounds, ``comm_steps``) and its
 records are then timed by the simulated clock (:mod:`dtx.perf.simclock`) on each cluster
 preset, compute regime and straggler model with :func:`dtx.perf.simclock.retime`: a run's
 bytes and rounds do not depend on the cluster or the stragglers, so it needs no
@@ -77,7 +79,7 @@ def train_records(experiment: str, overrides: dict, seed: int, steps: int, eval_
     from dtx.run import metrics as metrics_lib
     from dtx.run.trainer import train
 
-    flags = [f"--config.{k}={v}" for k, v in {**overrides, "seed": seed, "num_steps": steps, "log_every": 1,
+    flags = [f"--config.{k}={v}" for k, v in {**overrides, "seed": seed, "num_steps": steps, "log_every": eval_every or steps,
                                               "eval_every": eval_every, "progress": False}.items()]
     config = config_lib.load(experiment, flags)
     with tempfile.TemporaryDirectory() as workdir:
@@ -125,11 +127,10 @@ def time_to_target(records: list, times: dict, metric: str, target: float) -> fl
 
 
 def sync_comm_seconds(records: list, model) -> float:
-    """One synchronous step's communication on ``model``'s link: its recorded bytes and rounds, less the metric
-    averages the clock does not charge (α-β-γ)."""
+    """One synchronous step's communication on ``model``'s link: its recorded bytes and rounds, the metric
+    averages riding in its gradient all-reduce included, as the clock charges them (α-β-γ)."""
     last = [r for r in records if "comm_bytes" in r][-1]
-    return model.comm(last["comm_bytes"] - last.get("comm_bytes_logging", 0.0),
-                      last["comm_rounds"] - last.get("comm_rounds_logging", 0.0)).total
+    return model.comm(last["comm_bytes"], last["comm_rounds"]).total
 
 
 def _cell(seconds: float | None, reached: int, seeds: int, best: float | None) -> str:

@@ -15,9 +15,10 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
   your GPU, at the run's per-worker batch): the clock then uses that figure for every
   worker and step, before stragglers.
 * **communication** — from what the step actually sent, the accountant's
-  ``comm_bytes`` and ``comm_rounds`` per worker (:mod:`dtx.comm`), less the metric
-  averages the records are made of (``comm_*_logging``; a deployment logs without a
-  barrier): the α-β model of
+  ``comm_bytes`` and ``comm_rounds`` per worker (:mod:`dtx.comm`), the metric averages
+  of the records included where the step runs them (every step of a synchronous strategy,
+  riding in its gradient all-reduce; only the record steps of workers with their own models,
+  :func:`dtx.step.body.records_collective`): the α-β model of
   :mod:`dtx.comm.costmodel`, ``α·rounds + bytes/bandwidth``, plus the reduction's
   ``γ = 3/memory bandwidth`` per reduced byte (the configured algorithm's reduced ÷
   sent ratio, :func:`dtx.comm.costmodel.cost_terms`). The link is the one ``p`` workers
@@ -247,16 +248,14 @@ class Recorder:
     """``sim_time_s`` for the train loop's records: a :class:`dtx.run.steplog.StepLog` extra.
 
     Called with each record, it advances the clock over the steps since the previous
-    record, each charged that window's mean bytes and rounds per step (from the
-    record's ``comm_bytes_total`` and ``comm_rounds_per_step``, the accountant's sums),
-    less the metric averages' own traffic (``comm_bytes_logging``/``comm_rounds_logging``:
-    the records' bookkeeping, which a deployment would not wait on). That is each step's
-    own figure where every step sends the same (sync, backup, async, compression) and,
-    at ``overlap=0`` with synchronous waiting, exact for any strategy (communication then
-    adds the same to every worker). Workers with their own models wait only where they
-    exchange, so their window's traffic is charged to its last step: exact when windows
-    end on exchanges (``log_every`` a multiple of the period). ``log_every=1`` makes it
-    exact everywhere. :meth:`saved` goes into a checkpoint, so a resume continues.
+    record, each charged its own bytes and rounds as the program ran them (the record's
+    ``comm_steps``, :class:`dtx.run.steplog.CommTotals`), the records' averages included
+    where they ran: exact for any ``log_every``. Steps without their own figures (records
+    written before ``comm_steps``; the steps between a resumed checkpoint and the record
+    before it) share what the totals (``comm_bytes_total``, ``comm_rounds_per_step``) leave:
+    each the mean where waiting is synchronous, and for workers with their own models, who
+    wait only where they exchange, all at the last of them. :meth:`saved` goes into a
+    checkpoint, so a resume continues.
     """
 
     def __init__(self, model: ClockModel, saved: dict | None = None):
@@ -270,14 +269,18 @@ class Recorder:
             sent = float(record.get("comm_bytes_total", 0.0))
             rounds = float(record.get("comm_rounds_per_step", 0.0)) * step
             n = step - self.step
-            sent_here = max(sent - self.bytes - n * float(record.get("comm_bytes_logging", 0.0)), 0.0)
-            rounds_here = max(rounds - self.rounds - n * float(record.get("comm_rounds_logging", 0.0)), 0.0)
+            own = [(float(b), float(r)) for b, r in record.get("comm_steps", [])][-n:]  # the window's last steps
+            gap = n - len(own)  # the steps before them, known by their totals only
+            sent_here = max(sent - self.bytes - sum(b for b, _ in own), 0.0)
+            rounds_here = max(rounds - self.rounds - sum(r for _, r in own), 0.0)
             for k in range(self.step, step):  # step k's stragglers are those the strategy drew at state.step = k
-                if self.clock.model.local_models:  # the window's exchange, at its end
-                    last = k == step - 1
+                if k >= self.step + gap:
+                    self.clock.advance(k, *own[k - self.step - gap])
+                elif self.clock.model.local_models:  # the gap's exchanges, at its end
+                    last = k == self.step + gap - 1
                     self.clock.advance(k, sent_here if last else 0.0, rounds_here if last else 0.0)
                 else:
-                    self.clock.advance(k, sent_here / n, rounds_here / n)
+                    self.clock.advance(k, sent_here / gap, rounds_here / gap)
             self.step, self.bytes, self.rounds = step, sent, rounds
         return {"sim_time_s": self.clock.time}
 

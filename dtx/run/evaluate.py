@@ -49,6 +49,7 @@ from dtx.data import tasks as tasks_lib
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx.data.loader import TrainLoader, eval_batches
+from dtx.step import body as step_body
 from dtx.step import state_specs
 
 from dtx.run import rundir, setup
@@ -105,7 +106,7 @@ def export_run(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int 
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunError(f"--out {out!r} is a file; name a directory (it is created if missing)")
     run = restore(workdir, step=step, **given)
-    variables = {"params": _evaluated_params(run), **run.state.model_state}
+    variables = _evaluated_variables(run)
     variables = jax.tree.map(np.asarray, jax.device_get(variables))
     payload = flax.serialization.msgpack_serialize(variables)
     net = run.parts.model
@@ -293,17 +294,20 @@ def _assign(block: ConfigDict, values: dict, prefix: str) -> None:
             setattr(block, key, _tuples(value))
 
 
-def _evaluated_params(run: Restored):
-    """The parameters the run evaluates: the strategy's global model (the workers' mean for local SGD and
-    gossip), computed by the strategy itself on the run's mesh."""
+def _evaluated_variables(run: Restored):
+    """The variables the run evaluates: the strategy's global model (the workers' mean for local SGD and
+    gossip), computed by the strategy itself on the run's mesh, and the model state the eval step uses
+    (the workers' mean of their own batch-norm statistics, :func:`dtx.step.body.eval_model_state`)."""
     if not run.parts.strategy.caps.local_models:
-        return run.state.params
+        return {"params": run.state.params, **run.state.model_state}
     axes = mesh_lib.batch_axes(run.mesh)
     comm = comm_lib.CommContext(axes, mesh_lib.data_parallel_size(run.mesh),
                                 lambda tree: jax.lax.pmean(tree, axes))
 
     def body(state):  # each worker sees its own slice of the per-worker state, as in the eval step
-        return run.parts.strategy.eval_params(state.replace(worker=jax.tree.map(lambda x: x[0], state.worker)), comm)
+        state = state.replace(worker=jax.tree.map(lambda x: x[0], state.worker))
+        return {"params": run.parts.strategy.eval_params(state, comm),
+                **step_body.eval_model_state(state, run.parts.strategy, comm)}
 
     program = jax.shard_map(body, mesh=run.mesh, in_specs=(state_specs(axes),), out_specs=PartitionSpec(),
                             check_vma=False)

@@ -9,8 +9,11 @@ watchdog, halts a diverged run, and every ``log_every`` steps writes its record 
 the progress bar; :meth:`StepLog.flush` does the same for the last step.
 
 A record holds the step's metrics (``loss``, the task's, ``grad_norm``...), ``learning_rate``,
-``batch_hash`` and ``data_digest``, the communication figures, the throughput of the steps
-since the previous record (``examples_per_sec``, ``step_time_ms``, MFU/HFU) and ``elapsed_s``.
+``batch_hash`` and ``data_digest``, the communication figures (``comm_steps``: each step's own bytes and
+rounds since the previous record, what the simulated clock times step by step), the throughput of the
+steps since the previous record (``examples_per_sec``, ``step_time_ms``, MFU/HFU) and ``elapsed_s``.
+A step built without records (:class:`dtx.step.StepSpec`'s ``record``) reports no ``loss``: its
+record, if it gets one (a preempted run's last), has none.
 The last step's record, written by :meth:`StepLog.flush`, has no next dispatch to close its
 window: it carries no throughput and no ``learning_rate``.
 
@@ -41,6 +44,8 @@ class CommTotals:
     rounds: float = 0.0
     # (bytes, rounds) of every step when they are the compiled program's (jit driver), not the step's
     fixed: tuple[float, float] | None = dataclasses.field(default=None, compare=False)
+    # (bytes, rounds) of each step counted since the last record (record_window empties it)
+    window: list = dataclasses.field(default_factory=list, compare=False)
 
     def add(self, metrics: dict) -> None:
         """Count one step from its metrics, read to the host."""
@@ -49,6 +54,13 @@ class CommTotals:
             self.steps += 1
             self.bytes += float(sent[0])
             self.rounds += float(sent[1])
+            self.window.append([float(sent[0]), float(sent[1])])
+
+    def record_window(self) -> dict:
+        """``comm_steps``: ``[bytes, rounds]`` of each step since the previous record, oldest first (strategies
+        send different amounts on different steps; the simulated clock times each step with its own)."""
+        window, self.window = self.window, []
+        return {"comm_steps": window} if window else {}
 
     def record(self, reference_bytes: int) -> dict:
         """``comm_bytes_per_step`` (mean so far) and ``comm_ratio``: float32 ring allreduce bytes ÷ bytes sent."""
@@ -63,7 +75,7 @@ class CommTotals:
 
     def saved(self, pending: dict | None) -> dict:
         """The totals as of the state being checkpointed (including the step still in flight, on the device)."""
-        totals = dataclasses.replace(self)
+        totals = dataclasses.replace(self, window=[])
         if pending is not None:
             totals.add(to_host(pending))  # a checkpoint waits for that step anyway
         return {"steps": totals.steps, "bytes": totals.bytes, "rounds": totals.rounds}
@@ -155,7 +167,7 @@ class StepLog:
         timing = None if last else self._close_window()
         record = self._record(pending, record, timing)
         self.writer.write(pending.step, record)
-        if self.bar is not None:
+        if self.bar is not None and "loss" in record:  # a step built without records has none
             self.bar.update(pending.step, record["loss"], self._rate)
 
     def _close_window(self) -> dict:
@@ -175,6 +187,7 @@ class StepLog:
         record.update(pending.batch)
         record.update(self.comm.step_record())
         record.update(self.comm.record(self.reference_bytes))
+        record.update(self.comm.record_window())
         record.update(timing or {})
         record["elapsed_s"] = self.clock() - self.run_start
         for extra in self.extras:

@@ -3,6 +3,14 @@
 The config is read here and in :mod:`dtx.run.setup` (what a run is built from) and :mod:`dtx.run.rundir`
 (resume or refuse); everything below receives plain values and built collaborators. The loop's
 records, one step behind the dispatch, are :mod:`dtx.run.steplog`'s.
+
+**Record steps.** The loop reads a step's loss and metrics only for a record: every ``log_every``-th
+step and the last (:func:`record_step`). Evaluations and checkpoints read the state, and every step's
+traffic, which each step reports. So the steps in between run the program built with
+``StepSpec(record=False)``: for workers with their own models (gossip, local SGD, DiLoCo, EASGD) it
+holds no all-reduce of the averages (:func:`dtx.step.body.records_collective`), and between records
+gossip talks to its neighbours only. The parameters are the same either way. A preempted run's last
+record is of the step it stopped at: without ``loss`` when that step was not a record step.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from dtx.data.loader import TrainLoader, eval_batches
 from dtx.run.metrics import to_host
 from dtx.run.setup import Parts
 from dtx.step.state import TrainState, num_params
-from dtx.step import EvalStep, get_driver
+from dtx.step import EvalStep, get_driver, make_train_step
+from dtx.step import body as step_body
 from dtx.ckpt.preemption import PreemptionWatcher
 from dtx.run.watchdog import StepWatchdog
 
@@ -113,7 +122,8 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             # A chained hash of every batch's indices so far: equal logs prove no batch was repeated or skipped.
             batch_hash = hashlib.sha256(run.loader.indices(step).tobytes()).hexdigest()[:16]
             data_digest = hashlib.sha256((data_digest + batch_hash).encode()).hexdigest()[:16]
-            state, step_metrics = run.train_step(state, batch)
+            step_fn = run.train_step if record_step(step, config.log_every, run.num_steps) else run.quiet_step
+            state, step_metrics = step_fn(state, batch)
             # Waits for the step before (lag-1), reads it once, records it every log_every steps.
             log.dispatched(step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < run.num_steps and run.tests:
@@ -149,7 +159,7 @@ class _Run(NamedTuple):
     parts: Parts
     loader: TrainLoader
     num_steps: int
-    train_step: object
+    train_step: object  # the record steps' program (record_step)
     eval_step: EvalStep
     tests: list | None  # the test split's batches (None: nothing to evaluate)
     checkpointer: checkpoint_lib.Checkpointer | None
@@ -160,6 +170,13 @@ class _Run(NamedTuple):
     writer: metrics_lib.MetricWriter
     log: steplog.StepLog
     clock: simclock.Recorder | None = None  # --config.cluster: sim_time_s in the records
+    quiet_step: object = None  # the other steps' program (StepSpec(record=False)), or train_step itself
+
+
+def record_step(step: int, log_every: int, num_steps: int) -> bool:
+    """Whether the loop records step ``step`` (0-based): every ``log_every``-th, and the last
+    (:class:`dtx.run.steplog.StepLog` reads every step's traffic, these steps' metrics)."""
+    return (step + 1) % log_every == 0 or step + 1 == num_steps
 
 
 def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool, run_start: float, *,
@@ -184,6 +201,9 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     lr_by_step = (np.asarray(jax.jit(jax.vmap(parts.learning_rate))(np.arange(num_steps)))
                   if optimizer is None else None)
     train_step = setup.make_step(config, parts, mesh)
+    quiet_step = train_step
+    if step_body.records_collective(parts.strategy):  # a program without the records' all-reduce
+        quiet_step = make_train_step(parts.model, parts.tx, mesh, setup.step_spec(config, parts).replace(record=False))
     eval_step = setup.make_eval(config, parts, mesh)
     checkpointer = None
     if config.checkpoint.every_steps or resuming:
@@ -204,6 +224,8 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     # FLOPs per device and the bytes its collectives send (dtx.comm.hlo); beside them, what the
     # model predicts: the useful FLOPs and, for Dense/Conv layouts, the bytes (dtx.perf.model).
     compiled = setup.compile_step(train_step, state, loader.batch(start_step))
+    if quiet_step is not train_step:  # most steps run this one: its figures are the run's per step
+        compiled = setup.compile_step(quiet_step, state, loader.batch(start_step))
     step_flops = setup.step_flops(config, compiled)
     program = {} if compiled is None else setup.program_figures(compiled, parts.model, parts, mesh,
                                                                 config.global_batch_size)
@@ -239,7 +261,7 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process), run_start=run_start,
         extras=(clock,) if clock else ())
     return _Run(parts, loader, num_steps, train_step, eval_step, tests, checkpointer, state, start_step,
-                saved.get("data_digest", ""), user_data, writer, log, clock)
+                saved.get("data_digest", ""), user_data, writer, log, clock, quiet_step)
 
 
 def evaluate(eval_step: EvalStep, state: TrainState, batches, task: tasks_lib.Task | None = None) -> dict:

@@ -11,7 +11,8 @@ named helper here or a collaborator passed in:
    with the finiteness verdict of what is applied (:func:`make_reduce`);
 5. the update — the strategy's (:mod:`dtx.strategies`), which calls the reduction;
 6. the averages — loss, metrics, overflow flags and batch-norm statistics in one
-   all-reduce, and their bytes (:func:`averages`);
+   all-reduce, and their bytes (:func:`averages`); workers with their own models run it on
+   record steps only and keep their own statistics (:func:`records_collective`);
 7. loss scaling — skip the step everywhere when any gradient overflowed (:func:`skip_unless_finite`).
 
 :func:`train_body` runs them in three parts: the worker's pass (1–3, 6: :func:`worker_pass`), the
@@ -47,22 +48,54 @@ class BodyError(ValueError):
 
 
 def train_body(state, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor, comm, axes,
-               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False):
+               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False, record=True):
     """One training step on this worker's batch (module docstring): ``(state, metrics)``.
 
     Three parts, each one function, so that a driver may run them apart: :func:`worker_pass` (jobs
     1–3 and 6), the strategy's update (4–5) and :func:`finish` (7 and the records). ZeRO under
     ``shard_map`` (:mod:`dtx.step.zero_step`) runs the pass inside ``shard_map`` and the update at
-    ``jit`` level, where an optimizer sees whole tensors."""
+    ``jit`` level, where an optimizer sees whole tensors. ``record=False``: a step whose records nobody
+    reads (:func:`records_collective`)."""
     rng, step_rng, shared_key, index = step_keys(state, axes)
     reduce = make_reduce(compressor, policy, scaler, state.loss_scale, comm, grad_norm)
     ctx = strategies.StepContext(tx=tx, comm=comm, reduce=reduce, key=shared_key, index=index)
     worked = worker_pass(state, batch, strategy.grad_params(state, ctx), rng, step_rng, model=model, policy=policy,
                          scaler=scaler, accum_steps=accum_steps, strategy=strategy, axes=axes, shards=shards,
                          constrain=constrain, layout=layout, split_grads=split_grads, split_micro=split_micro,
-                         task=task, merged=averages_merge(comm, strategy, compressor))
+                         task=task, merged=averages_merge(comm, strategy, compressor), record=record)
     new_state, stats = strategy.apply(state, worked.grads, ctx)
-    return finish(state, new_state, stats, worked, scaler, strategy.name)
+    return finish(state, new_state, stats, worked, scaler, strategy)
+
+
+def records_collective(strategy) -> bool:
+    """Whether the averages are an all-reduce of their own that only the records need, so that a step
+    built with ``record=False`` runs without it: workers with their own models (``caps.local_models``:
+    local SGD, DiLoCo, EASGD, gossip, Streaming DiLoCo) need no collective for training but their
+    strategy's own (D-PSGD, Lian et al. 2017, has no global barrier at all). Synchronous strategies
+    average every step whatever ``record`` says: their averages ride in the gradients' all-reduce
+    (Das et al., arXiv 1602.06709, §2), and their batch-norm statistics are the global batch's.
+
+    Without the averages a step reports neither ``loss`` nor the task's metrics, only its traffic and the
+    strategy's stats (replicated). The batch-norm statistics of such workers need no all-reduce in any
+    train step: each worker normalises over its own batch and keeps its own running averages
+    (``state.worker["model_state"]``); the evaluated model takes their mean (:func:`eval_model_state`) —
+    what an every-step average gave, since a running average is linear in the batch statistics.
+    """
+    return strategy.caps.local_models
+
+
+def model_state_of(state, strategy):
+    """This worker's model state (batch-norm statistics): its own where each keeps its own
+    (:func:`records_collective`), else the replicated ``state.model_state``."""
+    return state.worker["model_state"] if strategy.caps.local_models else state.model_state
+
+
+def eval_model_state(state, strategy, comm: comm_lib.CommContext):
+    """The evaluated model's state: the workers' mean of their own statistics where each keeps its own
+    (inside the eval program, over ``comm.axes``), else ``state.model_state``."""
+    if not strategy.caps.local_models:
+        return state.model_state
+    return lax.pmean(state.worker["model_state"], comm.axes) if comm.axes else state.worker["model_state"]
 
 
 class Pass(NamedTuple):
@@ -70,7 +103,7 @@ class Pass(NamedTuple):
     Arrays only, so that it can leave a ``shard_map`` (loss, metrics, flag, statistics, key: replicated)."""
 
     grads: Any  # this worker's gradient after ``split_grads`` (ZeRO: its 1/N of the mean)
-    loss: jax.Array  # the averages over all workers (:class:`Averages`)
+    loss: jax.Array | None  # the averages over all workers (:class:`Averages`); None: not averaged
     values: dict
     finite: jax.Array | None
     model_state: Any
@@ -79,37 +112,46 @@ class Pass(NamedTuple):
 
 
 def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, scaler, accum_steps, strategy, axes,
-                shards, constrain, layout, split_grads, split_micro, task, merged, accumulator=None) -> Pass:
+                shards, constrain, layout, split_grads, split_micro, task, merged, accumulator=None, record=True) -> Pass:
     """The loss, this worker's gradients (accumulated, split by ``split_micro``/``split_grads``), its
-    finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``)."""
+    finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``). Where the
+    averages are the records' own collective (:func:`records_collective`) they run only with ``record``,
+    and the model state stays this worker's."""
     denominator = valid_denominator(task, batch, axes, accum_steps, strategy)
-    loss_fn = make_loss_fn(model, policy, task, layout, list(state.model_state), denominator,
+    model_state = model_state_of(state, strategy)
+    loss_fn = make_loss_fn(model, policy, task, layout, list(model_state), denominator,
                            functools.partial(scaler.scale_loss, state.loss_scale))
     if axes and not strategy.caps.local_models:
         # Differentiate per-device copies: each gradient is then its own batch's, and *we* choose how
         # to combine them (shard_map would otherwise sum them when transposing the cast).
         params = lax.pcast(params, axes, to="varying")
-    grads, loss, values, model_state = gradients(loss_fn, params, state.model_state, batch, step_rng, accum_steps,
+    grads, loss, values, model_state = gradients(loss_fn, params, model_state, batch, step_rng, accum_steps,
                                                  shards, constrain, axes, split_micro, accumulator)
     grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
     # Each worker's verdict on what it is about to send, before any compressor sees it: a compressor may
     # leave overflowing entries out of the average, and the step must be skipped all the same
     # (Micikevicius et al. 2018, §3.2).
     finite_here = all_finite(policy.cast_to_reduce(grads)) if scaler.enabled else None
-    mean = averages(axes, loss, values, finite_here, model_state)
+    if records_collective(strategy):  # no loss scaling with these (drivers.check_combination): no verdict
+        mean = averages(axes, loss, values, None, {}) if record else Averages(None, {}, None, {},
+                                                                              costmodel.Traffic(0, 0))
+        mean = mean._replace(model_state=model_state)  # this worker's own statistics, never averaged here
+    else:
+        mean = averages(axes, loss, values, finite_here, model_state)
     return Pass(grads, mean.loss, mean.values, mean.finite, mean.model_state, jax.random.key_data(rng),
                 averages_traffic(mean, task, axes, strategy, merged))
 
 
-def finish(state, new_state, stats: Metrics, worked: Pass, scaler, strategy_name: str):
+def finish(state, new_state, stats: Metrics, worked: Pass, scaler, strategy):
     """The step's end after the update (``new_state``, its ``stats``): the loss-scaling skip, the next
-    key and step, and the records — ``loss``, the task's metrics, the update's stats with the averages'
-    traffic added, and with loss scaling ``loss_scale``, ``skipped``, ``skipped_steps``."""
+    key and step, and the records — ``loss`` and the task's metrics (where averaged), the update's stats
+    with the averages' traffic added, and with loss scaling ``loss_scale``, ``skipped``, ``skipped_steps``.
+    The model state goes where :func:`model_state_of` reads it."""
     applied_finite = stats.pop("grads_finite", None)
     if scaler.enabled and applied_finite is None:
-        raise BodyError(f"loss scaling needs strategy {strategy_name!r} to reduce the gradients once per step "
+        raise BodyError(f"loss scaling needs strategy {strategy.name!r} to reduce the gradients once per step "
                         "and return the reduction's stats")
-    metrics = {"loss": worked.loss, **worked.values, **stats}
+    metrics = {**({} if worked.loss is None else {"loss": worked.loss}), **worked.values, **stats}
     if worked.traffic:
         metrics.update(comm_bytes=stats["comm_bytes"] + worked.traffic["comm_bytes"],
                        comm_rounds=stats["comm_rounds"] + worked.traffic["comm_rounds"],
@@ -122,7 +164,11 @@ def finish(state, new_state, stats: Metrics, worked: Pass, scaler, strategy_name
         metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32))
         new_state = new_state.replace(loss_scale=scaler.update(state.loss_scale, finite))
         metrics["skipped_steps"] = new_state.loss_scale.skipped_steps
-    return new_state.replace(step=state.step + 1, model_state=model_state, rng=worked.rng), metrics
+    if strategy.caps.local_models:  # each worker's own statistics (records_collective)
+        new_state = new_state.replace(worker={**new_state.worker, "model_state": model_state})
+    else:
+        new_state = new_state.replace(model_state=model_state)
+    return new_state.replace(step=state.step + 1, rng=worked.rng), metrics
 
 
 def step_keys(state, axes):
@@ -251,9 +297,10 @@ def averages_traffic(mean: Averages, task: Task, axes, strategy, merged: bool) -
     (:func:`finish` adds the update's); ``merged`` (:func:`averages_merge`): the averages' bytes, no
     rounds of their own. Nothing without axes (under ``jit`` the compiled program says).
 
-    The averages' own part is also reported as ``comm_bytes_logging``/``comm_rounds_logging``: it exists
-    for the records, not for training (a local SGD step needs no collective but this one), so the
-    simulated clock (:mod:`dtx.perf.simclock`) does not charge it."""
+    The averages' own part is also reported as ``comm_bytes_logging``/``comm_rounds_logging``, for the
+    reader: it runs for the records, not for training. It runs all the same, so it is part of
+    ``comm_bytes``/``comm_rounds`` and the simulated clock (:mod:`dtx.perf.simclock`) charges it; where it
+    is the records' own collective, a step built without records runs none (:func:`records_collective`)."""
     if not axes:
         return {}
     counted = count_traffic(task, axes, strategy)
@@ -302,7 +349,7 @@ def eval_body(model, policy: Policy, reduce_sum, strategy, comm: comm_lib.CommCo
     """Sums over the real examples of an evaluation batch (:func:`dtx.data.tasks.eval_sums`) at the strategy's
     global parameters."""
     params = strategy.eval_params(state, comm)
-    variables = {"params": policy.cast_to_compute(params), **state.model_state}
+    variables = {"params": policy.cast_to_compute(params), **eval_model_state(state, strategy, comm)}
     with layout():
         logits = model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
     return reduce_sum(task_lib.eval_sums(task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))

@@ -70,7 +70,7 @@ class ShardMapDriver:
             body.train_body, model=norm_model, tx=tx, policy=spec.policy, scaler=spec.loss_scaler,
             accum_steps=spec.accum_steps, strategy=strategy, compressor=compressor, comm=comm, axes=axes, shards=1,
             constrain=lambda x: x, layout=contextlib.nullcontext, split_grads=_identity, split_micro=_identity,
-            task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm)
+            task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm, record=spec.record)
         # An allreduce built from ppermutes (and the compressed ones) leaves identical values
         # on every device, but JAX types them "varying" and has no free cast back to
         # replicated; such steps run without the replication checker (the tests assert
@@ -95,7 +95,8 @@ class ShardMapDriver:
 
 
 def state_specs(axes: tuple[str, ...]) -> TrainState:
-    """shard_map specs for a state: replicated, but ``worker`` split over the batch axes."""
+    """shard_map specs for a state: replicated, but ``worker`` split over the batch axes (with local
+    models it holds each worker's own batch-norm statistics too, :func:`dtx.step.body.model_state_of`)."""
     everything = PartitionSpec()
     return TrainState(step=everything, params=everything, model_state=everything, opt_state=everything,
                       rng=everything, loss_scale=everything, worker=PartitionSpec(axes), shared=everything)

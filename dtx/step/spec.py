@@ -46,6 +46,11 @@ class StepSpec:
         removed (each worker applies its own gradient): a yardstick for ``dtx bench step``.
       grad_norm: also report ``grad_norm``, the global L2 norm of the reduced gradient.
       donate: donate the input state's buffers to the output state.
+      record: the step reports the records (``loss`` and the task's metrics averaged over the workers).
+        ``False`` builds the step a loop runs between records: for workers with their own models (local
+        SGD, DiLoCo, EASGD, gossip) it holds no all-reduce of the averages, so it runs only the
+        strategy's own collectives (:func:`dtx.step.body.records_collective`); other strategies' steps
+        are the same either way.
     """
 
     driver: str = "shard_map"
@@ -61,6 +66,7 @@ class StepSpec:
     communicate: bool = True
     grad_norm: bool = False
     donate: bool = True
+    record: bool = True
 
     def replace(self, **changes) -> StepSpec:
         """A copy with ``changes`` (``dataclasses.replace``)."""

@@ -26,7 +26,8 @@ class TrainState:
       step: int32 scalar, number of optimizer updates applied so far.
       params: the model's trainable parameters (master weights).
       model_state: the model's other variable collections, e.g. ``{"batch_stats": ...}``
-        for batch normalisation; ``{}`` for models without any.
+        for batch normalisation; ``{}`` for models without any, and for strategies whose workers
+        keep their own (``worker["model_state"]``: local SGD, DiLoCo, EASGD, gossip).
       opt_state: the optax optimizer state; empty for strategies whose workers keep their own
         (``worker["strategy"]["opt_state"]``: local SGD, DiLoCo, EASGD, gossip).
       rng: raw uint32 PRNG key data; each step splits it, so dropout differs per step
@@ -133,6 +134,8 @@ def _init_fn(model, tx, example_inputs, loss_scaler, strategy=None, compressor=N
         if getattr(strategy, "local_models", False):
             opt_state = ()  # every worker keeps its own in ``worker``; a global copy would be dead weight
         one_worker = {"compress": compressor.init(params) if compressor else {}, "strategy": strategy_worker}
+        if strategy is not None and strategy.caps.local_models:  # each worker's own statistics (dtx.step.body)
+            one_worker["model_state"], variables = variables, {}
         # Every worker starts from the same state; the leading axis gives each its own copy.
         worker = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *jnp.shape(x))), one_worker)
         return TrainState(

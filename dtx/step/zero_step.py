@@ -98,7 +98,7 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage
         sliced = state.replace(params=zero.slices(state.params))
         new_state, stats = strategy.apply(sliced, worked.grads, ctx)
         new_state = new_state.replace(params=zero.gather(new_state.params))
-        return body.finish(state, new_state, stats, worked, loss_scaler, strategy.name)
+        return body.finish(state, new_state, stats, worked, loss_scaler, strategy)
 
     return jax.jit(step, in_shardings=(state_shardings, mesh_lib.batch_sharding(mesh)),
                    out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,) if donate else ())
