@@ -75,6 +75,7 @@ from dtx.precision import Policy
 
 SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2, "lars": 1, "lamb": 2}
 BACKENDS = ("xla_cpu", "gpu")
+DRIVERS = ("jit", "shard_map")
 POOL_INDEX_ARRAYS = 4  # XLA:CPU max pool: one int32 window index per input dimension (NHWC)
 
 
@@ -153,11 +154,26 @@ def _fsdp_mode(layer: Layer, n: int, batch: float, arriving: str) -> tuple[str, 
     return "gather_weights", "batch"
 
 
+def _scattered(grads: Sequence[float], kept: Sequence[float], i: int) -> float:
+    """Gradient bytes live while layer ``i`` back-propagates: its own, whole, and what is kept of the later ones.
+
+    Under ``jit`` everything is kept (``kept == grads``): XLA:CPU's SPMD partitioner turns a
+    reduce-scatter into one all-reduce plus a slice after the backward pass. Under ``shard_map``
+    ZeRO-1/2 call ``psum_scatter`` per tensor, which XLA:CPU compiles as a true reduce-scatter and
+    schedules as soon as the gradient exists: a layer's whole gradient lives until its ``1/N`` slice is
+    written (read from the buffer assignment of the held-out ``mlp-wide`` ``zero2`` row: one 512×512
+    gradient live at a time beside 64×512 slices). With ``k > 1`` ZeRO-2 does so per micro-batch (into
+    its ``1/N`` accumulator, ``carry``); ZeRO-1 sums whole micro-batch gradients first (``kept == grads``).
+    """
+    return grads[i] + (kept[i] if kept[i] != grads[i] else 0.0) + sum(kept[i + 1:])
+
+
 def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, global_batch: int, group_size: int = 1,
              sharded: Sequence[str] = (), optimizer: str = "adam", policy: Policy = Policy(),
              stash: Mapping[str, Stash] | None = None, input_bytes: float | None = None,
              other_params: int | Sequence[Sequence[int]] = 0,
-             model_state_bytes: float = 0.0, accum_steps: int = 1, backend: str = "xla_cpu") -> MemoryEstimate:
+             model_state_bytes: float = 0.0, accum_steps: int = 1, backend: str = "xla_cpu",
+             driver: str = "jit") -> MemoryEstimate:
     """Per-device memory of a training step of ``layers`` under ``layout``.
 
     Args:
@@ -178,7 +194,11 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
       backend: ``"xla_cpu"`` (checked: every buffer term of the module docstring) or
         ``"gpu"`` (unchecked: no pool index arrays, kernel or input copies, and a true
         reduce-scatter for ZeRO/FSDP, ``1/N`` buffer).
+      driver: ``"jit"`` (XLA's SPMD partitioner places the collectives) or ``"shard_map"`` (the step's own:
+        ZeRO-1/2 reduce-scatter each gradient as the backward pass produces it, :func:`_scattered`).
     """
+    if driver not in DRIVERS:
+        raise MemoryModelError(f"unknown driver {driver!r}; choose one of {', '.join(DRIVERS)}")
     if backend not in BACKENDS:
         raise MemoryModelError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     cpu = backend == "xla_cpu"
@@ -238,24 +258,29 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
         buffer = grad * e_r / e_p / (n if not cpu and state_split_everywhere else 1) if reduced else 0.0
         copy = w * e_c / shards if cpu and layer.kind == "conv" else 0.0  # flipped: kept to the backward
         relaid = copy if math.prod(layer.kernel_shape[:-2]) > 1 else 0.0  # a 1×1 kernel is used as stored
-        rows.append((act, b * s.pool_in if cpu else 0.0, copy, relaid, grad, buffer))
+        kept = grad
+        scattered = lay.zero_stage == 2 or (lay.zero_stage == 1 and k == 1)  # per micro-batch / once
+        if driver == "shard_map" and scattered and state_split:  # reduce-scattered as produced (_scattered)
+            kept, buffer = grad / n, 0.0
+        rows.append((act, b * s.pool_in if cpu else 0.0, copy, relaid, grad, buffer, kept))
     shapes = [(other_params,)] if isinstance(other_params, int) else [tuple(x) for x in other_params]
     other = sum(math.prod(shape) for shape in shapes) * e_p
     params += (_split(shapes, n) * e_p if params_split else other)
     optim += SLOTS[optimizer] * (_split(shapes, n) * e_p if state_split_everywhere else other)
-    stash_, held, copies, relaid, grads, reduce = (list(column) for column in zip(*rows))
+    stash_, held, copies, relaid, grads, reduce, kept = (list(column) for column in zip(*rows))
     grads[-1] += other  # norm-parameter gradients, small: counted with the last layer's
+    kept[-1] += other
     carry = accumulator + other if k > 1 else 0.0  # the accumulator beside each micro-batch's gradient
     inputs = (input_bytes if input_bytes is not None else layers[0].in_elements * 4 + 4) * global_batch / n
     compute_copy = params * e_c / e_p if e_c != e_p else 0.0
     count = range(len(layers))
     forward = max(sum(stash_[:i + 1]) + sum(held[i:]) + sum(relaid[i:]) for i in count) + sum(copies)
-    backward = max(sum(stash_[:i + 1]) + sum(copies[:i + 1]) + sum(grads[i:]) for i in count)
-    update = sum(grads) + sum(reduce)
+    backward = max(sum(stash_[:i + 1]) + sum(copies[:i + 1]) + _scattered(grads, kept, i) for i in count)
+    update = sum(kept) + sum(reduce)
     phases = dict(forward=forward + compute_copy, backward=backward + compute_copy + carry, update=update + carry)
     peak = max(phases.values())
     return MemoryEstimate(
-        layout=lay.name, params=params, grads=sum(grads) + carry, optimizer=optim, activations=inputs + sum(stash_),
+        layout=lay.name, params=params, grads=sum(kept) + carry, optimizer=optim, activations=inputs + sum(stash_),
         buffers=sum(reduce) + sum(copies) + sum(relaid) + sum(held) + compute_copy,
         total=params + optim + inputs + model_state_bytes + peak, by_layer=by_layer, modes=modes, phases=phases)
 

@@ -165,7 +165,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
                   policy=policy, accum_steps=config.grad_accum_steps,
-                  backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu")
+                  backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu", driver=config.driver)
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
     rules = parallel.LAYOUTS["rules"] if chosen.kernels != "none" and sharded else chosen
     try:
@@ -183,7 +183,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         if other is chosen or other.kernels == "explicit" or (other.needs_model_axis and group == 1):
             continue
         try:
-            alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **common)
+            alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **{
+                **common, "driver": config.driver if config.driver in other.drivers else other.drivers[0]})
         except (ValueError, TypeError):
             continue
         if alternative.fits(capacity):
