@@ -138,10 +138,10 @@ def measure(name, model, shape, layout, mesh, batch, *, accum=1, precision="p=f3
     nodes = math.prod(size for _, size in mesh)
     kwargs = dict(nodes=nodes, global_batch=batch, group_size=group, policy=policy, accum_steps=accum)
     if plan is not None:
-        estimate = memory.estimate_model(model, shape, "rules", sharded=plan.sharded, **kwargs)
+        estimate = memory.estimate_model(model, shape, "rules", sharded=plan.sharded, driver=driver, **kwargs)
         rules = [(regex, tuple(spec)) for regex, spec in plan.rules()[:-1]]
     else:
-        estimate, rules = memory.estimate_model(model, shape, layout, **kwargs), ()
+        estimate, rules = memory.estimate_model(model, shape, layout, driver=driver, **kwargs), ()
     start = time.perf_counter()
     compiled = compile_step(model, shape, "rules" if plan else layout, mesh, batch, driver=driver, policy=policy,
                             accum=accum, rules=rules)
@@ -225,6 +225,8 @@ def main() -> int:
     within, worst = _summary(ratios)
     jit_commit = subprocess.run(["git", "log", "-1", "--format=%h", "--", "dtx/step/jit.py"], cwd=report.REPO,
                                 capture_output=True, text=True).stdout.strip() or "unknown"
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "dtx/step/jit.py"], cwd=report.REPO).returncode:
+        jit_commit += " plus uncommitted changes"
     preamble = (
         f"`{COMMAND}` on {report.machine()}; {time.perf_counter() - start:.0f} s. Per device, MB (10^6 bytes), "
         "Adam, float32, donated state, emulated CPU devices, compiled from shapes (nothing runs). Model: "

@@ -8,6 +8,7 @@ Everything that can be refused without compiling is refused here, naming the con
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -29,6 +30,7 @@ from dtx import models, optim, precision
 from dtx import parallel
 from dtx import strategies
 from dtx.data.loader import TrainLoader
+from dtx.run import preflight
 from dtx.paths import named_leaves
 from dtx.strategies.stragglers import Stragglers
 from dtx.step.state import TrainState, abstract_train_state, init_train_state
@@ -173,6 +175,10 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                                      sharded=sharded if rules.kernels == "explicit" else (), **common)
     except (ValueError, TypeError):  # a model the memory model cannot analyse: nothing to refuse on
         return
+    doubt = memory.uncovered(rules, **{key: common[key] for key in ("accum_steps", "policy", "backend", "driver")})
+    if doubt:  # the estimate is outside what the model is checked on: said, whether or not it fits
+        warnings.warn(f"memory_limit: dtx.perf.memory's estimate ({_gib(mine.total)} per device) may be off by more "
+                      f"than 15 % here: {doubt} (docs/memory.md)", preflight.RunWarning, stacklevel=3)
     if mine.fits(capacity):
         return
     parts = sorted(((mine.params, "parameters"), (mine.grads, "gradients"), (mine.optimizer, "optimizer state"),
