@@ -222,10 +222,11 @@ def test_one_gradient_all_reduce_per_step_whatever_k(runs, meshes, digits):
     assert len(gradient_reductions) == len(jax.tree.leaves(state.params))  # one reduction per gradient leaf
 
 
-def test_a_collective_in_the_micro_batch_loop_is_counted_once_per_trip(runs, meshes, digits):
-    """The compiled program is read as it runs: under ``jit`` XLA all-reduces the gradients inside the
-    micro-batch loop (k times), and the reader counts that all-reduce k times (``trips``), so the bytes a jit
-    run records for k=4 are 4× k=1's; under ``shard_map`` the step reduces once, after the loop."""
+def test_both_drivers_reduce_once_per_step_whatever_k(runs, meshes, digits):
+    """Read from the compiled program as it runs (each collective once per trip of its loop): under both
+    drivers the k=4 step sends the bytes of the k=1 step, none of them inside the micro-batch loop. (Under
+    ``jit`` XLA once reduced every micro-batch's gradient inside the loop: 4× the bytes; see
+    tests/test_accumulate.py for every layout.)"""
     from dtx.comm import hlo
 
     mesh = meshes["8"]
@@ -239,7 +240,6 @@ def test_a_collective_in_the_micro_batch_loop_is_counted_once_per_trip(runs, mes
             compiled = step.lower(_abstract(state, mesh_lib.replicated(mesh)), batch).compile()
             totals[driver, k] = hlo.total(compiled)
             trips[driver, k] = sorted({c.trips for c in hlo.collectives(compiled)})
-    assert trips["jit", 4] == [4] and totals["jit", 4].unknown_trips == 0
-    assert totals["jit", 4].bytes_sent == 4 * totals["jit", 1].bytes_sent > 0
-    assert totals["jit", 4].rounds == 4 * totals["jit", 1].rounds
-    assert trips["shard_map", 4] == [1] and totals["shard_map", 4].bytes_sent == totals["shard_map", 1].bytes_sent
+    for driver in ("jit", "shard_map"):
+        assert trips[driver, 4] == [1] and totals[driver, 4].unknown_trips == 0
+        assert totals[driver, 4].bytes_sent == totals[driver, 1].bytes_sent > 0

@@ -223,7 +223,7 @@ def lm_runs(meshes, text):
     return get
 
 
-@pytest.mark.parametrize("driver,accum_steps", [("shard_map", 1), ("jit", 1), ("shard_map", 2)])
+@pytest.mark.parametrize("driver,accum_steps", [("shard_map", 1), ("jit", 1), ("shard_map", 2), ("jit", 2)])
 def test_padded_next_token_on_eight_devices_equals_one_device(lm_runs, driver, accum_steps):
     reference, ref_records, _, _ = lm_runs("1", "jit")
     state, records, _, _ = lm_runs("8", driver, accum_steps)

@@ -53,6 +53,12 @@ class Placement(NamedTuple):
     activations: ActivationLayout | None  # where model-parallel layers' activations live, else None
 
     @property
+    def whole_gradients(self) -> bool:
+        """Whether each device can hold its own whole, unreduced gradient between micro-batches: whole
+        parameters and no split accumulator (data parallelism and ZeRO-1)."""
+        return self.layout.kernels == "none" and self.layout.zero_stage in (0, 1)
+
+    @property
     def shard_accumulator(self) -> bool:
         """Whether each micro-batch's gradient is split while accumulated (ZeRO stage 2)."""
         return self.layout.zero_stage == 2

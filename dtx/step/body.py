@@ -38,6 +38,7 @@ from dtx import strategies
 from dtx.data import tasks as task_lib
 from dtx.data.loader import Batch
 from dtx.precision import Policy, all_finite, select_tree
+from dtx.step import accumulate
 from dtx.data.tasks import Task
 
 Metrics = dict[str, jax.Array]
@@ -48,7 +49,7 @@ class BodyError(ValueError):
 
 
 def train_body(state, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor, comm, axes,
-               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False, record=True):
+               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False, apart=None, record=True):
     """One training step on this worker's batch (module docstring): ``(state, metrics)``.
 
     Three parts, each one function, so that a driver may run them apart: :func:`worker_pass` (jobs
@@ -62,7 +63,7 @@ def train_body(state, batch: Batch, *, model, tx, policy, scaler, accum_steps, s
     worked = worker_pass(state, batch, strategy.grad_params(state, ctx), rng, step_rng, model=model, policy=policy,
                          scaler=scaler, accum_steps=accum_steps, strategy=strategy, axes=axes, shards=shards,
                          constrain=constrain, layout=layout, split_grads=split_grads, split_micro=split_micro,
-                         task=task, merged=averages_merge(comm, strategy, compressor), record=record)
+                         task=task, merged=averages_merge(comm, strategy, compressor), record=record, apart=apart)
     new_state, stats = strategy.apply(state, worked.grads, ctx)
     return finish(state, new_state, stats, worked, scaler, strategy)
 
@@ -112,12 +113,13 @@ class Pass(NamedTuple):
 
 
 def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, scaler, accum_steps, strategy, axes,
-                shards, constrain, layout, split_grads, split_micro, task, merged, accumulator=None, record=True) -> Pass:
+                shards, constrain, layout, split_grads, split_micro, task, merged, accumulator=None,
+                apart=None, record=True) -> Pass:
     """The loss, this worker's gradients (accumulated, split by ``split_micro``/``split_grads``), its
     finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``). Where the
     averages are the records' own collective (:func:`records_collective`) they run only with ``record``,
     and the model state stays this worker's."""
-    denominator = valid_denominator(task, batch, axes, accum_steps, strategy)
+    denominator = valid_denominator(task, batch, axes, accum_steps, strategy, shards if apart else 1)
     model_state = model_state_of(state, strategy)
     loss_fn = make_loss_fn(model, policy, task, layout, list(model_state), denominator,
                            functools.partial(scaler.scale_loss, state.loss_scale))
@@ -126,7 +128,7 @@ def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, sc
         # to combine them (shard_map would otherwise sum them when transposing the cast).
         params = lax.pcast(params, axes, to="varying")
     grads, loss, values, model_state = gradients(loss_fn, params, model_state, batch, step_rng, accum_steps,
-                                                 shards, constrain, axes, split_micro, accumulator)
+                                                 shards, constrain, axes, split_micro, accumulator, apart)
     grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
     # Each worker's verdict on what it is about to send, before any compressor sees it: a compressor may
     # leave overflowing entries out of the average, and the step must be skipped all the same
@@ -219,21 +221,25 @@ def make_loss_fn(model, policy: Policy, task: Task, layout, mutable: list, denom
 
 
 def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None,
-              accumulator=None):
+              accumulator=None, apart=None):
     """``(grads, loss, metrics, model_state)`` of the batch: one pass, or ``k`` micro-batches summed into one
     accumulator (no k-fold copies). Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice,
     so each stays spread over all devices and both drivers see the same ones. ``split_micro`` lays each
     micro-batch's gradient out as the accumulator is (ZeRO-2); ``accumulator(params)`` is that accumulator's
-    zero (default: ``split_micro`` of zeros; ZeRO under ``shard_map`` makes it without a collective)."""
+    zero (default: ``split_micro`` of zeros; ZeRO under ``shard_map`` makes it without a collective).
+    ``apart`` (:class:`dtx.step.accumulate.Apart`, ``jit`` only): every shard's gradient summed apart and
+    reduced once after the loop."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if k == 1:
         (_, (loss, values, model_state)), grads = grad_fn(params, model_state, batch, rng)
         return grads, loss, values, model_state
+    if apart is not None:
+        _check_split(batch, shards, k)
+        return accumulate.gradients(grad_fn, params, model_state, batch, rng, k, shards, constrain, apart)
+
+    _check_split(batch, shards, k)
 
     def split(x):
-        if x.shape[0] % (shards * k):
-            raise BodyError(f"accum_steps={k} must divide the per-device batch {x.shape[0] // shards}; "
-                            "see dtx.step.check_accumulation")
         x = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:])
         return constrain(jnp.swapaxes(x, 0, 1).reshape((k, -1) + x.shape[3:]))
 
@@ -257,6 +263,13 @@ def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, ax
     init = (accumulator(params), zero, {name: zero for name in names}, model_state)
     (grads, loss, values, model_state), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
     return jax.tree.map(lambda g: g / k, grads), loss / k, {n: v / k for n, v in values.items()}, model_state
+
+
+def _check_split(batch, shards: int, k: int) -> None:
+    for x in jax.tree.leaves(batch):
+        if x.shape[0] % (shards * k):
+            raise BodyError(f"accum_steps={k} must divide the per-device batch {x.shape[0] // shards}; "
+                            "see dtx.step.check_accumulation")
 
 
 class Averages(NamedTuple):
@@ -318,18 +331,19 @@ def skip_unless_finite(finite, new_state, model_state, state):
     return select_tree(finite, (new_state, model_state), (state, state.model_state))
 
 
-def valid_denominator(task: Task, batch: Batch, axes, accum_steps: int, strategy):
+def valid_denominator(task: Task, batch: Batch, axes, accum_steps: int, strategy, shards_apart: int = 1):
     """What each (micro-)batch's sums are divided by so that averaging over micro-batches and workers
     gives the mean over the *global* batch's valid elements (``None``: every element counts, a plain mean).
 
     With padding the workers hold different numbers of valid tokens, so a mean of per-worker means is not
     the global mean; sum / (global count / (workers · micro-batches)) is. Workers with their own models
-    (local SGD, ...) average over their own batch: no collective enters their local steps.
+    (local SGD, ...) average over their own batch: no collective enters their local steps. ``shards_apart``:
+    shards whose sums are averaged after the loss (:class:`Apart`), workers as far as the division goes.
     """
     if task.valid is None:
         return None
     count = task_lib.valid_count(task, batch["labels"])
-    workers = 1
+    workers = shards_apart
     if axes and not strategy.caps.local_models:
         count = lax.psum(count, axes)
         workers = math.prod(lax.axis_size(a) for a in axes)

@@ -5,6 +5,13 @@ identity, and XLA's SPMD partitioner inserts the collectives that the state's pl
 data, model, hybrid (Das et al., arXiv 1602.06709, §3), FSDP and ZeRO (Rajbhandari et al. 2020)
 alike. Their bytes cannot be counted while tracing: ``dtx train`` reads them from the compiled
 program (:func:`dtx.comm.hlo.total`).
+
+With gradient accumulation the gradients are reduced once per step, as under ``shard_map``: each
+shard's are summed apart over the micro-batches (:mod:`dtx.step.accumulate`) — for the layouts whose
+devices each hold a whole gradient (data, ZeRO-1). ZeRO-2 and FSDP reduce-scatter every micro-batch's
+gradient (that is what they are), and the model-parallel layouts (model, hybrid, rules) reduce every
+micro-batch's gradient too: their layers gather activations across the shards of a model group, which
+a per-shard map cannot express. The records count each loop's collectives once per trip.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dtx import compress, strategies
 from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.data import tasks as task_lib
-from dtx.step import body
+from dtx.step import accumulate, batchnorm, body
 from dtx.step.spec import StepSpec
 
 
@@ -40,6 +47,9 @@ class JitDriver:
         split_grads = (functools.partial(lax.with_sharding_constraint, shardings=gradients)
                        if gradients is not None else _identity)
         micro_sharding = NamedSharding(mesh, PartitionSpec(None, mesh_lib.batch_axes(mesh)))
+        apart = _apart(mesh, spec)
+        if apart is not None:  # batch norm inside the per-shard map: statistics over all shards, as in one pass
+            model = batchnorm.synchronise(model, (accumulate.SHARD_AXIS,))
         train = functools.partial(
             body.train_body, model=model, tx=tx, policy=spec.policy, scaler=spec.loss_scaler,
             accum_steps=spec.accum_steps, strategy=spec.strategy or strategies.sync(),
@@ -47,7 +57,7 @@ class JitDriver:
             shards=mesh_lib.data_parallel_size(mesh),
             constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=_activations(placement),
             split_grads=split_grads, split_micro=split_grads if placement is not None and placement.shard_accumulator
-            else _identity, task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm)
+            else _identity, task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm, apart=apart)
         state_sharding = _state_sharding(mesh, placement)
         return jax.jit(_without_comm(train), in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=(state_sharding, mesh_lib.replicated(mesh)),
@@ -59,6 +69,20 @@ class JitDriver:
                                      task=spec.task or task_lib.classification())
         return jax.jit(evaluate, in_shardings=(_state_sharding(mesh, spec.placement), mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
+
+
+def _apart(mesh: Mesh, spec: StepSpec) -> accumulate.Apart | None:
+    """With accumulation, each shard's gradient summed apart and reduced once per step
+    (:mod:`dtx.step.accumulate`), where a device can hold its own whole gradient: whole parameters, and
+    no per-micro-batch reduce-scatter (ZeRO-2's is its definition; under FSDP each device holds only
+    its shard of the gradient). Model-parallel layouts reduce per micro-batch (the module docstring)."""
+    placement = spec.placement
+    if spec.accum_steps == 1 or (placement is not None and not placement.whole_gradients):
+        return None
+    axes = mesh_lib.batch_axes(mesh)
+    sharding = NamedSharding(mesh, PartitionSpec(axes))
+    return accumulate.Apart(axes, lambda tree: jax.tree.map(
+        lambda x: lax.with_sharding_constraint(x, sharding), tree))
 
 
 def _state_sharding(mesh: Mesh, placement):

@@ -1,0 +1,144 @@
+"""Gradient accumulation's communication, read from the compiled program (dtx.step.accumulate, dtx.comm.hlo).
+
+Accumulating k micro-batches exists to send the gradient once per step. For every layout, both
+drivers where they apply, and k = 1, 2, 4 on 8 devices (a 64-32-10 MLP, compiled only):
+
+- the bytes a run records equal the compiled program's collectives, each counted once per trip of
+  its loop (under ``jit`` the records *are* the compiled program's; under ``shard_map`` they are the
+  accountant's, counted while tracing, and must match);
+- where a device can hold its own whole gradient (data, ZeRO-1) the step reduces once, after the
+  micro-batch loop, under ``jit`` as under ``shard_map``: its bytes do not grow with k (they were k×
+  under ``jit``, XLA reducing every micro-batch's gradient inside the loop);
+- ZeRO-2 reduce-scatters each micro-batch's gradient (its definition) and ZeRO-1 does not, so they
+  are different programs under ``jit`` too; FSDP and the model-parallel layouts reduce per micro-batch
+  and their records say so (k trips).
+
+And the values: the per-shard accumulation under ``jit`` trains a batch-norm CNN exactly as
+``shard_map``'s synchronised batch norm does (statistics of each whole micro-batch).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtx import mesh as mesh_lib
+from dtx import models, optim
+from dtx.comm import hlo
+from dtx.data import TrainLoader
+from dtx.parallel import get_layout
+from dtx.step import StepSpec, make_train_step
+from dtx.step.state import abstract_train_state, init_train_state
+
+BATCH = 64
+KS = (1, 2, 4)
+CASES = [("data", "shard_map"), ("zero1", "shard_map"), ("zero2", "shard_map"),
+         ("data", "jit"), ("zero1", "jit"), ("zero2", "jit"), ("fsdp", "jit"), ("model", "jit")]
+GRADIENT_KINDS = ("all-reduce", "reduce-scatter")
+
+
+def _mesh(layout):
+    return mesh_lib.make_mesh([("data", 4), ("model", 2)] if get_layout(layout).needs_model_axis else [("data", 8)])
+
+
+@pytest.fixture(scope="module")
+def programs(digits):
+    """(layout, driver, k) -> (compiled step, the bytes one run of it records)."""
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
+    model = models.build_model("mlp", features=(32,))
+    out = {}
+    for layout, driver in CASES:
+        mesh = _mesh(layout)
+        placement = get_layout(layout).place(abstract_train_state(model, tx, example), mesh)
+        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+        batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
+        for k in KS:
+            step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=k, placement=placement,
+                                                             donate=False))
+            compiled = step.lower(state, batch).compile()
+            if driver == "shard_map":  # the accountant's count, from one step run
+                _, metrics = step(state, batch)
+                recorded = int(metrics["comm_bytes"])
+            else:  # what dtx train records under jit: the compiled program's (dtx.run.setup.program_figures)
+                recorded = hlo.total(compiled).bytes_sent
+            out[layout, driver, k] = compiled, recorded
+    return out
+
+
+def _gradient_collectives(compiled):
+    """The collectives that carry more than the averages' few scalars: the gradients'."""
+    return [c for c in hlo.collectives(compiled) if c.kind in GRADIENT_KINDS and c.operand_bytes > 64]
+
+
+def _bytes(collectives):
+    return sum(c.bytes_sent * c.trips for c in collectives)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("layout,driver", CASES)
+def test_recorded_bytes_are_the_compiled_bytes_times_trips(programs, layout, driver, k):
+    compiled, recorded = programs[layout, driver, k]
+    totals = hlo.total(compiled)
+    assert totals.unknown_trips == 0
+    assert totals.bytes_sent == sum(c.bytes_sent * c.trips for c in hlo.collectives(compiled))
+    assert recorded == totals.bytes_sent > 0
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("layout,driver", [c for c in CASES if c[0] in ("data", "zero1")])
+def test_whole_gradients_are_reduced_once_per_step(programs, layout, driver, k):
+    """Data parallelism and ZeRO-1: the gradient collectives run once (none inside the loop), with
+    the bytes of k = 1 — under jit k× fewer than when XLA reduced inside the loop."""
+    compiled, _ = programs[layout, driver, k]
+    gradients = _gradient_collectives(compiled)
+    assert gradients and all(c.trips == 1 for c in gradients), gradients
+    assert _bytes(gradients) == _bytes(_gradient_collectives(programs[layout, driver, 1][0]))
+    if layout == "zero1" and driver == "shard_map":  # reduced once straight to the optimizer state's split
+        # (under jit XLA:CPU writes that reduce-scatter as an all-reduce and a slice, at k = 1 too)
+        assert {c.kind for c in gradients} == {"reduce-scatter"}
+
+
+@pytest.mark.parametrize("driver", ["shard_map", "jit"])
+def test_zero2_reduce_scatters_every_micro_batch_and_zero1_once(programs, driver):
+    zero1 = _gradient_collectives(programs["zero1", driver, 4][0])
+    zero2 = _gradient_collectives(programs["zero2", driver, 4][0])
+    # (under jit XLA:CPU writes ZeRO-2's reduce-scatter as an all-reduce and a slice: inside the loop)
+    assert [c for c in zero2 if c.trips == 4]
+    assert not [c for c in zero1 if c.trips != 1]
+    assert _bytes(zero2) > 3 * _bytes(zero1)
+
+
+@pytest.mark.parametrize("layout", ["zero2", "fsdp", "model"])
+def test_per_micro_batch_reductions_are_recorded_k_times(programs, layout):
+    """Layouts that reduce each micro-batch's gradient: the loop's gradient collectives (those whose size
+    does not shrink with the micro-batch) count k times, so their bytes at k = 4 are twice those at k = 2."""
+    loops = {k: [c for c in _gradient_collectives(programs[layout, "jit", k][0]) if c.trips == k] for k in (2, 4)}
+    sizes = {k: sorted(c.operand_bytes for c in loops[k]) for k in (2, 4)}
+    gradients = {k: [c for c in loops[k] if c.operand_bytes in sizes[2] and c.operand_bytes in sizes[4]]
+                 for k in (2, 4)}
+    assert gradients[2] and _bytes(gradients[4]) == 2 * _bytes(gradients[2])
+
+
+def test_jit_accumulation_with_batch_norm_trains_as_shard_map(digits):
+    """LeNet with batch norm, 2 micro-batches: under jit each shard's forward runs in the per-shard map
+    and averages its statistics over all shards (by name), so each micro-batch is normalised with its
+    global statistics — the shard_map driver's synchronised batch norm, step for step. Without the
+    name, each shard would normalise its 4 examples alone (a different model: the test fails by far).
+    Held to 1e-5 (float32 sums in different orders over 3 steps)."""
+    mesh = mesh_lib.make_mesh([("data", 8)])
+    model = models.build_model("lenet", conv_features=(4,), dense_features=(16,))
+    tx = optim.make_optimizer("sgd", 0.1)
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+    finals = {}
+    for driver in ("shard_map", "jit"):
+        state = init_train_state(model, tx, example, 0, mesh)
+        step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=2))
+        for s in range(3):
+            state, metrics = step(state, loader.batch(s))
+            jax.block_until_ready(metrics)
+        finals[driver] = jax.device_get((state.params, state.model_state, metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(finals["jit"]), jax.tree.leaves(finals["shard_map"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(jax.tree.leaves(finals["jit"][1])[0], 0.0)  # the statistics moved
