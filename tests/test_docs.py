@@ -8,8 +8,13 @@ Convention (stated for writers in docs/README.md):
   block has a time budget (``BLOCK_SECONDS``);
 - ```python no-run marks a block that must not run (it needs a cluster, a GPU, a file the reader
   has); it is still compiled, so it cannot rot into invalid Python. Keep it rare;
-- ```bash blocks are not run, but every ``dtx train`` / ``dtx launch`` / ``dtx bench step`` line in
-  them has its experiment and ``--config.`` overrides loaded and validated;
+- ```bash blocks are not run, but every ``dtx ...`` line in them goes through the real CLI up to the point
+  where it would start its work (experiment and ``--config.`` overrides loaded and validated, the run's parts
+  built on the 8 devices; ``dtx simulate`` runs; ``dtx plot``/``eval``/``export`` name runs an earlier line of
+  the page writes), and every ``python benchmarks/NAME.py ...`` line through its script's parser; ``dtx``
+  commands in inline code name a command and flags it has;
+- a block whose prose states a result asserts it (``assert abs(acc - 0.97) < 0.01``), so the page's claim
+  is checked where the reader sees it;
 - ``>>>`` examples in docstrings of dtx (and dtx.models, dtx.experiments) run as doctests.
 """
 
@@ -25,6 +30,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -105,60 +111,375 @@ def test_python_blocks_run(page, tmp_path):
         print(f"{page}:{block['line']}: {block['seconds']:.1f} s")
 
 
-# ------------------------------------------------------------------ bash blocks
+# ------------------------------------------------------------------ command lines
 
-_CONFIG_COMMANDS = (("dtx", "train"), ("dtx", "launch"), ("dtx", "bench", "step"))
+# What each command does once its arguments are parsed and its input checked: the test stops it there.
+# ``dtx train`` has loaded and validated its experiment (``dtx.config.load``, as the CLI does) when it
+# calls ``train``; ``dtx bench step`` has loaded every ``--vary`` variant when it measures the first.
+_WORK = {"dtx.run.trainer.train": "train", "dtx.tools.bench.measure_step": "bench step",
+         "dtx.tools.bench.measure": "bench collectives", "dtx.tools.plots.plot_runs": "plot",
+         "dtx.run.evaluate.evaluate_run": "eval", "dtx.run.evaluate.export_run": "export"}
+_PLACEHOLDER = re.compile(r"^\[|\]$|^[A-Z][A-Z_]*(\.py)?$|\.\.\.")  # usage lines: [--step N], EXPERIMENT.py, DIR
+_PYTHON = re.compile(r"^(python3?|\.venv/bin/python3?)$")
+# Lines of pages this file's owners do not edit, known to be wrong; each must still fail (then fix the page
+# and delete the entry).
+KNOWN_WRONG = {
+    ("docs/simulated_clock.md", "dtx plot runs/digits_mlp --x sim_time"):
+        "runs are runs/digits_mlp-<time> folders unless --workdir names one",
+}
 
 
-def _commands(code: str):
-    """Each ``dtx train|launch|bench step`` command of a bash block (also as ``.venv/bin/dtx``, after ``srun``
-    or ``&&``), continuation lines joined: ``(line, arguments after the command words)``."""
-    for line in code.replace("\\\n", " ").splitlines():
-        words = shlex.split(line, comments=True)
-        for i, word in enumerate(words):
-            if word != "dtx" and not word.endswith("/dtx"):
+class _Reached(Exception):
+    """A command got past its parser and its checks to the work itself."""
+
+    def __init__(self, kind, *args):
+        super().__init__(kind)
+        self.kind, self.args_ = kind, args
+
+
+def command_lines(page: str) -> list[dict]:
+    """Every ``dtx ...`` and ``python benchmarks/...`` command of ``page``, in page order: the lines of its
+    ```bash blocks (continuations joined; after ``srun`` or ``&&``) and its inline code spans.
+    Each: ``line``, ``text``, ``words`` (from ``dtx`` or the script on), ``inline`` (a code span in prose)."""
+    text = open(os.path.join(REPO, page), encoding="utf-8").read()
+    found, fenced = [], []
+    for match in FENCE.finditer(text):
+        fenced.append((match.start(), match.end()))
+        if match["info"].split()[:1] != ["bash"]:
+            continue
+        line_no, pending = text.count("\n", 0, match.start()) + 2, ""
+        for offset, line in enumerate(match["body"].splitlines()):
+            if not pending:
+                start = line_no + offset
+            if line.endswith("\\"):
+                pending += line[:-1] + " "
                 continue
-            for command in _CONFIG_COMMANDS:
-                if tuple(["dtx", *words[i + 1: i + len(command)]]) == command:
-                    rest = words[i + len(command):]
-                    yield line.strip(), rest[: rest.index("&&")] if "&&" in rest else rest
+            for words in _segments(shlex.split(pending + line, comments=True)):
+                found.append(dict(line=start, text=" ".join(words), words=words, inline=False))
+            pending = ""
+    for match in re.finditer(r"`([^`\n]+)`", text):
+        if any(a <= match.start() < b for a, b in fenced):
+            continue
+        try:
+            words = shlex.split(match[1])
+        except ValueError:
+            continue
+        for words in _segments(words):
+            found.append(dict(line=text.count("\n", 0, match.start()) + 1, text=" ".join(words), words=words,
+                              inline=True))
+    return sorted(found, key=lambda c: c["line"])
 
 
-def _experiment_and_overrides(args: list[str]) -> tuple[str, list[str]]:
-    flags_with_values = {"--workdir", "--processes", "--devices-per-process", "--vary", "--steps", "--rounds",
-                         "--port", "--timeout"}
-    positional, overrides, skip = [], [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg.startswith("--config."):
-            overrides.append(arg)
-        elif arg in flags_with_values:
-            skip = True
-        elif not arg.startswith("-"):
-            positional.append(arg)
-    return positional[0], overrides
+def _segments(words: list[str]):
+    """The commands of one shell line: each ``&&``-separated part from ``dtx`` (or ``.venv/bin/dtx``, after
+    ``srun``) or from ``python benchmarks/NAME.py`` on."""
+    part = []
+    for word in words + ["&&"]:
+        if word != "&&":
+            part.append(word)
+            continue
+        for i, w in enumerate(part):
+            if (w == "dtx" or w.endswith("/dtx")) and len(part) > i + 1 and not part[i + 1].startswith("-"):
+                yield ["dtx", *part[i + 1:]]
+                break
+            if _PYTHON.match(w) and len(part) > i + 1 and part[i + 1].startswith("benchmarks/"):
+                yield part[i + 1:]
+                break
+        part = []
 
 
-def test_dtx_commands_in_bash_blocks_name_real_experiments_and_keys(monkeypatch):
+def _dtx_words(words: list[str]) -> list[str]:
+    """The command words of ``dtx ...``: ``["train"]``, ``["bench", "step"]``; [] for an unknown command."""
+    from dtx.tools import cli
+
+    for name in [*cli._COMMANDS, "train"]:
+        if words[1: 1 + len(name.split())] == name.split():
+            return name.split()
+    return []
+
+
+def _run_cli(argv: list[str]) -> tuple[int | None, _Reached | None, str]:
+    """``dtx ARGV`` through the real CLI up to its work: (exit status or None, where it stopped, stderr+stdout)."""
+    import contextlib
+    import io
+    import types
+
+    import pytest
+
+    importlib.import_module("dtx.run.trainer")  # every plug-in registered, with its config checks, as in dtx train
+    from dtx import config as config_lib
+    from dtx.tools import cli, launch
+
+    def stop(kind):
+        def reached(*args, **kwargs):
+            raise _Reached(kind, *args, kwargs)
+        return reached
+
+    def popen(command, **kwargs):  # dtx launch: the command each process would run, not the process
+        raise _Reached("launch", command)
+
+    loaded, load = [], config_lib.load
+
+    def recording_load(*args, **kwargs):  # every config the command loads (dtx bench step: one per --vary value)
+        loaded.append(load(*args, **kwargs))
+        return loaded[-1]
+
+    out = io.StringIO()
+    code, reached = None, None
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        patch.setattr(config_lib, "load", recording_load)
+        for target, kind in _WORK.items():
+            patch.setattr(target, stop(kind))
+        patch.setattr("dtx.run.preflight.show_on_terminal", lambda: None)
+        patch.setattr(launch, "subprocess", types.SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
+        try:
+            code = cli.main(argv)
+        except _Reached as r:
+            reached = r
+            reached.loaded = loaded
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return code, reached, out.getvalue()
+
+
+def _check_dtx(command: dict, devices: int, scratch: str) -> str:
+    """Run one ``dtx`` command line up to its work; '' when it got there as the page says, else why not."""
+    words = command["words"]
+    name = _dtx_words(words)
+    if not name:
+        return f"`dtx {words[1]}` is not a dtx command"
+    args = words[1 + len(name):]
+    if command["inline"] or any(_PLACEHOLDER.search(w) for w in args):  # a fragment or usage: its flags exist
+        if name == ["train"] and args and not args[0].startswith("-") and not any(_PLACEHOLDER.search(w) for w in args):
+            pass  # a whole command after all (`dtx train digits_mlp`): checked in full below
+        else:
+            code, _, help_text = _run_cli([*name, "--help"])
+            flags = [w.strip("[]").split("=")[0] for w in args if w.strip("[").startswith("--")]
+            unknown = [f for f in flags if not f.startswith("--config.") and not re.search(re.escape(f) + r"\b",
+                                                                                          help_text)]
+            if code != 0 or unknown:
+                return f"dtx {' '.join(name)} --help exited {code}; flags not in it: {unknown}\n{help_text}"
+            return ""
+    args = [w for a in args for w in (sorted(glob.glob(a)) or [a] if re.search(r"[*?]", a) else [a])]  # the shell's globs
+    if name == ["simulate"]:  # cheap: run it, without compiling the plans (--verify) or drawing (--out)
+        args = [a for i, a in enumerate(args) if a != "--verify" and a != "--out" and args[i - 1 : i] != ["--out"]]
+    code, reached, output = _run_cli([*name, *args])
+    if reached is None:
+        if name == ["simulate"] and code == 0:
+            return ""
+        return f"exited {code} before its work:\n{output[-3000:]}"
+    if reached.kind == "launch":  # what each process runs: a dtx train command of its own
+        processes = int(args[args.index("--processes") + 1])
+        child = reached.args_[0][reached.args_[0].index("train"):]
+        code, reached, output = _run_cli(child)
+        if reached is None:
+            return f"a process's `dtx {' '.join(child)}` exited {code}:\n{output[-3000:]}"
+        return _check_config(reached.args_[0], processes, devices, scratch) or _ran(reached)
+    if reached.kind == "train":
+        return _check_config(reached.args_[0], 1, devices, scratch) or _ran(reached)
+    if reached.kind == "bench step":  # every variant, as each would be measured
+        return "".join(_check_config(config, 1, devices, scratch) for config in reached.loaded)
+    if reached.kind in ("eval", "export"):  # dtx plot checks its runs itself
+        missing = [r for r in [reached.args_[0]] if not os.path.isdir(r)]
+        if missing:
+            return f"names {missing}, which no command before it on this page writes"
+    return ""
+
+
+def _check_config(config, processes: int, devices: int, scratch: str) -> str:
+    """``train()`` itself up to its first compilation, on this test's devices when the command asks for as many
+    (or for whatever a cluster has): the mesh, the data, the model, optimizer, compressor and strategy are
+    built, so an unknown name or a batch that does not split is refused as the command would refuse it."""
     from dtx import config as config_lib
 
-    monkeypatch.chdir(REPO)  # the pages' commands run from the repository root
-    checked = 0
+    try:
+        config_lib.validate(config)  # train()'s first line
+    except config_lib.ConfigError as e:
+        return f"refused by train(): {e}"
+    if config.emulate_cpu_devices * processes != devices and config.emulate_cpu_devices != 0:
+        return ""
+    # This process's 8 devices are the job's global mesh; a fresh run directory (a resume's checkpoint is not here).
+    config = config_lib.override(config, emulate_cpu_devices=0, **{"checkpoint.resume_step": 0,
+                                                                   "checkpoint.resume": "auto"})
+    key = config.to_json()
+    if key not in _BUILT:  # the same run on several pages is built once
+        _BUILT[key] = _build(config, scratch)
+    return _BUILT[key]
+
+
+_BUILT: dict[str, str] = {}
+
+
+def _build(config, scratch: str) -> str:
+    import pytest
+
+    from dtx.run import trainer
+
+    def built(*args, **kwargs):  # called right after setup.build_parts, before anything is compiled
+        raise _Reached("built")
+
+    os.makedirs(scratch, exist_ok=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("dtx.run.preflight.what_ran", built)
+        patch.setattr("dtx.run.preflight.show_on_terminal", lambda: None)
+        try:
+            trainer.train(config, tempfile.mkdtemp(dir=scratch))
+        except _Reached:
+            return ""
+        except Exception as e:  # noqa: BLE001 - what dtx train would print instead of training
+            return f"refused by train(): {type(e).__name__}: {e}"
+    return "train() ran past building its parts"
+
+
+def _ran(reached: _Reached) -> str:
+    """What the command leaves behind for the page's later commands: a run directory with its records."""
+    if reached.kind == "train":
+        workdir = os.fspath(reached.args_[1])
+        if not os.path.isabs(workdir):
+            os.makedirs(workdir, exist_ok=True)
+            open(os.path.join(workdir, "metrics.jsonl"), "a").close()
+    return ""
+
+
+def _check_benchmarks(commands: list[tuple[str, dict]], tmp_path) -> list[str]:
+    """Each ``python benchmarks/NAME.py ...`` line: the script exists and its own parser accepts the line,
+    in one child process (the scripts set JAX up as they import); nothing runs past the parser."""
+    wrong, todo = [], []
+    for where, command in commands:
+        script = os.path.join(REPO, command["words"][0])
+        if not os.path.isfile(script):
+            wrong.append(f"{where}: `{command['text']}`: no such script")
+        else:
+            todo.append(dict(where=where, script=script, args=command["words"][1:]))
+    if not todo:
+        return wrong
+    spec = tmp_path / "benchmarks.json"
+    spec.write_text(json.dumps(todo))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+           "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg", "DTX_BENCH_DIR": str(tmp_path / "results")}
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--parse-benchmarks", str(spec)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    report = [json.loads(line[len("PARSED "):]) for line in done.stdout.splitlines() if line.startswith("PARSED ")]
+    assert done.returncode == 0 and len(report) == len(todo), done.stdout[-3000:] + done.stderr[-3000:]
+    wrong += [f"{r['where']}: `{' '.join(['python', os.path.relpath(r['script'], REPO), *r['args']])}`: {r['error']}"
+              for r in report if r["error"]]
+    return wrong
+
+
+def _parse_benchmarks(spec_path: str) -> int:
+    """Child process of :func:`_check_benchmarks`: run each script as ``__main__`` until its parser returns."""
+    import argparse
+    import contextlib
+    import io
+    import runpy
+
+    class Parsed(Exception):
+        pass
+
+    inside = []
+    original_args, original_known = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+
+    def parse_args(self, args=None, namespace=None):
+        inside.append(1)
+        try:
+            original_args(self, args, namespace)
+        finally:
+            inside.pop()
+        raise Parsed
+
+    def parse_known_args(self, args=None, namespace=None):
+        result = original_known(self, args, namespace)
+        if inside:
+            return result
+        unknown = [a for a in result[1] if not a.startswith("--config.")]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        raise Parsed
+
+    argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = parse_args, parse_known_args
+    for item in json.load(open(spec_path, encoding="utf-8")):
+        sys.argv = [item["script"], *item["args"]]
+        out, error = io.StringIO(), ""
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                runpy.run_path(item["script"], run_name="__main__")
+            error = "ran to the end without parsing its arguments"
+        except Parsed:
+            pass
+        except SystemExit as e:
+            error = f"exited {e.code}: {out.getvalue()[-2000:]}"
+        except Exception as e:  # noqa: BLE001 - reported as the line's failure
+            error = f"{type(e).__name__}: {e}"
+        print("PARSED " + json.dumps(dict(item, error=error)), flush=True)
+    return 0
+
+
+def test_every_command_line_of_the_pages_parses_and_validates(tmp_path, monkeypatch):
+    """Every ``dtx ...`` command of README.md and docs/*.md goes through the real CLI up to the point where it
+    would start its work: parsed by its own parser; an experiment with its ``--config.`` overrides loaded and
+    validated as ``dtx train`` does (``dtx.config.load``), its mesh built when it asks for this test's 8 devices;
+    ``dtx launch`` each process's ``dtx train`` command; ``dtx bench step`` every ``--vary`` value;
+    ``dtx simulate`` run (without ``--verify`` and ``--out``); ``dtx plot``/``eval``/``export`` name run folders
+    an earlier command of the page writes. Inline code spans (`dtx simulate --memory`) must name a command and
+    flags it has. ``python benchmarks/NAME.py ...``: the script exists and its parser takes the line.
+    Each page runs in an empty folder of its own (``experiments`` linked in), so nothing tracked is written."""
+    import jax
+
+    devices = len(jax.devices())
+    wrong, benchmarks, counts = [], [], {"dtx": 0, "inline": 0, "benchmarks": 0}
     for page in pages():
-        for block in blocks(page):
-            if block["language"] != "bash":
+        work = tmp_path / page.replace("/", "_")
+        work.mkdir()
+        (work / "experiments").symlink_to(os.path.join(REPO, "experiments"))
+        monkeypatch.chdir(work)
+        for command in command_lines(page):
+            where = f"{page}:{command['line']}"
+            if command["words"][0] != "dtx":
+                if not _PLACEHOLDER.search(os.path.basename(command["words"][0])):  # not `benchmarks/NAME.py`
+                    benchmarks.append((where, command))
+                counts["benchmarks"] += 1
                 continue
-            for line, args in _commands(block["code"]):
-                if "EXPERIMENT.py" in args or not args:
-                    continue  # the usage line
-                experiment, overrides = _experiment_and_overrides(args)
-                try:
-                    config_lib.load(experiment, overrides)
-                except config_lib.ConfigError as e:
-                    raise AssertionError(f"{page}:{block['line']}: `{line}`: {e}") from None
-                checked += 1
-    assert checked >= 20
+            problem = _check_dtx(command, devices, str(tmp_path / "scratch"))
+            counts["inline" if command["inline"] else "dtx"] += 1
+            known = KNOWN_WRONG.get((page, command["text"]))
+            if known:
+                assert problem, f"{where}: `{command['text']}` is right now: delete its KNOWN_WRONG entry"
+            elif problem:
+                wrong.append(f"{where}: `{command['text']}`: {problem}")
+    monkeypatch.chdir(REPO)
+    wrong += _check_benchmarks(benchmarks, tmp_path)
+    assert not wrong, "\n\n".join(wrong)
+    print(counts)
+    assert counts["dtx"] >= 70 and counts["inline"] >= 30 and counts["benchmarks"] >= 8, counts
+
+
+def test_a_wrong_command_line_fails_the_check(tmp_path, monkeypatch):
+    """Misspelt flags, keys and values, batch sizes the mesh refuses, runs no command wrote: each is caught."""
+    import jax
+
+    (tmp_path / "experiments").symlink_to(os.path.join(REPO, "experiments"))
+    monkeypatch.chdir(tmp_path)
+    mlp = "dtx train experiments/digits_mlp.py"
+
+    def problem(text, inline=False):
+        return _check_dtx(dict(words=shlex.split(text), text=text, inline=inline), len(jax.devices()),
+                          str(tmp_path / "scratch"))
+
+    assert problem(f"{mlp} --config.driver=jit") == ""
+    for wrong in [f"{mlp} --config.drivr=jit", f"{mlp} --config.driver=pjit", f"{mlp} --workdri runs/x",
+                  f"{mlp} --config.global_batch_size=100", "dtx train experiments/digits_mpl.py",
+                  "dtx launch --procesess 2 experiments/digits_mlp.py",
+                  "dtx launch --processes 2 --devices-per-process 4 experiments/digits_mlp.py --config.mesh=data",
+                  "dtx bench step experiments/digits_mlp.py --vary compression.name=none,topkk",
+                  "dtx simulate --model vgg_aa", "dtx simulate --model vgg_a --cluster haswel_fdr",
+                  "dtx bench collectives --sizez 1MiB", "dtx plot runs/nothing --x sim_time", "dtx eval runs/ck",
+                  "dtx evaluate runs/ck"]:
+        assert problem(wrong), wrong
+    assert problem("dtx simulate --memory", inline=True) == "" and problem("dtx simulate --memroy", inline=True)
+    bench = [(f"page:{i}", dict(words=shlex.split(text), text=text)) for i, text in enumerate(
+        ["benchmarks/large_batch_sweep.py --optimizers lars --batches 128,8192",
+         "benchmarks/large_batch_sweep.py --optimisers lars", "benchmarks/no_such_sweep.py"])]
+    assert sorted(w.split(":")[1] for w in _check_benchmarks(bench, tmp_path)) == ["1", "2"]
 
 
 # ------------------------------------------------------------------ benchmarks write nothing tracked unasked
@@ -245,4 +566,4 @@ def _execute(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_execute(sys.argv[1]))
+    sys.exit(_parse_benchmarks(sys.argv[2]) if sys.argv[1] == "--parse-benchmarks" else _execute(sys.argv[1]))
