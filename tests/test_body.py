@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dtx import strategies
 from dtx.step import body
 from dtx.comm.costmodel import Traffic
 
@@ -67,11 +68,47 @@ def test_finish_adds_the_averages_traffic_to_the_updates_and_takes_the_verdict_o
                        traffic={"comm_bytes": count_scalar(56), "comm_rounds": count_scalar(14),
                                 "comm_bytes_logging": count_scalar(56), "comm_rounds_logging": count_scalar(14)})
     stats = {"comm_bytes": count_scalar(1000), "comm_rounds": count_scalar(14), "grads_finite": jnp.bool_(True)}
-    state, metrics = body.finish(old, new, dict(stats), worked, LossScaler(), "sync")
+    sync, local = strategies.sync(), strategies.local_sgd()
+    state, metrics = body.finish(old, new, dict(stats), worked, LossScaler(), sync)
     assert list(metrics) == ["loss", "accuracy", "comm_bytes", "comm_rounds", "comm_bytes_logging",
                              "comm_rounds_logging"]
     assert (int(metrics["comm_bytes"]), int(metrics["comm_rounds"])) == (1056, 28)
     assert {np.asarray(metrics[k]).dtype for k in list(metrics)[2:]} == {np.dtype(np.int32)}
     assert int(state.step) == 4 and np.array_equal(state.rng, worked.rng) and float(state.params["w"][0]) == 0.0
     with pytest.raises(body.BodyError, match="loss scaling needs strategy 'local_sgd'"):
-        body.finish(old, new, {"comm_bytes": 0, "comm_rounds": 0}, worked, LossScaler(enabled=True), "local_sgd")
+        body.finish(old, new, {"comm_bytes": 0, "comm_rounds": 0}, worked, LossScaler(enabled=True), local)
+
+
+def test_only_workers_with_their_own_models_have_averages_a_step_may_leave_out():
+    """records_collective: local SGD, DiLoCo, EASGD, gossip and Streaming DiLoCo average for the records only
+    (a record=False step drops it); sync and every strategy that reduces gradients keep it every step."""
+    local = {name for name, factory in strategies.STRATEGIES.items() if body.records_collective(factory())}
+    assert local == {"local_sgd", "diloco", "easgd", "gossip", "streaming_diloco"}
+
+
+def test_finish_without_averages_reports_no_loss_and_keeps_each_workers_statistics():
+    """A step built without records (its Pass has no loss): no loss nor metrics, the update's traffic alone,
+    and a local-model worker's batch-norm statistics go to its own slice, not the replicated model_state."""
+    import flax
+
+    from dtx.comm.context import count_scalar
+    from dtx.precision import LossScaler
+
+    @flax.struct.dataclass
+    class Stepped:
+        step: Any
+        params: Any
+        model_state: Any
+        rng: Any
+        worker: Any
+
+    old = Stepped(jnp.int32(0), {"w": jnp.ones(2)}, {}, jnp.zeros(2, jnp.uint32), {"model_state": {"m": jnp.zeros(2)}})
+    worked = body.Pass(grads=None, loss=None, values={}, finite=None, model_state={"m": jnp.full(2, 3.0)},
+                       rng=jnp.ones(2, jnp.uint32),
+                       traffic={"comm_bytes": count_scalar(0), "comm_rounds": count_scalar(0),
+                                "comm_bytes_logging": count_scalar(0), "comm_rounds_logging": count_scalar(0)})
+    stats = {"comm_bytes": count_scalar(9680), "comm_rounds": count_scalar(2)}
+    state, metrics = body.finish(old, old, dict(stats), worked, LossScaler(), strategies.gossip())
+    assert "loss" not in metrics and (int(metrics["comm_bytes"]), int(metrics["comm_rounds"])) == (9680, 2)
+    assert state.model_state == {} and float(state.worker["model_state"]["m"][0]) == 3.0
+    assert body.model_state_of(state, strategies.gossip()) is state.worker["model_state"]

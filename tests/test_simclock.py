@@ -279,9 +279,9 @@ def test_a_run_records_its_simulated_time_and_a_resume_continues_it(tmp_path, mo
         clusters.Cluster("custom", node_flops=1e7, memory_bandwidth=1e11, bandwidth=1e8, latency=1e-4),
         layers_lib.analyze(model, (64,)), workers=P, global_batch=128, stragglers=noise, runs_ahead=2))
     assert all(r["comm_bytes_logging"] > 0 for r in records)  # the metric averages ride in ssp's psum
-    for k, r in enumerate(records):  # the clock charges what trains, not the records' metric averages
-        sent = (r["comm_bytes"] - r["comm_bytes_logging"], r["comm_rounds"] - r["comm_rounds_logging"])
-        assert r["sim_time_s"] == pytest.approx(host.advance(k, *sent), **TIGHT)
+    for k, r in enumerate(records):  # the clock charges what the step ran, the records' averages included
+        assert r["comm_steps"] == [[r["comm_bytes"], r["comm_rounds"]]]
+        assert r["sim_time_s"] == pytest.approx(host.advance(k, r["comm_bytes"], r["comm_rounds"]), **TIGHT)
 
 
 def test_records_retimed_on_their_own_clock_give_their_own_times_and_scale_with_the_link():
@@ -356,18 +356,25 @@ def test_workers_with_their_own_models_wait_for_each_other_only_where_they_excha
     assert times[3] < computes.max(1).sum() + exchange  # the point of it
 
 
-def test_the_records_clock_leaves_out_the_metric_averages_and_charges_a_local_window_at_its_end():
-    """A local-SGD-like run logged every 2 steps: each step's metric average (its own 14 rounds) is not
-    charged; the window's exchange lands on its last step, so the clock equals one advanced step by step."""
+def test_the_records_clock_charges_each_step_what_it_ran_the_record_steps_averages_included():
+    """A gossip-like run recorded every 3 steps: each step exchanges 1e4 bytes in 2 rounds, the record step also
+    averages the records (56 bytes, 14 rounds of its own). The clock charges every step its own figures
+    (comm_steps), the averages included where they ran: it equals one advanced step by step. Without comm_steps
+    (older records) the window's traffic lands on its last step."""
     model = _noisy()._replace(local_models=True)
     recorder, clock = simclock.Recorder(model), simclock.SimClock(model)
-    logging = {"comm_bytes_logging": 56.0, "comm_rounds_logging": 14.0}
-    for step in (2, 4):  # steps 1 and 3 (0-based) exchange 1e5 bytes in 14 rounds, every step logs
-        record = {"comm_bytes_total": step * 56.0 + step / 2 * 1e5, "comm_rounds_per_step": 14.0 + 7.0, **logging}
+    window = [[1e4, 2.0], [1e4, 2.0], [1e4 + 56.0, 16.0]]
+    for step in (3, 6):
+        record = {"comm_bytes_total": step / 3 * (3e4 + 56.0), "comm_rounds_per_step": 20.0 / 3, "comm_steps": window,
+                  "comm_bytes_logging": 56.0, "comm_rounds_logging": 14.0}
         got = recorder(step, record)["sim_time_s"]
-        for k in (step - 2, step - 1):
-            want = clock.advance(k, 1e5 if k % 2 else 0.0, 14.0 if k % 2 else 0.0)
+        for k in range(step - 3, step):
+            want = clock.advance(k, *window[k % 3])
         assert got == pytest.approx(want, **TIGHT)
+    older, clock = simclock.Recorder(model), simclock.SimClock(model)
+    got = older(3, {"comm_bytes_total": 3e4 + 56.0, "comm_rounds_per_step": 20.0 / 3})["sim_time_s"]
+    want = [clock.advance(k, 3e4 + 56.0 if k == 2 else 0.0, 20.0 if k == 2 else 0.0) for k in range(3)][-1]
+    assert got == pytest.approx(want, **TIGHT)
 
 
 def test_an_overlapped_exchange_is_awaited_tau_steps_later_and_survives_a_resume():

@@ -587,34 +587,71 @@ def test_local_models_resume_exactly_from_a_checkpoint(tmp_path, name, settings)
     assert last[0]["comm_bytes_per_step"] == last[1]["comm_bytes_per_step"] > 0
 
 
-def test_local_models_normalise_locally_and_count_the_statistics_they_average(setup):
-    """With batch norm, a local-model worker normalises over its own batch (no collective in its
-    forward pass), and the per-step averaging of the running statistics is counted as traffic."""
-    model = models.build_model("lenet", conv_features=(4, 8), dense_features=(16,))
-    mesh, tx = setup["mesh"], momentum()
-    strategy = make_strategy("local_sgd", period=4)
+def _record_and_quiet(setup, strategy, model=None):
+    """The step built with and without records (StepSpec.record), their compiled programs and a fresh state."""
+    model, mesh, tx = model or setup["model"], setup["mesh"], momentum()
     state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
-    step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy, donate=False))
-    _, record = step(state, setup["batches"][0])  # step 0 of 4: no parameter averaging
-    stats = costmodel.dense_allreduce_traffic(state.model_state, P, "ring")
-    assert stats.bytes_sent > 0
-    # One psum with the loss and accuracy: the ring's bytes of every leaf, 2(p−1) rounds once.
-    assert int(record["comm_bytes"]) == stats.bytes_sent + METRICS_BYTES
-    assert int(record["comm_rounds"]) == METRICS_ROUNDS
-    # Local normalisation: worker 0's loss is what one device computes on worker 0's rows alone.
-    rows = BATCH // P
-    host = jax.device_get(setup["batches"][0])
-    variables = {"params": jax.device_get(state.params), **jax.device_get(state.model_state)}
-    logits, _ = model.apply(variables, host["inputs"][:rows], train=True, mutable=["batch_stats"])
-    local_loss = float(cross_entropy(logits, host["labels"][:rows]).mean())
-    per_worker = jax.jit(jax.shard_map(
-        lambda s, b: jax.lax.all_gather(cross_entropy(model.apply({"params": s.params, **s.model_state},
-                                                                   b["inputs"], train=True,
-                                                                   mutable=["batch_stats"])[0], b["labels"]).mean(),
-                                        "data"),
-        mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec("data")),
-        out_specs=jax.sharding.PartitionSpec(), check_vma=False))
-    np.testing.assert_allclose(float(per_worker(state.replace(worker={}), setup["batches"][0])[0]), local_loss,
-                               rtol=1e-5)
-    np.testing.assert_allclose(float(record["loss"]), float(per_worker(state.replace(worker={}),
-                                                                         setup["batches"][0]).mean()), rtol=1e-5)
+    steps = [make_train_step(model, tx, mesh, StepSpec(strategy=strategy, donate=False, record=r)) for r in (True, False)]
+    return steps, [step.lower(state, setup["batches"][0]).compile() for step in steps], state
+
+
+def test_gossip_between_records_runs_only_its_neighbour_exchanges_and_counts_what_runs(setup):
+    """No global barrier between records (Lian et al. 2017): the step built without records holds the ring's two
+    ppermutes and nothing else, the record step adds the averages' one all-reduce. Each step's comm_bytes and
+    comm_rounds are exactly what its compiled program runs (dtx.comm.hlo), so the clock charges what runs."""
+    (loud, quiet), (loud_program, quiet_program), state = _record_and_quiet(setup, make_strategy("gossip"))
+    assert {c.kind for c in hlo.collectives(quiet_program)} == {"collective-permute"}
+    assert [c.operand_bytes for c in hlo.collectives(loud_program) if c.kind != "collective-permute"] == [
+        METRICS_OPERAND]
+    figures = []
+    for step, program in ((loud, loud_program), (quiet, quiet_program)):
+        _, m = jax.device_get(step(state, setup["batches"][0]))
+        sent = hlo.total(program)
+        assert (int(m["comm_bytes"]), int(m["comm_rounds"])) == (sent.bytes_sent, sent.rounds)
+        figures.append((int(m["comm_bytes"]), int(m["comm_rounds"]), "loss" in m, "accuracy" in m))
+    mixing = 2 * sum(leaf.size * 4 for leaf in jax.tree.leaves(state.params))
+    assert figures == [(mixing + METRICS_BYTES, 2 + METRICS_ROUNDS, True, True), (mixing, 2, False, False)]
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "diloco", "easgd", "streaming_diloco"])
+def test_averaging_strategies_between_records_communicate_only_in_their_branches(setup, name):
+    (_, quiet), (loud_program, quiet_program), _ = _record_and_quiet(setup, make_strategy(name, period=3))
+    assert [c for c in hlo.collectives(quiet_program) if c.context != "conditional"] == []
+    assert [(c.kind, c.operand_bytes) for c in hlo.collectives(loud_program) if c.context != "conditional"] == [
+        ("all-reduce", METRICS_OPERAND)]
+
+
+def test_local_models_keep_their_own_batch_norm_statistics_and_evaluate_their_mean(setup):
+    """With batch norm, a local-model worker normalises over its own batch and keeps its own running statistics
+    (state.worker["model_state"]; the replicated model_state is empty, so nothing claims a replication that
+    is not there): no train step, record or not, all-reduces them, and both give the same state bit for bit.
+    The model evaluated uses the workers' mean statistics, what averaging them every step gave (running averages
+    are linear in the batch statistics)."""
+    model = models.build_model("lenet", conv_features=(4, 8), dense_features=(16,))
+    mesh, strategy = setup["mesh"], make_strategy("local_sgd", period=2)
+    (loud, quiet), programs, state = _record_and_quiet(setup, strategy, model)
+    assert state.model_state == {} and all(leaf.shape[0] == P for leaf in jax.tree.leaves(state.worker["model_state"]))
+    for program in programs:  # the statistics never travel: outside the averaging branch, the loss/accuracy only
+        assert [c.operand_bytes for c in hlo.collectives(program) if c.context != "conditional"] in (
+            [METRICS_OPERAND], [])
+    first = jax.device_get(state)
+    a = b = state
+    for t in range(3):
+        a, record = loud(a, setup["batches"][t])
+        b, _ = quiet(b, setup["batches"][t])
+        if t == 0:  # worker 0's statistics: one device's update on worker 0's rows alone (local normalisation)
+            rows = jax.device_get(setup["batches"][0])["inputs"][:BATCH // P]
+            own = jax.tree.map(lambda x: x[0], first.worker["model_state"])
+            _, want = model.apply({"params": first.params, **own}, rows, train=True, mutable=["batch_stats"])
+            _close(jax.tree.map(lambda x: x[0], jax.device_get(a.worker["model_state"])), want)
+    for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))):
+        np.testing.assert_array_equal(x, y)
+    stats = jax.device_get(a.worker["model_state"])
+    assert not np.array_equal(*(jax.tree.leaves(stats)[0][:2]))  # two workers, two batches, two statistics
+    batches = eval_batches(setup["digits"].test, 120, mesh)
+    got = evaluate(make_eval_step(model, mesh, StepSpec(strategy=strategy)), a, batches)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    mean = jax.device_put(jax.tree.map(lambda x: x.mean(0), (stats, jax.device_get(a.worker["strategy"]["params"]))),
+                          replicated)  # local SGD evaluates the workers' mean parameters too
+    expected = evaluate(make_eval_step(model, mesh), a.replace(model_state=mean[0], params=mean[1]), batches)
+    assert got["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-5)

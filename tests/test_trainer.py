@@ -234,3 +234,29 @@ def test_a_run_that_cannot_fit_is_refused_before_compiling_with_the_layout_that_
         train(tiny_config("--config.memory_limit=1000"), tmp_path / "tiny")
     result = train(tiny_config("--config.memory_limit=1e9"), tmp_path / "ample")
     assert result.metrics["test_examples"] == 360
+
+
+@pytest.mark.parametrize("strategy", [("gossip",), ("local_sgd", "--config.strategy.period=2")])
+def test_workers_with_their_own_models_average_only_at_records_and_train_the_same_whatever_log_every(tmp_path,
+                                                                                                    strategy):
+    """Gossip and local SGD run the records' all-reduce only on record steps (log_every and the last): the
+    parameters are the same bit for bit at log_every 1 and 3, the bytes differ by exactly the 4 averages the
+    second run leaves out (one float32 vector of loss and accuracy: 2(p-1) messages of 4 bytes, p = 8), and
+    every record lists each step's own bytes and rounds since the one before."""
+    flags = (f"--config.strategy.name={strategy[0]}", *strategy[1:], "--config.num_steps=7")
+    runs = {every: (train(tiny_config(*flags, f"--config.log_every={every}"), tmp_path / str(every)),
+                    [r for r in metrics.read_metrics(tmp_path / str(every)) if "comm_bytes_total" in r])
+            for every in (1, 3)}
+    for a, b in zip(*(jax.tree.leaves(jax.device_get(result.state)) for result, _ in runs.values())):
+        assert (a == b).all()
+    assert runs[1][0].metrics == runs[3][0].metrics
+    assert [r["step"] for r in runs[3][1]] == [3, 6, 7] and all("loss" in r for r in runs[3][1])
+    averages = (2 * 7 * 4, 2 * 7)
+    for _, records in runs.values():  # the steps' own figures add up to the totals
+        assert records[-1]["comm_bytes_total"] == sum(b for r in records for b, _ in r["comm_steps"])
+    total = {every: (records[-1]["comm_bytes_total"], records[-1]["comm_rounds_per_step"] * 7)
+             for every, (_, records) in runs.items()}
+    assert total[1][0] - total[3][0] == 4 * averages[0] and total[1][1] - total[3][1] == pytest.approx(4 * averages[1])
+    steps = [s for r in runs[3][1] for s in r["comm_steps"]]  # steps 3, 6 and 7 run the averages
+    assert [s == runs[1][1][k]["comm_steps"][0] for k, s in enumerate(steps)] == [
+        False, False, True, False, False, True, True]
