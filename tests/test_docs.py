@@ -216,7 +216,7 @@ def _run_cli(argv: list[str]) -> tuple[int | None, _Reached | None, str]:
         return reached
 
     def popen(command, **kwargs):  # dtx launch: the command each process would run, not the process
-        raise _Reached("launch", command)
+        raise _Reached("launch", command, kwargs.get("env", {}))
 
     loaded, load = [], config_lib.load
 
@@ -269,7 +269,9 @@ def _check_dtx(command: dict, devices: int, scratch: str) -> str:
             return ""
         return f"exited {code} before its work:\n{output[-3000:]}"
     if reached.kind == "launch":  # what each process runs: a dtx train command of its own
-        processes = int(args[args.index("--processes") + 1])
+        from dtx import mesh as mesh_lib
+
+        processes = int(reached.args_[1][mesh_lib.ENV_NUM_PROCESSES])
         child = reached.args_[0][reached.args_[0].index("train"):]
         code, reached, output = _run_cli(child)
         if reached is None:
@@ -415,7 +417,7 @@ def _parse_benchmarks(spec_path: str) -> int:
 
 
 def test_every_command_line_of_the_pages_parses_and_validates(tmp_path, monkeypatch):
-    """Every ``dtx ...`` command of README.md and docs/*.md goes through the real CLI up to the point where it
+    """Every ``dtx ...`` command of README.md, docs/*.md and BENCHMARKS.md goes through the real CLI up to the point where it
     would start its work: parsed by its own parser; an experiment with its ``--config.`` overrides loaded and
     validated as ``dtx train`` does (``dtx.config.load``), its mesh built when it asks for this test's 8 devices;
     ``dtx launch`` each process's ``dtx train`` command; ``dtx bench step`` every ``--vary`` value;
@@ -427,7 +429,7 @@ def test_every_command_line_of_the_pages_parses_and_validates(tmp_path, monkeypa
 
     devices = len(jax.devices())
     wrong, benchmarks, counts = [], [], {"dtx": 0, "inline": 0, "benchmarks": 0}
-    for page in pages():
+    for page in pages() + ["BENCHMARKS.md"]:  # BENCHMARKS.md: the commands of its hand-written text
         work = tmp_path / page.replace("/", "_")
         work.mkdir()
         (work / "experiments").symlink_to(os.path.join(REPO, "experiments"))
