@@ -138,10 +138,10 @@ def measure(name, model, shape, layout, mesh, batch, *, accum=1, precision="p=f3
     nodes = math.prod(size for _, size in mesh)
     kwargs = dict(nodes=nodes, global_batch=batch, group_size=group, policy=policy, accum_steps=accum)
     if plan is not None:
-        estimate = memory.estimate_model(model, shape, "rules", sharded=plan.sharded, driver=driver, **kwargs)
+        estimate = memory.estimate_model(model, shape, "rules", sharded=plan.sharded, explicit=driver == "shard_map", **kwargs)
         rules = [(regex, tuple(spec)) for regex, spec in plan.rules()[:-1]]
     else:
-        estimate, rules = memory.estimate_model(model, shape, layout, driver=driver, **kwargs), ()
+        estimate, rules = memory.estimate_model(model, shape, layout, explicit=driver == "shard_map", **kwargs), ()
     start = time.perf_counter()
     compiled = compile_step(model, shape, "rules" if plan else layout, mesh, batch, driver=driver, policy=policy,
                             accum=accum, rules=rules)

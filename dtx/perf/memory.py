@@ -75,7 +75,6 @@ from dtx.precision import Policy
 
 SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2, "lars": 1, "lamb": 2}
 BACKENDS = ("xla_cpu", "gpu")
-DRIVERS = ("jit", "shard_map")
 POOL_INDEX_ARRAYS = 4  # XLA:CPU max pool: one int32 window index per input dimension (NHWC)
 
 
@@ -173,7 +172,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
              stash: Mapping[str, Stash] | None = None, input_bytes: float | None = None,
              other_params: int | Sequence[Sequence[int]] = 0,
              model_state_bytes: float = 0.0, accum_steps: int = 1, backend: str = "xla_cpu",
-             driver: str = "jit") -> MemoryEstimate:
+             explicit: bool = False) -> MemoryEstimate:
     """Per-device memory of a training step of ``layers`` under ``layout``.
 
     Args:
@@ -194,11 +193,10 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
       backend: ``"xla_cpu"`` (checked: every buffer term of the module docstring) or
         ``"gpu"`` (unchecked: no pool index arrays, kernel or input copies, and a true
         reduce-scatter for ZeRO/FSDP, ``1/N`` buffer).
-      driver: ``"jit"`` (XLA's SPMD partitioner places the collectives) or ``"shard_map"`` (the step's own:
-        ZeRO-1/2 reduce-scatter each gradient as the backward pass produces it, :func:`_scattered`).
+      explicit: the step driver places its own collectives (``shard_map``, ``Driver.explicit`` of
+        :mod:`dtx.step.drivers`): ZeRO-1/2 reduce-scatter each gradient as the backward pass produces it
+        (:func:`_scattered`); ``False``: XLA's SPMD partitioner places them (``jit``).
     """
-    if driver not in DRIVERS:
-        raise MemoryModelError(f"unknown driver {driver!r}; choose one of {', '.join(DRIVERS)}")
     if backend not in BACKENDS:
         raise MemoryModelError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     cpu = backend == "xla_cpu"
@@ -260,7 +258,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
         relaid = copy if math.prod(layer.kernel_shape[:-2]) > 1 else 0.0  # a 1×1 kernel is used as stored
         kept = grad
         scattered = lay.zero_stage == 2 or (lay.zero_stage == 1 and k == 1)  # per micro-batch / once
-        if driver == "shard_map" and scattered and state_split:  # reduce-scattered as produced (_scattered)
+        if explicit and scattered and state_split:  # reduce-scattered as produced (_scattered)
             kept, buffer = grad / n, 0.0
         rows.append((act, b * s.pool_in if cpu else 0.0, copy, relaid, grad, buffer, kept))
     shapes = [(other_params,)] if isinstance(other_params, int) else [tuple(x) for x in other_params]
@@ -286,7 +284,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
 
 
 def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Policy(), backend: str = "xla_cpu",
-              driver: str = "jit") -> str:
+              explicit: bool = False) -> str:
     """Why :func:`estimate` may miss this regime by more than 15 % ("" where it is checked to hold).
 
     Measured (benchmarks/memory_model.py, held-out table; docs/memory.md): FSDP, whose peak depends on
@@ -299,7 +297,7 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
     if lay.zero_stage == 3:
         return ("FSDP: XLA's partitioner chooses per layer whether to gather weights or activations and when; "
                 "held-out FSDP rows were 0.68-1.68x the compiled peak")
-    if accum_steps > 1 and driver == "jit":
+    if accum_steps > 1 and not explicit:
         return ("gradient accumulation under jit (dtx/step/jit.py's accumulation is changing): measured "
                 "0.72-1.26x the compiled peak")
     if backend == "xla_cpu" and np.dtype(policy.compute).itemsize < 4:

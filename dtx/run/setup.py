@@ -34,7 +34,7 @@ from dtx.run import preflight
 from dtx.paths import named_leaves
 from dtx.strategies.stragglers import Stragglers
 from dtx.step.state import TrainState, abstract_train_state, init_train_state
-from dtx.step import StepSpec, check_accumulation, check_combination, make_eval_step, make_train_step
+from dtx.step import StepSpec, get_driver, check_accumulation, check_combination, make_eval_step, make_train_step
 
 
 def make_mesh(config: ConfigDict):
@@ -167,7 +167,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
                   policy=policy, accum_steps=config.grad_accum_steps,
-                  backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu", driver=config.driver)
+                  backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu",
+                  explicit=get_driver(config.driver).explicit)
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
     rules = parallel.LAYOUTS["rules"] if chosen.kernels != "none" and sharded else chosen
     try:
@@ -175,7 +176,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                                      sharded=sharded if rules.kernels == "explicit" else (), **common)
     except (ValueError, TypeError):  # a model the memory model cannot analyse: nothing to refuse on
         return
-    doubt = memory.uncovered(rules, **{key: common[key] for key in ("accum_steps", "policy", "backend", "driver")})
+    doubt = memory.uncovered(rules, **{key: common[key] for key in ("accum_steps", "policy", "backend", "explicit")})
     if doubt:  # the estimate is outside what the model is checked on: said, whether or not it fits
         warnings.warn(f"memory_limit: dtx.perf.memory's estimate ({_gib(mine.total)} per device) may be off by more "
                       f"than 15 % here: {doubt} (docs/memory.md)", preflight.RunWarning, stacklevel=3)
@@ -190,7 +191,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
             continue
         try:
             alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **{
-                **common, "driver": config.driver if config.driver in other.drivers else other.drivers[0]})
+                **common, "explicit": get_driver(config.driver if config.driver in other.drivers
+                                                 else other.drivers[0]).explicit})
         except (ValueError, TypeError):
             continue
         if alternative.fits(capacity):
