@@ -78,6 +78,14 @@ def _run(command: list[str], timeout: float = 600) -> tuple[int, float, str]:
     return done.returncode, time.perf_counter() - start, done.stderr[-2000:]
 
 
+def _last_error(stderr: str) -> str:
+    """The line of ``stderr`` that says what went wrong: the last one, less JAX's note on filtered frames."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    while lines and (lines[-1].startswith("---") or "JAX_TRACEBACK_FILTERING" in lines[-1]):
+        lines.pop()
+    return lines[-1] if lines else ""
+
+
 def trial(kind: str, seed: int, reference: tuple, wall: float, root: str) -> tuple[str, str]:
     rng = random.Random(seed)
     moment = rng.uniform(0.05, 0.95) * wall
@@ -99,7 +107,7 @@ def trial(kind: str, seed: int, reference: tuple, wall: float, root: str) -> tup
         if code == 0:
             break
     else:
-        return "failed", f"{detail}: resume exited {code}: {err.strip().splitlines()[-1] if err.strip() else ''}"
+        return "failed", f"{detail}: resume exited {code}: {_last_error(err)}"
     try:
         held = _outcome(workdir) == reference
     except (OSError, IndexError, KeyError) as e:
