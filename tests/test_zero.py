@@ -95,8 +95,10 @@ def test_zero_collectives_are_reduce_scatter_and_all_gather_as_counted(runs, nam
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_zero_records_carry_every_shard_map_steps_fields(runs, name):
     """One body: ZeRO's records have data parallelism's fields, in its order and dtypes (counts int32),
-    and comm_bytes_logging is what the one all-reduce of loss and accuracy sends (its rounds too: ZeRO's
-    gradients travel by reduce-scatter, so the averages ride in no gradient psum)."""
+    and comm_bytes_logging is what the one all-reduce of loss and accuracy sends. ZeRO's gradients travel
+    by reduce-scatter, but this model's 10-wide output bias is kept whole and all-reduced after the loop
+    (zero1; zero2 with its 2 micro-batches inside it): under zero1 the averages ride in that op (no rounds
+    of their own), under zero2 they run alone."""
     from dtx.comm import context as comm_lib
 
     _, metrics, _ = runs["momentum", name]
@@ -107,7 +109,8 @@ def test_zero_records_carry_every_shard_map_steps_fields(runs, name):
     assert np.asarray(metrics["comm_bytes"]).dtype == np.int32
     averaged = comm_lib.pmean_traffic(np.zeros(2, np.float32), 8)  # loss and accuracy, 8 workers
     assert int(metrics["comm_bytes_logging"]) == int(reference["comm_bytes_logging"]) == averaged.bytes_sent > 0
-    assert int(metrics["comm_rounds_logging"]) == averaged.messages == 2 * 7
+    assert averaged.messages == 2 * 7
+    assert int(metrics["comm_rounds_logging"]) == (0 if name == "zero1" else averaged.messages)
 
 
 def test_zero_under_shard_map_refuses_what_it_cannot_run():

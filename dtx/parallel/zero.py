@@ -55,6 +55,8 @@ class Collectives(NamedTuple):
     """ZeRO's collectives for one step, as the body's collaborators (module docstring).
 
     Attributes:
+      averages_ride: whether the tensors kept whole are all-reduced after the micro-batch loop: the step's
+        averages (loss, metrics), independent of them, then ride in that op (XLA's all-reduce combiner).
       split_micro: inside ``shard_map``, per micro-batch: stage 2's reduce-scatter of each
         micro-batch's gradient into the ``1/N`` accumulator (stage 1: the identity).
       split_grads: inside ``shard_map``, once per step: stage 1's reduce-scatter of the summed
@@ -69,6 +71,7 @@ class Collectives(NamedTuple):
         parameters (:func:`traffic`), from their shapes.
     """
 
+    averages_ride: bool
     split_micro: Callable[[Any], Any]
     split_grads: Callable[[Any], Any]
     accumulator: Callable[[Any], Any] | None
@@ -94,11 +97,15 @@ def collectives(gradient_shardings: Any, mesh: Mesh, *, stage: int, policy: Poli
 
     def scatter(grads):
         # Each worker keeps the *mean* of its 1/p of every tensor (divided by p, as data parallelism's
-        # pmean), summed on the wire in the reduce dtype; a tensor no dimension of which divides is averaged whole.
+        # pmean), summed on the wire in the reduce dtype; the tensors no dimension of which divides are
+        # averaged whole, all in one pmean (one op, as XLA's combiner would run them anyway).
         grads = policy.cast_to_reduce(grads)
-        return policy.cast_to_params(per_dim(lambda d, g: lax.pmean(g, axes) if d is None else
-                                             lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True) / p,
-                                             dims, grads))
+        leaves, tree = jax.tree.flatten(grads)
+        splits = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
+        whole = iter(lax.pmean([g for d, g in zip(splits, leaves) if d is None], axes))
+        out = [next(whole) if d is None else lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True) / p
+               for d, g in zip(splits, leaves)]
+        return policy.cast_to_params(jax.tree.unflatten(tree, out))
 
     def accumulator(params):  # shapes only: zeros need no collective
         return jax.tree.map(jnp.zeros_like, jax.eval_shape(scatter, params))
@@ -110,7 +117,8 @@ def collectives(gradient_shardings: Any, mesh: Mesh, *, stage: int, policy: Poli
         # (its invariant form is private): the replication checker cannot see it.
         mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), check_vma=False)
     per_micro = stage == 2 and accum_steps > 1  # stage 2 without accumulation is stage 1
-    return Collectives(
+    kept_whole = any(d is None for d in jax.tree.leaves(dims, is_leaf=lambda d: d is None))
+    return Collectives(averages_ride=kept_whole and not per_micro,
         split_micro=scatter if per_micro else _identity, split_grads=_identity if per_micro else scatter,
         accumulator=accumulator if per_micro else None, specs=specs,
         slices=lambda params: jax.tree.map(lax.with_sharding_constraint, params, gradient_shardings),
@@ -141,15 +149,18 @@ def traffic(abstract_params: Any, dims: Any, p: int, accum_steps: int, stage: in
             reduce_dtype: Any = None) -> costmodel.Traffic:
     """What one worker sends per step, in :mod:`dtx.comm.hlo`'s conventions: ``(p−1)`` times the
     slice's bytes and ``p−1`` rounds per reduce-scatter (``k`` of them under stage 2) and per
-    all-gather; a tensor kept whole is averaged by a ring all-reduce (per micro-batch under stage 2)."""
+    all-gather; the tensors kept whole are averaged in one ring all-reduce (per micro-batch under stage 2):
+    each leaf's ring bytes, one ring's rounds."""
     messages = sent = 0
     passes = accum_steps if stage == 2 else 1
+    whole = False
     for leaf, dim in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(dims, is_leaf=lambda d: d is None)):
         wire = jnp.dtype(reduce_dtype or leaf.dtype).itemsize
         n = math.prod(leaf.shape)
-        if dim is None:  # averaged whole, as often as the others are scattered
+        if dim is None:  # averaged whole, as often as the others are scattered: one ring op for all of them
             ring = costmodel.expected_traffic("ring", n * wire, p, None, wire)
-            messages, sent = messages + passes * ring.messages, sent + passes * ring.bytes_sent
+            messages += 0 if whole else passes * ring.messages
+            sent, whole = sent + passes * ring.bytes_sent, True
             continue
         messages += (passes + 1) * (p - 1)
         sent += (p - 1) * n // p * (passes * wire + jnp.dtype(leaf.dtype).itemsize)

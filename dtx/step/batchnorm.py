@@ -15,14 +15,25 @@ same numbers. dtx's own models declare a ``norm_axis_name`` field for this and
 are cloned with it; any other module is run under a flax method interceptor
 that rebinds each ``BatchNorm`` with ``axis_name`` unset to the batch axes — the
 user's module needs no change.
+
+Those statistics travel: one all-reduce per layer forward, and one backward (the
+cotangents of the mean and the mean of squares, which XLA's combiner merges). They are
+the model's messages, not a plug-in's, so the step's accountant counts them from the
+traced gradient itself (:func:`model_traffic`): every ``psum`` the model's forward and
+backward hold, the independent ones of one layer and direction as one op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
+import jax
+
+from dtx.comm import context as comm_lib
+from dtx.comm import costmodel
 
 
 class NormSyncError(ValueError):
@@ -84,6 +95,41 @@ class _Synchronised:
 
     def __repr__(self) -> str:
         return f"synchronise({self.module!r}, {self.axes!r})"
+
+
+_SUMS = ("psum", "psum_invariant")  # what lax.psum/pmean trace to (pmean: a psum and a division)
+
+
+def model_traffic(grad_fn, args, axes: tuple[str, ...]) -> costmodel.Traffic:
+    """What one call of ``grad_fn(*args)`` (the model's loss and its gradient, traced here once more,
+    nothing runs) sends in the collectives it holds itself over ``axes``: synchronised batch norm's.
+
+    Each layer's sums of one direction (its name stack: ``jvp(Model)/BatchNorm_0`` forward,
+    ``transpose(jvp(Model))/BatchNorm_0`` backward) are independent of each other, and XLA's all-reduce
+    combiner runs them as one op: the bytes of their leaves in one ring, one ring's rounds
+    (:func:`dtx.comm.context.psum_traffic`). The gradient's own reduction is not in ``grad_fn``
+    (the body differentiates per-device copies), so nothing is counted twice.
+    """
+    if not axes:
+        return costmodel.Traffic(0, 0)
+    groups: dict[str, list] = {}
+    for eqn in _equations(jax.make_jaxpr(grad_fn)(*args).jaxpr):
+        if eqn.primitive.name in _SUMS and set(_as_tuple(eqn.params.get("axes", ()))) & set(axes):
+            groups.setdefault(str(eqn.source_info.name_stack), []).extend(v.aval for v in eqn.invars)
+    p = math.prod(jax.lax.axis_size(a) for a in axes)
+    return costmodel.add_traffic(costmodel.Traffic(0, 0), *(comm_lib.pmean_traffic(leaves, p)
+                                                             for leaves in groups.values()))
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (scans, conds, custom rules)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def _as_tuple(axes) -> tuple:

@@ -38,7 +38,7 @@ from dtx import strategies
 from dtx.data import tasks as task_lib
 from dtx.data.loader import Batch
 from dtx.precision import Policy, all_finite, select_tree
-from dtx.step import accumulate
+from dtx.step import accumulate, batchnorm
 from dtx.data.tasks import Task
 
 Metrics = dict[str, jax.Array]
@@ -127,6 +127,9 @@ def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, sc
         # Differentiate per-device copies: each gradient is then its own batch's, and *we* choose how
         # to combine them (shard_map would otherwise sum them when transposing the cast).
         params = lax.pcast(params, axes, to="varying")
+    # The model's own collectives (synchronised batch norm's statistics), once per micro-batch.
+    inside = batchnorm.model_traffic(jax.value_and_grad(loss_fn, has_aux=True), (
+        params, model_state, jax.tree.map(lambda x: x[: x.shape[0] // accum_steps], batch), step_rng), axes)
     grads, loss, values, model_state = gradients(loss_fn, params, model_state, batch, step_rng, accum_steps,
                                                  shards, constrain, axes, split_micro, accumulator, apart)
     grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
@@ -141,7 +144,8 @@ def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, sc
     else:
         mean = averages(axes, loss, values, finite_here, model_state)
     return Pass(grads, mean.loss, mean.values, mean.finite, mean.model_state, jax.random.key_data(rng),
-                averages_traffic(mean, task, axes, strategy, merged))
+                averages_traffic(mean, task, axes, strategy, merged,
+                                 costmodel.Traffic(inside.messages * accum_steps, inside.bytes_sent * accum_steps)))
 
 
 def finish(state, new_state, stats: Metrics, worked: Pass, scaler, strategy):
@@ -305,7 +309,8 @@ def averages_merge(comm: comm_lib.CommContext, strategy, compressor) -> bool:
     return comm.explicit and comm.native and strategy.caps.reduces_once and compressor.caps.allreduce
 
 
-def averages_traffic(mean: Averages, task: Task, axes, strategy, merged: bool) -> Metrics:
+def averages_traffic(mean: Averages, task: Task, axes, strategy, merged: bool,
+                     inside: costmodel.Traffic = costmodel.Traffic(0, 0)) -> Metrics:
     """The averages' and the valid-element count's part of the step's ``comm_bytes``/``comm_rounds``
     (:func:`finish` adds the update's); ``merged`` (:func:`averages_merge`): the averages' bytes, no
     rounds of their own. Nothing without axes (under ``jit`` the compiled program says).
@@ -313,10 +318,11 @@ def averages_traffic(mean: Averages, task: Task, axes, strategy, merged: bool) -
     The averages' own part is also reported as ``comm_bytes_logging``/``comm_rounds_logging``, for the
     reader: it runs for the records, not for training. It runs all the same, so it is part of
     ``comm_bytes``/``comm_rounds`` and the simulated clock (:mod:`dtx.perf.simclock`) charges it; where it
-    is the records' own collective, a step built without records runs none (:func:`records_collective`)."""
+    is the records' own collective, a step built without records runs none (:func:`records_collective`).
+    ``inside``: the model's own collectives in the step (:func:`dtx.step.batchnorm.model_traffic`)."""
     if not axes:
         return {}
-    counted = count_traffic(task, axes, strategy)
+    counted = costmodel.add_traffic(count_traffic(task, axes, strategy), inside)
     logging_rounds = 0 if merged else mean.traffic.messages
     return {"comm_bytes": comm_lib.count_scalar(mean.traffic.bytes_sent + counted.bytes_sent),
             "comm_rounds": comm_lib.count_scalar(logging_rounds + counted.messages),

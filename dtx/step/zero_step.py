@@ -75,11 +75,13 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage
     def worker_pass(state, batch):
         rng, step_rng, shared_key, index = body.step_keys(state, axes)
         params = strategy.grad_params(state, context(state, workers, shared_key, index))
-        # merged=False: the gradients travel by reduce-scatter, no all-reduce the averages could ride in.
+        # The gradients travel by reduce-scatter: the averages ride only in the all-reduce of the tensors
+        # kept whole, where there is one after the loop.
         return body.worker_pass(state, batch, params, rng, step_rng, model=synced, policy=policy, scaler=loss_scaler,
                                 accum_steps=accum_steps, strategy=strategy, axes=axes, shards=1,
                                 constrain=lambda x: x, layout=contextlib.nullcontext,
-                                split_grads=zero.split_grads, split_micro=zero.split_micro, task=task, merged=False,
+                                split_grads=zero.split_grads, split_micro=zero.split_micro, task=task,
+                                merged=zero.averages_ride,
                                 accumulator=zero.accumulator)
 
     everywhere = PartitionSpec()
