@@ -86,6 +86,11 @@ def _last_error(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _verbatim(text: str) -> str:
+    """A process's words as a markdown code span that fits in a table cell."""
+    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
+
+
 def trial(kind: str, seed: int, reference: tuple, wall: float, root: str) -> tuple[str, str]:
     rng = random.Random(seed)
     moment = rng.uniform(0.05, 0.95) * wall
@@ -107,11 +112,11 @@ def trial(kind: str, seed: int, reference: tuple, wall: float, root: str) -> tup
         if code == 0:
             break
     else:
-        return "failed", f"{detail}: resume exited {code}: {_last_error(err)}"
+        return "failed", f"{detail}: resume exited {code}: {_verbatim(_last_error(err))}"
     try:
         held = _outcome(workdir) == reference
     except (OSError, IndexError, KeyError) as e:
-        return "failed", f"{detail}: unreadable outcome ({type(e).__name__}: {e})"
+        return "failed", f"{detail}: unreadable outcome {_verbatim(f'{type(e).__name__}: {e}')}"
     return ("held" if held else "failed"), detail + ("" if held else ": differs from the uninterrupted run")
 
 
