@@ -417,8 +417,8 @@ def _parse_benchmarks(spec_path: str) -> int:
 
 
 def test_every_command_line_of_the_pages_parses_and_validates(tmp_path, monkeypatch):
-    """Every ``dtx ...`` command of README.md, docs/*.md and BENCHMARKS.md goes through the real CLI up to the point where it
-    would start its work: parsed by its own parser; an experiment with its ``--config.`` overrides loaded and
+    """Every ``dtx ...`` command of README.md, docs/*.md and BENCHMARKS.md goes through the real CLI up to the
+    point where it would start its work: parsed by its own parser; an experiment with its ``--config.`` overrides loaded and
     validated as ``dtx train`` does (``dtx.config.load``), its mesh built when it asks for this test's 8 devices;
     ``dtx launch`` each process's ``dtx train`` command; ``dtx bench step`` every ``--vary`` value;
     ``dtx simulate`` run (without ``--verify`` and ``--out``); ``dtx plot``/``eval``/``export`` name run folders
