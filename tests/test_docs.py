@@ -260,7 +260,8 @@ def _check_dtx(command: dict, devices: int, scratch: str) -> str:
             if code != 0 or unknown:
                 return f"dtx {' '.join(name)} --help exited {code}; flags not in it: {unknown}\n{help_text}"
             return ""
-    args = [w for a in args for w in (sorted(glob.glob(a)) or [a] if re.search(r"[*?]", a) else [a])]  # the shell's globs
+    # The shell's globs (runs/*), expanded in the page's folder.
+    args = [w for a in args for w in (sorted(glob.glob(a)) or [a] if re.search(r"[*?]", a) else [a])]
     if name == ["simulate"]:  # cheap: run it, without compiling the plans (--verify) or drawing (--out)
         args = [a for i, a in enumerate(args) if a != "--verify" and a != "--out" and args[i - 1 : i] != ["--out"]]
     code, reached, output = _run_cli([*name, *args])
@@ -418,8 +419,10 @@ def _parse_benchmarks(spec_path: str) -> int:
 
 def test_every_command_line_of_the_pages_parses_and_validates(tmp_path, monkeypatch):
     """Every ``dtx ...`` command of README.md, docs/*.md and BENCHMARKS.md goes through the real CLI up to the
-    point where it would start its work: parsed by its own parser; an experiment with its ``--config.`` overrides loaded and
-    validated as ``dtx train`` does (``dtx.config.load``), its mesh built when it asks for this test's 8 devices;
+    point where it would start its work: parsed by its own parser; an experiment with its ``--config.``
+    overrides loaded and validated as ``dtx train`` does (``dtx.config.load``), then ``train()`` itself up to
+    its first compilation (mesh, data, model, optimizer, compressor, strategy) on this test's 8 devices when
+    the command asks for 8 (or for a cluster's);
     ``dtx launch`` each process's ``dtx train`` command; ``dtx bench step`` every ``--vary`` value;
     ``dtx simulate`` run (without ``--verify`` and ``--out``); ``dtx plot``/``eval``/``export`` name run folders
     an earlier command of the page writes. Inline code spans (`dtx simulate --memory`) must name a command and
