@@ -68,8 +68,8 @@ def main():
         f"digits, global batch 128, median of {args.rounds} interleaved blocks of {args.steps} steps. "
         "*Compute* is the same step with every collective of the gradient path removed "
         "(`make_train_step(..., communicate=False)`); *communication* is the difference; bytes are what one "
-        "worker sends per step by the accountant of `dtx/costmodel.py` (a mean over the steps: strategies "
-        "communicate on some steps only)."), table, update_docs=args.update_docs)
+        "worker sends per step by the accountant of `dtx/comm/costmodel.py` (a mean over the steps: strategies "
+        f"communicate on some steps only). {bench.STEP_NOTE}"), table, update_docs=args.update_docs)
 
 
 if __name__ == "__main__":

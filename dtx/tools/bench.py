@@ -225,6 +225,9 @@ def collectives_main(argv: list[str]) -> int:
 
 STEP_HEADER = ("| setting | step (ms) | compute (ms) | communication (ms) | comm share | comm bytes/step/worker "
                "| HFU |\n|---|---|---|---|---|---|---|")
+STEP_NOTE = ("Times: median [min, max] over the rounds. Communication is each round's step time minus its "
+             "compute twin's (the two run interleaved); where the rounds disagree on its sign it is within the "
+             "machine's noise and shown as ≈0 with its range, never as a negative time.")
 
 
 def build_steps(config):
@@ -289,14 +292,29 @@ def measure_step(config, steps: int = 20, rounds: int = 5) -> dict:
             times[kind].append((time.perf_counter() - start) / steps)
     step_s = statistics.median(times["full"])
     compute_s = statistics.median(times["compute"]) if "compute" in times else None
+    # Paired by round: each round's two blocks ran back to back, under the same load.
+    paired = [f - c for f, c in zip(times["full"], times["compute"])] if compute_s is not None else None
     sent = [float(b) for b in comm_bytes if b is not None]
     peak = flops.device_peak_flops(policy.compute, config.peak_flops)
     return {
-        "step_s": step_s, "compute_s": compute_s, "comm_s": None if compute_s is None else step_s - compute_s,
+        "step_s": step_s, "compute_s": compute_s, "comm_s": None if paired is None else statistics.median(paired),
+        "spread": {"step_s": _range(times["full"]), "compute_s": _range(times.get("compute")),
+                   "comm_s": _range(paired)},
         "comm_bytes_per_step": statistics.fmean(sent) if sent else program_bytes,
         "flops_per_device": per_device_flops, "peak_flops": peak, "hfu": flops.mfu(per_device_flops, step_s, peak),
         "devices": jax.device_count(), "platform": jax.devices()[0].platform,
     }
+
+
+def _range(values):
+    return None if not values else (min(values), max(values))
+
+
+def within_noise(result: dict) -> bool:
+    """Whether the communication time cannot be told from zero: its rounds disagree on the sign (or all
+    say the step without collectives was the slower: it cannot be, so that too is noise)."""
+    spread = result.get("spread", {}).get("comm_s")
+    return result["comm_s"] is not None and (result["comm_s"] <= 0 or (spread is not None and spread[0] <= 0))
 
 
 def describe(config) -> str:
@@ -307,13 +325,22 @@ def describe(config) -> str:
 
 def step_row(name: str, result: dict) -> str:
     """One markdown row of :data:`STEP_HEADER`."""
-    def ms(seconds):
-        return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
+    spread = result.get("spread", {})
 
-    share = "n/a" if result["comm_s"] is None else f"{100 * result['comm_s'] / result['step_s']:.0f}%"
+    def ms(key):
+        seconds, bounds = result[key], spread.get(key)
+        if seconds is None:
+            return "n/a"
+        if key == "comm_s" and within_noise(result):
+            return f"≈0 [{bounds[0] * 1e3:.2f}, {bounds[1] * 1e3:.2f}]" if bounds else "≈0"
+        text = f"{seconds * 1e3:.2f}"
+        return f"{text} [{bounds[0] * 1e3:.2f}, {bounds[1] * 1e3:.2f}]" if bounds else text
+
+    share = ("n/a" if result["comm_s"] is None else "within noise" if within_noise(result)
+             else f"{100 * result['comm_s'] / result['step_s']:.0f}%")
     sent = result["comm_bytes_per_step"]
     hfu = "n/a" if result["hfu"] is None else f"{100 * result['hfu']:.2f}%"
-    return (f"| {name} | {ms(result['step_s'])} | {ms(result['compute_s'])} | {ms(result['comm_s'])} | {share} "
+    return (f"| {name} | {ms('step_s')} | {ms('compute_s')} | {ms('comm_s')} | {share} "
             f"| {'n/a' if sent is None else f'{sent:,.0f}'} | {hfu} |")
 
 
@@ -370,6 +397,7 @@ def step_main(argv: list[str]) -> int:
         if first:
             print(f"{args.experiment} ({describe(config)}): global batch {config.global_batch_size} on "
                   f"{result['devices']} {result['platform']} device(s); median of {args.rounds} x {args.steps} steps")
+            print(STEP_NOTE)
             print(STEP_HEADER)
             first = False
         print(step_row(name or describe(config), result), flush=True)
