@@ -229,7 +229,8 @@ class Plan:
         rules = []
         for name in self.sharded:
             rules.append((f"^{re.escape(name)}/kernel$", P(*[None] * (len(by_name[name].kernel_shape) - 1), "model")))
-            rules.append((f"^{re.escape(name)}/bias$", P("model")))
+            if by_name[name].weights > math.prod(by_name[name].kernel_shape):  # a bias (ResNet's convs have none)
+                rules.append((f"^{re.escape(name)}/bias$", P("model")))
         return rules + [(".*", P())]
 
 

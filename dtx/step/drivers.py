@@ -68,7 +68,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
       ``comm_bytes_logging``/``comm_rounds_logging`` (that all-reduce alone; under ``jit`` the bytes are
       read from the compiled program, :func:`dtx.comm.hlo.total`), the strategy's own metrics, and with
       loss scaling ``loss_scale`` (the scale this step used), ``skipped`` (1 when this step was skipped)
-      and ``skipped_steps``.
+      and ``skipped_steps``. A step built with ``spec.record=False`` for a strategy whose workers keep
+      their own models runs no averages' all-reduce and reports no ``loss`` or task metrics: the loop
+      runs it between records (:func:`dtx.step.body.records_collective`).
     """
     spec = spec or StepSpec()
     driver = get_driver(spec.driver)

@@ -131,11 +131,10 @@ def _init_fn(model, tx, example_inputs, loss_scaler, strategy=None, compressor=N
         opt_state = tx.init(params)
         # (This floor knows strategies and compressors only by their ``init``.)
         strategy_worker, shared = strategy.init(params, opt_state) if strategy else ({}, {})
-        if getattr(strategy, "local_models", False):
-            opt_state = ()  # every worker keeps its own in ``worker``; a global copy would be dead weight
         one_worker = {"compress": compressor.init(params) if compressor else {}, "strategy": strategy_worker}
-        if strategy is not None and strategy.caps.local_models:  # each worker's own statistics (dtx.step.body)
-            one_worker["model_state"], variables = variables, {}
+        if strategy is not None and strategy.caps.local_models:
+            opt_state = ()  # every worker keeps its own in ``worker``; a global copy would be dead weight
+            one_worker["model_state"], variables = variables, {}  # each worker's own statistics (dtx.step.body)
         # Every worker starts from the same state; the leading axis gives each its own copy.
         worker = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *jnp.shape(x))), one_worker)
         return TrainState(
