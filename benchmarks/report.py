@@ -75,6 +75,17 @@ def save_section(name: str, markdown: str, *, update_docs: bool) -> str:
     return path
 
 
+def save_doc_table(name: str, doc: str, markdown: str, *, update_docs: bool) -> str:
+    """A table a page of docs/ shows, in that page's ``<!-- bench:NAME -->`` section (``update_docs``) or into
+    ``results_dir()/doc``: the page's figures come from the script that measures them, as BENCHMARKS.md's do."""
+    path = os.path.join(DOCS if update_docs else results_dir(), doc)
+    if update_docs and f"<!-- bench:{name} -->" not in open(path, encoding="utf-8").read():
+        raise ValueError(f"{path} has no <!-- bench:{name} --> section to write")
+    update_section(name, markdown, path)
+    print(f"section {name!r} written to {path}", flush=True)
+    return path
+
+
 def machine(devices: str = "") -> str:
     """Where and when a figure was measured, e.g. ``2-core CPU, 8 emulated devices, jax 0.10.2, 2026-11-29``.
 

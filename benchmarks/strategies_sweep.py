@@ -7,7 +7,7 @@ change. Reads each run's metrics.jsonl (final ``test_accuracy``, ``comm_bytes_pe
 step) and writes strategies.csv, strategies.png (accuracy vs bytes per step),
 strategies_rounds.png (accuracy vs message rounds per step) and its table (section
 "strategies") into a results folder (printed); with ``--update-docs`` into docs/ and
-BENCHMARKS.md, the files docs/strategies.md shows.
+BENCHMARKS.md, the files docs/strategies.md shows (its table too, section "strategies_table").
 
     python benchmarks/strategies_sweep.py [--only sync,gossip] [--set KEY=VALUE ...] [--out DIR] [--update-docs]
 """
@@ -131,6 +131,10 @@ def main():
     markdown = "\n".join(lines)
     print(markdown)
     report.save_section("strategies", markdown, update_docs=args.update_docs)
+    table = lines[lines.index("| strategy | setting | test accuracy (%) | KiB / step | rounds / step | ratio | wall s |"):]
+    report.save_doc_table("strategies_table", "strategies.md", "\n".join(
+        [f"`{command}`, {datetime.date.today().isoformat()} ({machine}):", ""] + table[:-2]),
+        update_docs=args.update_docs)
     print(f"CSV and plots: {args.out}")
 
 

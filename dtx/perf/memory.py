@@ -290,7 +290,7 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
     Measured (benchmarks/memory_model.py, held-out table; docs/memory.md): FSDP, whose peak depends on
     which layers XLA's SPMD partitioner runs on gathered weights, gathered activations or contracted
     slices and on when it gathers them (held-out rows 0.68 to 1.68 of XLA's); accumulation under ``jit``
-    (0.72 to 1.26, moving while dtx/step/jit.py's accumulation changes); a compute dtype
+    (0.72 to 1.20: the per-shard accumulator of :mod:`dtx.step.accumulate` is not modelled); a compute dtype
     narrower than float32 on XLA:CPU, which computes in float32 and keeps converted copies (0.68 to 0.90).
     """
     lay = get_layout(layout)
@@ -298,8 +298,8 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
         return ("FSDP: XLA's partitioner chooses per layer whether to gather weights or activations and when; "
                 "held-out FSDP rows were 0.68-1.68x the compiled peak")
     if accum_steps > 1 and not explicit:
-        return ("gradient accumulation under jit (dtx/step/jit.py's accumulation is changing): measured "
-                "0.72-1.26x the compiled peak")
+        return ("gradient accumulation under jit (each shard's gradient summed apart, dtx/step/accumulate.py): "
+                "held-out rows measured 0.72-1.20x the compiled peak")
     if backend == "xla_cpu" and np.dtype(policy.compute).itemsize < 4:
         return "a 2-byte compute dtype on XLA:CPU (computed in float32): measured 0.68-0.90x the compiled peak"
     return ""
