@@ -1,0 +1,199 @@
+"""BENCHMARKS.md's measured sections are written by scripts only, never by hand.
+
+Each ``<!-- bench:NAME -->`` section is what a script in benchmarks/ wrote with ``--update-docs``
+(through ``benchmarks/report.py``). The test finds that script (it passes ``"NAME"`` to
+``report.write`` or ``report.save_section``) and checks that the section's wording is the script's:
+every run of two or more plain words in the section (the words between numbers, names and
+punctuation) is text of the script's string literals (or report.py's), or is the text on both sides of
+one value the script fills in (an f-string's hole, or a string the script picks). A sentence typed into a
+section by hand ("the machine was busy") is text no script writes, and fails; to change a section, change
+its script and rerun it with ``--update-docs``. Code spans are values, not wording: a script puts what a
+program printed there. Text outside the markers is free.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+HOLE = "\x00"  # where a script's text is cut: an f-string's value, or the start/end of a string literal
+_EDGE = "([{\"'`*|"  # punctuation that starts a new run of words
+_END = ")]}\"'`*|,.;:!?"
+
+
+def sections(text: str) -> dict[str, str]:
+    """``{name: markdown}`` of every ``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` section."""
+    found = re.findall(r"<!-- bench:(\S+) -->\n(.*?)\n<!-- /bench:\1 -->", text, re.S)
+    names = [name for name, _ in found]
+    assert len(names) == len(set(names)), f"a section appears twice: {names}"
+    opened = re.findall(r"^<!-- bench:", text, re.M)
+    assert len(found) == len(opened), "a <!-- bench:NAME --> marker without its closing marker"
+    return dict(found)
+
+
+def writer_of(name: str) -> list[str]:
+    """The benchmark scripts that write section ``name``."""
+    call = re.compile(r"report\.(?:write|save_section)\(\s*" + re.escape(f'"{name}"'))
+    return sorted(p for p in glob.glob(os.path.join(BENCHMARKS, "*.py"))
+                  if call.search(open(p, encoding="utf-8").read()))
+
+
+def imported_sources(script: str) -> list[str]:
+    """The dtx modules ``script`` imports by name (a table header it prints may be the library's)."""
+    found = []
+    for node in ast.walk(ast.parse(open(script, encoding="utf-8").read())):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] == "dtx":
+                path = os.path.join(REPO, *name.split(".")) + ".py"
+                if os.path.isfile(path) and path not in found:
+                    found.append(path)
+    return found
+
+
+def script_text(*paths: str, rendered: tuple[str, ...] = ()) -> str:
+    """The literal text of the files' strings (and of ``rendered`` text), whitespace collapsed, each piece
+    between ``HOLE``s."""
+    pieces = list(rendered)
+    for path in paths:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        in_fstrings = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):  # literal parts, a hole for every {value}
+                pieces.append(HOLE.join(v.value if isinstance(v, ast.Constant) else "" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in in_fstrings:
+                pieces.append(node.value)
+    return HOLE + HOLE.join(re.sub(r"\s+", " ", p) for p in pieces) + HOLE
+
+
+def word_runs(markdown: str) -> list[list[str]]:
+    """Runs of two or more plain words (letters, apostrophes, hyphens) separated only by spaces, outside code
+    spans (`...`: commands, paths and what a program printed, verbatim)."""
+    runs, current = [], []
+    for token in re.sub(r"`[^`\n]*`", " \x01 ", markdown).split():
+        core = token.lstrip(_EDGE)
+        lead = token[: len(token) - len(core)]
+        stripped = core.rstrip(_END)
+        trail = core[len(stripped):]
+        if not re.fullmatch(r"[A-Za-z][A-Za-z'’-]*", stripped):
+            runs.append(current)
+            current = []
+            continue
+        if lead:
+            runs.append(current)
+            current = []
+        current.append(stripped)
+        if trail:
+            runs.append(current)
+            current = []
+    runs.append(current)
+    return [run for run in runs if len(run) >= 2]
+
+
+def _spaced(words: list[str]) -> str:
+    return " ".join(words)
+
+
+def written_by(run: list[str], text: str) -> bool:
+    """``run`` is in ``text``, or is literal pieces around single words the script filled in: each piece
+    before a filled-in word ends at a hole of ``text``, each piece after one starts at a hole."""
+    if _spaced(run) in text:
+        return True
+
+    def fits(i: int, after_hole: bool) -> bool:  # words i.. are covered, the word before i was filled in
+        if i == len(run):
+            return True
+        for j in range(len(run), i, -1):  # a literal piece run[i:j], longest first
+            piece = _spaced(run[i:j])
+            starts = [f"{HOLE}{piece}", f"{HOLE} {piece}"] if after_hole else [piece]
+            if j == len(run):
+                if any(s in text for s in starts):
+                    return True
+                continue
+            if any(f"{s}{HOLE}" in text or f"{s} {HOLE}" in text for s in starts) and (
+                    fits(j, after_hole=True) or fits_filled(j)):  # a value of words, or of one word
+                return True
+        return False
+
+    def fits_filled(i: int) -> bool:  # run[i] is a value the script filled in, then literal text again
+        return i < len(run) and fits(i + 1, after_hole=True)
+
+    return fits(0, after_hole=False) or fits_filled(0)
+
+
+def handwritten(markdown: str, text: str) -> list[str]:
+    """The runs of words of ``markdown`` that ``text`` (a script's strings) does not write."""
+    return [_spaced(run) for run in word_runs(markdown) if not written_by(run, text)]
+
+
+def _machine() -> str:
+    """What ``report.machine()`` writes on an emulated CPU mesh (it builds its words from pieces: "emulated " +
+    "CPU device" + "s"), whatever devices this process has."""
+    import sys
+
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import report
+    finally:
+        sys.path.remove(BENCHMARKS)
+    return report.machine("8 emulated CPU devices")
+
+
+def test_every_section_is_written_by_its_script():
+    text = open(os.path.join(REPO, "BENCHMARKS.md"), encoding="utf-8").read()
+    found = sections(text)
+    assert len(found) >= 10
+    wrong = []
+    for name, markdown in found.items():
+        scripts = writer_of(name)
+        assert scripts, f"BENCHMARKS.md section {name!r}: no script in benchmarks/ calls report.write({name!r}, ...)"
+        assert os.path.join(BENCHMARKS, f"{name}.py") in scripts or len(scripts) == 1, (name, scripts)
+        library = [path for script in scripts for path in imported_sources(script)]
+        source = script_text(*scripts, *library, os.path.join(BENCHMARKS, "report.py"), rendered=(_machine(),))
+        extra = handwritten(markdown, source)
+        if extra:
+            wrong.append(f"section {name!r} holds text {', '.join(map(os.path.basename, scripts))} does not write: "
+                         f"{extra}")
+    assert not wrong, ("BENCHMARKS.md:\n" + "\n".join(wrong) + "\nChange the script and rerun it with --update-docs "
+                       "(text outside the markers is free). Words a program printed (an error message, a refusal) "
+                       "belong in a code span, `like this`, which the check leaves alone.")
+
+
+def test_a_hand_edited_section_is_caught():
+    """The check above, on a section as its script wrote it and as a hand might change it."""
+    script = os.path.join(BENCHMARKS, "chaos.py")
+    source = script_text(script, os.path.join(BENCHMARKS, "report.py"), rendered=(_machine(),))
+    written = ("`python benchmarks/chaos.py` on 2-core x86_64 host, 8 emulated CPU devices per run, Python 3.11.7, "
+               "jax 0.10.2, 2026-11-30; 1813 s, load average 2.5 at the start (other jobs on the machine slow the "
+               "runs and move where each kill lands). Each trial kills a run (SIGKILL or SIGTERM to the whole process "
+               "group, at a seeded moment within the reference run's wall time), runs the same command again, and "
+               "compares per-step losses, the final record and the last checkpoint bit for bit with an uninterrupted "
+               "run.\n\n| run | trials | held | failed |\n|---|---|---|---|\n"
+               "| dtx train, 1 process x 8 devices | 40 | 40 | 0 |\n| dtx launch, 2 processes x 4 | 12 | 12 | 0 |")
+    assert handwritten(written, source) == []
+    failed = (written + "\n\nFailed trials:\n\n| run | seed | what happened |\n|---|---|---|\n"
+              "| train | 0 | SIGTERM at 5.5s: resume exited 1: `ValueError: what the process said` |")
+    assert handwritten(failed, source) == []
+    for edit, caught in [
+        (written.replace("2026-11-30;", "2026-11-30 (the machine shared with other jobs);"),
+         "the machine shared with other jobs"),
+        (written.replace("runs the same command again", "runs the same command twice"), "runs the same command twice"),
+        (written.replace("| 12 | 12 | 0 |", "| 12 | 12 | 0 |\n\nAll trials held on a quiet machine."),
+         "All trials held on a quiet machine"),
+        (written.replace("dtx launch, 2 processes", "dtx launch, two processes"), "dtx launch, two processes"),
+    ]:
+        assert handwritten(edit, source), f"not caught: {caught!r}"
+
+
+def test_every_file_a_section_names_is_in_the_repository():
+    """A section's figures, CSVs, logs and scripts (``docs/x.png``, ``benchmarks/logs/chaos.log``) are there."""
+    for name, markdown in sections(open(os.path.join(REPO, "BENCHMARKS.md"), encoding="utf-8").read()).items():
+        for path in re.findall(r"(?<![\w/.-])((?:benchmarks|docs|experiments|tests|dtx)/[\w./-]*\w\.\w+)", markdown):
+            assert os.path.isfile(os.path.join(REPO, path)), f"BENCHMARKS.md section {name!r} names {path}, not here"
