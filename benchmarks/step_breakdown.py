@@ -31,8 +31,11 @@ def settings():
         rows.append((f"allreduce={algorithm}", [f"--config.allreduce={algorithm}", *extra]))
     rows += [(f"compression.name={name}", [f"--config.compression.name={name}"])
              for name in sorted(compress.COMPRESSORS) if name != "none"]
-    rows += [(f"strategy.name={name}", [f"--config.strategy.name={name}"])
-             for name in sorted(strategies.STRATEGIES) if name != "sync"]
+    for name in sorted(strategies.STRATEGIES):
+        if name != "sync":  # a strategy doing the optimizer's work itself runs over plain SGD (its declaration)
+            sgd = ["--config.optimizer.name=sgd"] if getattr(strategies.STRATEGIES[name], "replaces_optimizer",
+                                                               None) else []
+            rows.append((f"strategy.name={name}", [f"--config.strategy.name={name}", *sgd]))
     return rows
 
 
