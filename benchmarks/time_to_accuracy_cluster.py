@@ -240,7 +240,43 @@ def main():
                 f"none, or each worker's compute multiplied by a mean-1 lognormal with sigma 0.5 per step. "
                 f"Modelled throughout: docs/simulated_clock.md.")
     print(report.write("time_to_accuracy_cluster", preamble, "\n\n".join(tables), update_docs=args.update_docs))
+    report.save_doc_table("time_to_accuracy_ratios", "simulated_clock.md",
+                          ratio_table(rows, [label for label, _ in chosen], args, report.machine()),
+                          update_docs=args.update_docs)
     print(path)
+
+
+# The columns docs/simulated_clock.md shows: (preset, regime, stragglers, heading).
+DOC_COLUMNS = [("h100_nvlink_ndr", "roofline", "none", "NVLink, roofline"),
+               ("cloud_10gbe", "roofline", "none", "10 GbE, roofline"),
+               ("cloud_10gbe", "balanced", "none", "10 GbE, balanced"),
+               ("cloud_10gbe", "balanced", "σ=0.5", "10 GbE, balanced, σ = 0.5")]
+
+
+def ratio_table(rows: list, labels: list, args, machine: str) -> str:
+    """Each technique's time to the target divided by synchronous SGD's in the same column (the mean over the
+    seeds that reach it; "never" where none does, "(n/k seeds)" where only n of k do)."""
+    def mean_time(label, preset, regime, straggler):
+        got = [r["time_to_target_s"] for r in rows if r["technique"] == label and r["preset"] == preset
+               and (r["regime"], r["stragglers"]) == (regime, straggler)]
+        reached = [t for t in got if t is not None]
+        return (sum(reached) / len(reached) if reached else None), len(reached), len(got)
+
+    base = "sync" if "sync" in labels else labels[0]
+    lines = [f"`python benchmarks/time_to_accuracy_cluster.py --seeds {args.seeds}` ({machine}): time to "
+             f"{args.metric} {args.target:g}, divided by {base}'s in the same column.", "",
+             "| technique | " + " | ".join(c[3] for c in DOC_COLUMNS) + f" | final {args.metric} |",
+             "|" + "---|" * (len(DOC_COLUMNS) + 2)]
+    for label in labels:
+        cells = []
+        for preset, regime, straggler, _ in DOC_COLUMNS:
+            t, n, k = mean_time(label, preset, regime, straggler)
+            sync, _, _ = mean_time(base, preset, regime, straggler)
+            cells.append("never" if t is None or sync is None else f"{t / sync:.2f}×"
+                         + ("" if n == k else f" ({n}/{k} seeds)"))
+        final = [r["final"] for r in rows if r["technique"] == label]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {sum(final) / len(final):.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
