@@ -7,7 +7,7 @@ uncompressed baseline and DGC, the pair the accuracy goal compares, run with sev
 seeds (``--seeds``); the others with the first. Reads each run's metrics.jsonl and
 writes compression.csv, compression.png (accuracy vs bytes per step) and its table
 (section "compression") into a results folder (printed); with ``--update-docs`` into
-docs/ and BENCHMARKS.md, the files docs/compression.md shows.
+docs/ and BENCHMARKS.md, the files docs/compression.md shows (its table too, section "compression_table").
 
 Two measures of "fewer bytes", both from dtx.comm.costmodel's accountant:
 
@@ -156,6 +156,8 @@ def main():
                              textwrap.fill(preamble, 110, break_long_words=False, break_on_hyphens=False), body])
     print(markdown)
     report.save_section("compression", markdown, update_docs=args.update_docs)
+    report.save_doc_table("compression_table", "compression.md", "\n".join(
+        [f"`{command}` ({report.machine()}):", ""] + lines), update_docs=args.update_docs)
     print(f"CSV and plot: {args.out}")
 
 
