@@ -95,6 +95,9 @@ def main():
             "then polynomial (power 2) decay, weight decay 1e-4 with biases excluded. Base rates at batch 128: "
             "momentum 0.05, LARS 0.5 (η = 0.001), LAMB 0.002. Plot: `docs/large_batch.png`; CSV: "
             "`docs/large_batch.csv`."), "\n".join(lines), update_docs=args.update_docs)
+        report.save_doc_table("large_batch_table", "large_batch.md", "\n".join(
+            [f"`python benchmarks/large_batch_sweep.py` ({report.machine()}): peak learning rate from the linear "
+             "rule, test accuracy (%).", ""] + lines), update_docs=args.update_docs)
     print(f"\nplot: {png}", file=sys.stderr)
 
 
