@@ -149,6 +149,7 @@ def measure(name, model, shape, layout, mesh, batch, *, accum=1, precision="p=f3
     m = compiled.memory_analysis()
     peak = memory.compiled_peak(compiled)
     ratio = estimate.total / peak
+    FIGURES[name, label or layout, setting or batch, accum, precision] = estimate.total, peak
     mesh_text = "×".join(str(size) for _, size in mesh)
     text = (f"| {name} | {label or layout} | {mesh_text} | {setting or batch} | {_mb(estimate.params)} "
             f"| {_mb(estimate.grads)} | {_mb(estimate.optimizer)} | {_mb(estimate.activations)} "
@@ -157,6 +158,23 @@ def measure(name, model, shape, layout, mesh, batch, *, accum=1, precision="p=f3
             f"| {_mb(peak)} | {ratio:.3f} |")
     print(text, f"({seconds:.0f} s compile)", flush=True)
     return text, ratio
+
+
+FIGURES: dict = {}  # (model, layout or plan label, setting, k, precision) -> (the model's peak, XLA's): docs/memory.md
+
+
+def doc_table() -> str:
+    """docs/memory.md's summary of the reference table: model / XLA in MB (ratio), one row per model."""
+    heads = [f"{layout} ({'×'.join(str(n) for _, n in MESHES[layout])})" if layout in MESHES else layout
+             for layout in LAYOUTS]
+    lines = ["| model (global batch) | " + " | ".join(heads) + " |", "|---|" + "---|" * len(LAYOUTS)]
+    for name, (_, _, batch) in MODELS.items():
+        cells = []
+        for layout in LAYOUTS:
+            total, peak = FIGURES[name, layout, batch, 1, "p=f32"]  # the reference setting, not an EXTRA row
+            cells.append(f"{total / 1e6:.2f} / {peak / 1e6:.2f} ({total / peak:.3f})")
+        lines.append(f"| {name} (B = {batch}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def row(name: str, layout: str, batch: int, accum: int = 1, precision: str = "p=f32", plan=None) -> tuple[str, float]:
@@ -246,6 +264,10 @@ def main() -> int:
              "holding; docs/memory.md explains each row.\n\n" + header.replace("| batch |", "| setting |") + "\n"
              + "\n".join(extra))
     report.write("memory_model", preamble, body, update_docs=args.update_docs)
+    report.save_doc_table("memory_table", "memory.md", "\n".join([
+        f"`{COMMAND}` ({report.machine()}): per device, model / XLA in MB (ratio); reference rows {within} of "
+        f"{len(ratios)} within 15 %, held-out rows {held_within} of {len(held_ratios)}.", "", doc_table()]),
+        update_docs=args.update_docs)
     print(preamble)
     return 0 if worst[0] <= TOLERANCE and held_worst[0] <= TOLERANCE else 1
 

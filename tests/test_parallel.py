@@ -200,7 +200,12 @@ def zero_runs(digits):
 @pytest.mark.parametrize("opt", ["momentum", "adam", "lamb"])
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_zero_trains_exactly_like_data_parallel(zero_runs, opt, name):
-    """Elementwise optimizers: bit for bit. LAMB's trust ratio needs each tensor's *global* norm; XLA sums the
+    """Elementwise optimizers: ZeRO-1 bit for bit (it accumulates and reduces as data parallelism does:
+    each shard's micro-batches summed, then one reduction, dtx.step.accumulate). ZeRO-2 reduces each
+    micro-batch's gradient and sums the reduced ones: the same sums in another order, held to the suite's
+    parameter tolerance atol=1e-6, rtol=1e-5 (measured after 20 steps: 1.6e-7 with SGD-momentum; 1.9e-6 at
+    |w| = 0.17 with Adam, whose division by sqrt(v) magnifies last-bit differences of near-zero gradients).
+    LAMB's trust ratio needs each tensor's *global* norm; XLA sums the
     shards' squares in another order than one device sums the whole (measured 6e-8), so held to 1e-6 —
     a norm taken per shard would be off by the ratio sqrt(8) on every update (and fail by far)."""
     state, _, _ = zero_runs[opt, name]
@@ -208,6 +213,8 @@ def test_zero_trains_exactly_like_data_parallel(zero_runs, opt, name):
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference.params)):
         if opt == "lamb":
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+        elif name == "zero2":
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
         else:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
