@@ -18,7 +18,6 @@ And the values: the per-shard accumulation under ``jit`` trains a batch-norm CNN
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

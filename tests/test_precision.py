@@ -32,6 +32,7 @@ from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, Policy, PrecisionError, all_finite, parse_policy, select_tree
 from dtx.step.state import init_train_state
 from dtx.step import StepSpec, make_train_step
+from dtx.step.batchnorm import equations
 from dtx.run.steplog import check_loss_scale
 from dtx.run.trainer import train
 
@@ -164,17 +165,6 @@ def host_state(digits, mesh1):
     return jax.device_get(init_train_state(model, _tx(), example, seed=0, mesh=mesh1))
 
 
-def _walk(jaxpr):
-    """Every equation of a jaxpr and of all its sub-jaxprs (jit, shard_map, scan, custom_jvp, cond...)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    yield from _walk(inner)
-
-
 def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
@@ -200,7 +190,7 @@ def test_bfloat16_step_multiplies_in_bfloat16_and_keeps_float32_masters(mesh8, h
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params))]
     assert all(moved)  # the step really applied
 
-    dots = [eqn for eqn in _walk(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"]
+    dots = [eqn for eqn in equations(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"]
     # 2 Dense layers: 2 forward matmuls, and at least 2 backward (kernel gradients).
     assert len(dots) >= 4, [str(eqn) for eqn in dots]
     for eqn in dots:
@@ -215,7 +205,7 @@ def test_bfloat16_step_multiplies_in_bfloat16_and_keeps_float32_masters(mesh8, h
 
 def _gradient_reductions(step, state, batch):
     params = {leaf.shape for leaf in jax.tree.leaves(state.params)}
-    return [eqn for eqn in _walk(jax.make_jaxpr(step)(state, batch).jaxpr)
+    return [eqn for eqn in equations(jax.make_jaxpr(step)(state, batch).jaxpr)
             if eqn.primitive.name.startswith(("psum", "pmean", "all_reduce"))
             and tuple(eqn.invars[0].aval.shape) in params]
 

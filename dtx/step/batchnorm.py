@@ -113,7 +113,7 @@ def model_traffic(grad_fn, args, axes: tuple[str, ...]) -> costmodel.Traffic:
     if not axes:
         return costmodel.Traffic(0, 0)
     groups: dict[str, list] = {}
-    for eqn in _equations(jax.make_jaxpr(grad_fn)(*args).jaxpr):
+    for eqn in equations(jax.make_jaxpr(grad_fn)(*args).jaxpr):
         if eqn.primitive.name in _SUMS and set(_as_tuple(eqn.params.get("axes", ()))) & set(axes):
             groups.setdefault(str(eqn.source_info.name_stack), []).extend(v.aval for v in eqn.invars)
     p = math.prod(jax.lax.axis_size(a) for a in axes)
@@ -121,15 +121,15 @@ def model_traffic(grad_fn, args, axes: tuple[str, ...]) -> costmodel.Traffic:
                                                              for leaves in groups.values()))
 
 
-def _equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs inside it (scans, conds, custom rules)."""
+def equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (jit, shard_map, scans, conds, custom rules)."""
     for eqn in jaxpr.eqns:
         yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
                 if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
+                    yield from equations(inner)
 
 
 def _as_tuple(axes) -> tuple:
