@@ -8,8 +8,8 @@ program (:func:`dtx.comm.hlo.total`).
 
 With gradient accumulation the gradients are reduced once per step, as under ``shard_map``: each
 shard's are summed apart over the micro-batches (:mod:`dtx.step.accumulate`) — for the layouts whose
-devices each hold a whole gradient (data, ZeRO-1). ZeRO-2 and FSDP reduce-scatter every micro-batch's
-gradient (that is what they are), and the model-parallel layouts (model, hybrid, rules) reduce every
+devices each hold a whole gradient (data, ZeRO-1). ZeRO-2 and FSDP reduce every micro-batch's gradient
+to their split accumulator (that is what they are), and the model-parallel layouts (model, hybrid, rules) reduce every
 micro-batch's gradient too: their layers gather activations across the shards of a model group, which
 a per-shard map cannot express. The records count each loop's collectives once per trip.
 """
