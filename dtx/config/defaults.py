@@ -35,6 +35,9 @@ def base_config() -> ConfigDict:
 
     # Devices and parallelism.
     c.emulate_cpu_devices = 8  # CPU devices to emulate before JAX starts; 0 leaves the backend alone
+    # Persistent XLA compilation cache: "auto" (the user's cache folder, $XDG_CACHE_HOME/dtx/jax or
+    # ~/.cache/dtx/jax; $DTX_COMPILATION_CACHE overrides it), a folder, or "" (off).
+    c.compilation_cache = "auto"
     c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
     c.distributed = "auto"  # join a multi-process job when launched as one (dtx launch, SLURM, ...); "off"
     c.watchdog_seconds = 300.0  # abort when no step completes for this long (0: off)
@@ -161,6 +164,13 @@ def base_config() -> ConfigDict:
     c.profile_steps = 0  # > 0: capture a jax.profiler trace of this many steps into WORKDIR/profile
     c.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0: look the device kind up in dtx.perf.flops
     c.log_grad_norm = False  # record grad_norm (norm of the reduced gradient); costs ~30% on the jit driver
+
+    # Weights & Biases, beside TensorBoard (pip install 'dtx[wandb]'): "" project logs nothing there.
+    c.wandb = ConfigDict()
+    c.wandb.project = ""  # the wandb project; "" turns the sink off
+    c.wandb.entity = ""  # team or user ("": wandb's default)
+    c.wandb.name = ""  # display name ("": the workdir's name)
+    c.wandb.mode = ""  # online | offline | disabled ("": wandb's default, or $WANDB_MODE)
 
     return c.lock()
 
