@@ -1,4 +1,4 @@
-"""Metric records (JSON lines and TensorBoard event files), the progress display, profiler traces.
+"""Metric records (JSON lines, TensorBoard event files, optionally wandb), the progress display, profiler traces.
 
 Values arrive on the host already: the training loop reads step ``s - 1``'s
 metrics after dispatching step ``s``, so logging never stalls asynchronous
@@ -18,6 +18,8 @@ from html import escape
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from dtx.run import wandb_sink  # registers wandb's config check; wandb itself is imported only when used
+
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records a resume took out of METRICS_FILE
 
@@ -28,13 +30,16 @@ class MetricWriter:
     ``resumed_from=N`` (a run resumed from checkpoint step N) first moves the records of
     steps after N to ``metrics.superseded.jsonl`` — they describe training the resumed run
     redoes — and tells TensorBoard to hide its events past N, so every step has one history.
+
+    ``wandb`` (the config's ``wandb`` block) with a ``project`` also logs every record, and ``run_config``
+    as the run's config, to Weights & Biases (:class:`dtx.run.wandb_sink.WandbSink`).
     """
 
     def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True,
-                 resumed_from: int | None = None):
+                 resumed_from: int | None = None, wandb: Mapping | None = None, run_config: Mapping | None = None):
         self.workdir = os.fspath(workdir)
         self.enabled = enabled  # in a multi-process job only process 0 writes
-        self._jsonl = self._tb = None
+        self._jsonl = self._tb = self._wandb = None
         if not enabled:
             return
         os.makedirs(self.workdir, exist_ok=True)
@@ -46,6 +51,8 @@ class MetricWriter:
 
             self._tb = SummaryWriter(logdir=self.workdir, flush_secs=10,
                                      purge_step=None if resumed_from is None else resumed_from + 1)
+        if wandb and wandb.get("project"):
+            self._wandb = wandb_sink.WandbSink(self.workdir, wandb, run_config, resumed_from)
 
     def write(self, step: int, metrics: Mapping[str, float | int | str]) -> None:
         if not self.enabled:
@@ -57,18 +64,24 @@ class MetricWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.write(step, record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """``failed``: the run ends on an error (its wandb run is marked failed)."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close(failed)
+            self._wandb = None
 
     def __enter__(self) -> MetricWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(failed=kind is not None)
 
 
 def truncate_after(workdir: str | os.PathLike, step: int) -> int:

@@ -240,7 +240,8 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(ran.config, f, indent=2)  # the config, naming the module/optimizer that replaced its blocks
     # A resume drops the records past its step (a killed run's abandoned future): one history per step.
-    writer = metrics_lib.MetricWriter(workdir, enabled=main_process, resumed_from=start_step if resuming else None)
+    writer = metrics_lib.MetricWriter(workdir, enabled=main_process, resumed_from=start_step if resuming else None,
+                                      wandb=config.wandb.to_dict(), run_config=ran.config)
     writer.write(start_step, {"num_params": num_params(state), "num_devices": mesh.size, "num_steps": num_steps,
                               "precision": str(parts.policy), **ran.record,
                               **({"peak_learning_rate": parts.peak_learning_rate} if optimizer is None else {}),
