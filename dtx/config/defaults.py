@@ -100,8 +100,17 @@ def base_config() -> ConfigDict:
 
     # Data.
     c.dataset = ConfigDict()
-    c.dataset.name = "digits"  # synthetic | digits | mnist | cifar10 | python_docs (or dtx.train(..., data=))
-    c.dataset.data_dir = ""  # folder with the files of mnist / cifar10
+    c.dataset.name = "digits"  # synthetic | digits | mnist | cifar10 | image_folder | python_docs (or train(data=))
+    c.dataset.data_dir = ""  # folder with the files of mnist / cifar10 / image_folder (train/<class>/*.png, test/...)
+    # mnist / cifar10 / image_folder are read through grain (dtx.data.pipeline): augmentation of the training
+    # images, a hash of (seed, epoch, example) so batches stay a function of (seed, step), and prefetch workers.
+    c.dataset.augment = ConfigDict(dict(
+        crop_padding=0,  # pixels of zero padding before a random crop back to the image size (0: no crop)
+        flip=False,  # horizontal flip with probability 1/2
+        normalize=False,  # per-channel (x - mean) / std, training and test images
+        mean=(), std=(),  # per channel; empty: the statistics of up to 2048 training images
+    ))
+    c.dataset.workers = 0  # processes that prefetch training batches (0: built in the training process)
     c.dataset.seq_len = 64  # python_docs: tokens per example
     c.dataset.synthetic = ConfigDict(
         dict(num_train=4096, num_test=1024, num_features=32, num_classes=10, noise=0.8, clusters_per_class=4)

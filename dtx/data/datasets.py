@@ -91,17 +91,23 @@ def load_dataset(name: str, *, data_dir: str = "", seed: int = 0,
     if name == "digits":
         return _digits()
     if name in ("mnist", "cifar10"):
-        if not data_dir:
-            raise DatasetError(
-                f"dataset {name!r} is read from local files, but data_dir is empty: "
-                f"set --config.dataset.data_dir=DIR to the folder holding the files "
-                f"(or use dataset 'digits' / 'synthetic', which need no files).")
-        data_dir = os.path.expanduser(data_dir)
-        if not os.path.isdir(data_dir):
-            raise DatasetError(f"dataset {name!r}: data_dir {data_dir!r} is not a "
-                               f"directory; set --config.dataset.data_dir to an existing folder.")
+        data_dir = check_data_dir(name, data_dir)
         return _mnist(data_dir) if name == "mnist" else _cifar10(data_dir)
     raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+
+
+def check_data_dir(name: str, data_dir: str) -> str:
+    """``data_dir`` of a file-backed dataset, user-expanded; refused when empty or not a folder."""
+    if not data_dir:
+        raise DatasetError(
+            f"dataset {name!r} is read from local files, but data_dir is empty: "
+            f"set --config.dataset.data_dir=DIR to the folder holding the files "
+            f"(or use dataset 'digits' / 'synthetic', which need no files).")
+    data_dir = os.path.expanduser(data_dir)
+    if not os.path.isdir(data_dir):
+        raise DatasetError(f"dataset {name!r}: data_dir {data_dir!r} is not a "
+                           f"directory; set --config.dataset.data_dir to an existing folder.")
+    return data_dir
 
 
 def _split(dataset: str, what: str, images, labels, num_classes: int,
@@ -222,24 +228,33 @@ def _read_idx(path: str, expected_magic: int, item_shape: tuple) -> np.ndarray:
     return data.reshape(dims)
 
 
-def _mnist(data_dir: str) -> Dataset:
-    """MNIST from data_dir/mnist.npz, else the four IDX files (optionally .gz)."""
+def mnist_files(data_dir: str) -> tuple:
+    """``(mnist.npz, None)`` when data_dir holds it, else ``(None, the four IDX paths)``; refused naming
+    the files when neither is complete."""
     npz = os.path.join(data_dir, "mnist.npz")
     if os.path.isfile(npz):
+        return npz, None
+    paths, missing = [], []
+    for base in _MNIST_IDX:
+        plain = os.path.join(data_dir, base)
+        found = [p for p in (plain, plain + ".gz") if os.path.isfile(p)]
+        paths.append(found[0] if found else None)
+        missing += [] if found else [plain + "[.gz]"]
+    if missing:
+        raise DatasetError(
+            f"dataset 'mnist': found neither {npz} nor {', '.join(missing)}. Set "
+            f"--config.dataset.data_dir=DIR to a folder containing mnist.npz (keys x_train, "
+            f"y_train, x_test, y_test) or the four IDX files {', '.join(_MNIST_IDX)} "
+            f"(each optionally .gz).")
+    return None, paths
+
+
+def _mnist(data_dir: str) -> Dataset:
+    """MNIST from data_dir/mnist.npz, else the four IDX files (optionally .gz)."""
+    npz, paths = mnist_files(data_dir)
+    if npz:
         arrays = _load_npz("mnist", npz, ((28, 28, 1), (28, 28)))
     else:
-        paths, missing = [], []
-        for base in _MNIST_IDX:
-            plain = os.path.join(data_dir, base)
-            found = [p for p in (plain, plain + ".gz") if os.path.isfile(p)]
-            paths.append(found[0] if found else None)
-            missing += [] if found else [plain + "[.gz]"]
-        if missing:
-            raise DatasetError(
-                f"dataset 'mnist': found neither {npz} nor {', '.join(missing)}. Set "
-                f"--config.dataset.data_dir=DIR to a folder containing mnist.npz (keys x_train, "
-                f"y_train, x_test, y_test) or the four IDX files {', '.join(_MNIST_IDX)} "
-                f"(each optionally .gz).")
         arrays = tuple(_read_idx(p, 2051, (28, 28))[..., None] if "images" in p
                        else _read_idx(p, 2049, ()) for p in paths)
     x_train, y_train, x_test, y_test = arrays
@@ -257,27 +272,39 @@ def _read_cifar_bin(path: str) -> tuple:
     return records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), records[:, 0]
 
 
-def _cifar10(data_dir: str) -> Dataset:
-    """CIFAR-10 from data_dir/cifar10.npz, else the binary-version batch files."""
+def cifar10_files(data_dir: str) -> tuple:
+    """``(cifar10.npz, None)`` when data_dir holds it, else ``(None, the folder of the binary batches)``
+    (data_dir or data_dir/cifar-10-batches-bin); refused naming the files when neither is complete."""
     npz = os.path.join(data_dir, "cifar10.npz")
     if os.path.isfile(npz):
+        return npz, None
+    dirs = (data_dir, os.path.join(data_dir, "cifar-10-batches-bin"))
+    folder = next((d for d in dirs if all(os.path.isfile(os.path.join(d, f)) for f in _CIFAR_BINS)), None)
+    if folder is None:
+        raise DatasetError(
+            f"dataset 'cifar10': found neither {npz} nor all of {', '.join(_CIFAR_BINS)} "
+            f"in {dirs[0]} or {dirs[1]}. Set --config.dataset.data_dir=DIR to a folder "
+            f"containing cifar10.npz (keys x_train, y_train, x_test, y_test; uint8 NHWC) "
+            f"or the extracted CIFAR-10 binary version (cifar-10-binary.tar.gz).")
+    return None, folder
+
+
+def _cifar10(data_dir: str) -> Dataset:
+    """CIFAR-10 from data_dir/cifar10.npz, else the binary-version batch files."""
+    npz, folder = cifar10_files(data_dir)
+    if npz:
         x_train, y_train, x_test, y_test = _load_npz("cifar10", npz, ((32, 32, 3),))
     else:
-        dirs = (data_dir, os.path.join(data_dir, "cifar-10-batches-bin"))
-        folder = next((d for d in dirs if all(os.path.isfile(os.path.join(d, f))
-                                                for f in _CIFAR_BINS)), None)
-        if folder is None:
-            raise DatasetError(
-                f"dataset 'cifar10': found neither {npz} nor all of {', '.join(_CIFAR_BINS)} "
-                f"in {dirs[0]} or {dirs[1]}. Set --config.dataset.data_dir=DIR to a folder "
-                f"containing cifar10.npz (keys x_train, y_train, x_test, y_test; uint8 NHWC) "
-                f"or the extracted CIFAR-10 binary version (cifar-10-binary.tar.gz).")
         parts = [_read_cifar_bin(os.path.join(folder, f)) for f in _CIFAR_BINS]
         x_train = np.concatenate([x for x, _ in parts[:5]])
         y_train = np.concatenate([y for _, y in parts[:5]])
         x_test, y_test = parts[5]
     return Dataset("cifar10", _split("cifar10", "train", x_train, y_train, 10, 255.0),
                    _split("cifar10", "test", x_test, y_test, 10, 255.0), 10)
+
+
+# The readers the image sources of dtx.data.images share (one parser per format, one set of refusals).
+load_npz, read_idx, CIFAR_BINS = _load_npz, _read_idx, _CIFAR_BINS
 
 
 def token_windows(tokens: np.ndarray, seq_len: int) -> Split:

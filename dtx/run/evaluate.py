@@ -43,7 +43,7 @@ from ml_collections import ConfigDict
 
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.comm import context as comm_lib
-from dtx.data import datasets, userdata
+from dtx.data import datasets, pipeline, userdata
 from dtx.run import preflight
 from dtx.data import tasks as tasks_lib
 from dtx import config as config_lib
@@ -164,8 +164,7 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
     task = task or tasks_lib.make_task(config.task.name,
                                        **config_lib.chosen_settings(config.task, tasks_lib.task_settings()))
     if data is None:  # as dtx.train reads the config
-        data = datasets.load_dataset(config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
-                                     synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len)
+        data = pipeline.load_dataset(config.dataset, seed=config.seed)
     dataset = userdata.as_dataset(data, task)
     recorded = saved.get("dataset", {}).get("fingerprint")
     if recorded and recorded != userdata.fingerprint(dataset):

@@ -21,7 +21,7 @@ from dtx import config as config_lib
 from dtx.data import datasets
 from dtx import mesh as mesh_lib
 from dtx.data import tasks as tasks_lib
-from dtx.data import userdata
+from dtx.data import pipeline, userdata
 from dtx import compress
 from dtx.perf import clusters, flops, model as perfmodel, simclock
 from dtx.perf import layers as layers_lib
@@ -57,13 +57,12 @@ class Inputs(NamedTuple):
 def load_data(config: ConfigDict, mesh, *, task: tasks_lib.Task | None = None, data=None) -> Inputs:
     """``config.dataset`` (or your ``data``), checked against the task, batched over ``mesh``."""
     task = task or tasks_lib.make_task(config.task.name, **_settings(config.task, tasks_lib.task_settings()))
-    if data is None:
-        data = datasets.load_dataset(
-            config.dataset.name, data_dir=config.dataset.data_dir, seed=config.seed,
-            synthetic=config.dataset.synthetic.to_dict(), seq_len=config.dataset.seq_len,
-        )
+    given = data is not None
+    if not given:  # image datasets are read through grain, augmented (dtx.data.pipeline)
+        data = pipeline.load_dataset(config.dataset, seed=config.seed)
     dataset = userdata.as_dataset(data, task)  # labels the task cannot score are refused here
-    loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
+    loader = pipeline.make_loader(dataset, config.global_batch_size, mesh, seed=config.seed,
+                                  settings=None if given else config.dataset)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
     return Inputs(dataset, loader, num_steps, task)
 
