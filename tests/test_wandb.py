@@ -222,3 +222,11 @@ def test_an_unknown_mode_is_refused():
     with pytest.raises(config_lib.ConfigError, match=r"wandb\.mode='ofline' is unknown.*'offline'.*"
                                                      r"--config\.wandb\.mode=offline"):
         config_lib.load(DEFAULT, ("--config.wandb.mode=ofline",))
+
+
+def test_the_wandb_block_may_change_on_resume():
+    """Turning the sink on (or changing where it logs) for a resume changes no state's meaning."""
+    from dtx.run import rundir
+
+    saved = json.loads(config_lib.load(DEFAULT, TINY[:-1]).to_json())  # checkpointed without wandb
+    rundir.check_resumable(saved, config_lib.load(DEFAULT, TINY + ("--config.wandb.mode=offline",)))
