@@ -7,9 +7,9 @@ process that writes the records (process 0 of a multi-process job) opens a wandb
 
 **Resume.** The wandb run's id and the last step logged to it are kept in ``WORKDIR/wandb_run.json``; a
 resumed dtx run (after SIGTERM, or a crash) continues that wandb run (``wandb.init(id=..., resume="allow")``).
-wandb's steps only go forward: a record at a step it has already passed is dropped (online, with a warning;
-an offline run uploaded by ``wandb sync`` would hold the step twice). So the sink logs nothing at or below
-the last logged step of an earlier attempt:
+wandb's steps only go forward: online, a record at a step the run has passed is dropped with a warning
+(offline, where the earlier attempt is unknown to wandb, nothing would stop it). So the sink logs nothing at
+or below the last logged step of an earlier attempt:
 
 - a preempted run saves its checkpoint at the step it stopped, which is also its last record: the resumed
   run's first record (``resumed_from``, at that step) is the only one left out;
