@@ -14,6 +14,7 @@ FLOORS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("ground", (
         ("config", "the shared defaults and their checks; reading experiment files and overrides"),
         ("mesh", "device meshes as data; emulated CPU devices"),
+        ("xla_cache", "the persistent compilation cache and JAX's compile timings"),
         ("precision", "the precision policy and dynamic loss scaling"),
         ("optim", "optimizers (SGD, momentum, Adam, LARS, LAMB) and learning-rate schedules"),
         ("paths", "names of a pytree's leaves"),
@@ -72,7 +73,7 @@ def render() -> str:
         for room, meaning in rooms:
             if room.startswith("_") or room == "models":  # private, or a folder of its own (below)
                 continue
-            shown = room if room in ("mesh", "precision", "optim", "paths") else room + "/"
+            shown = room if room in ("mesh", "xla_cache", "precision", "optim", "paths") else room + "/"
             wrapped = textwrap.wrap(meaning, 96)
             lines.append(f"    {shown:<12}{wrapped[0]}")
             lines += [" " * 16 + more for more in wrapped[1:]]

@@ -22,6 +22,13 @@ import pytest  # noqa: E402
 NUM_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
 
+# The suite's processes (and the runs and commands they start) share one persistent compilation cache,
+# as every dtx run does (dtx.xla_cache): a program one test file compiled, another file's process reads
+# back. $DTX_COMPILATION_CACHE names the folder (default: the user's cache folder).
+from dtx import xla_cache  # noqa: E402
+
+xla_cache.enable("auto")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def eight_devices():

@@ -48,6 +48,7 @@ from dtx.run import preflight
 from dtx.data import tasks as tasks_lib
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
+from dtx import xla_cache
 from dtx.data.loader import TrainLoader, eval_batches
 from dtx.step import body as step_body
 from dtx.step import state_specs
@@ -159,6 +160,7 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
     config = config_from_json(saved)
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    xla_cache.enable(config.compilation_cache)
     mesh = mesh_lib.make_mesh(config.mesh)
     mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
     task = task or tasks_lib.make_task(config.task.name,

@@ -158,7 +158,7 @@ def check_shared_directory(directory: str) -> None:
 RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
                       "eval_batch_size", "watchdog_seconds", "emulate_cpu_devices", "mesh", "driver",
                       "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
-                      "log_grad_norm")
+                      "log_grad_norm", "compilation_cache", "wandb")
 
 
 def _with_defaults(saved: dict, defaults: dict, current: dict) -> dict:

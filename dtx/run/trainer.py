@@ -33,6 +33,7 @@ from ml_collections import ConfigDict
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
+from dtx import xla_cache
 from dtx.run import metrics as metrics_lib
 from dtx.run import preflight, rundir, setup, steplog
 from dtx.perf import simclock
@@ -93,6 +94,7 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     rundir.check_paths(workdir, checkpoint_dir)
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    xla_cache.enable(config.compilation_cache)  # a second launch loads its programs instead of compiling
     multi_process = mesh_lib.initialize_distributed(config.distributed)
     # SIGTERM from here on -- start-up included, where loading and compiling take seconds --
     # stops the run at a step boundary instead of killing it. Several processes agree on the
@@ -106,7 +108,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
 
 def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
            preemption: PreemptionWatcher, run_start: float, **given) -> TrainResult:
-    run = _start(config, workdir, checkpoint_dir, multi_process, run_start, **given)
+    with xla_cache.CompileClock() as compiling:  # JAX's own timings of start-up, for the first record
+        run = _start(config, workdir, checkpoint_dir, multi_process, run_start, compiling=compiling, **given)
     state, data_digest, every, log = run.state, run.data_digest, config.checkpoint.every_steps, run.log
     watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index())
     trace = metrics_lib.StepTrace(os.path.join(workdir, "profile"), run.start_step + 1, config.profile_steps,
@@ -180,7 +183,8 @@ def record_step(step: int, log_every: int, num_steps: int) -> bool:
 
 
 def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool, run_start: float, *,
-           model, optimizer, optimizer_description=None, task=None, data=None) -> _Run:
+           model, optimizer, optimizer_description=None, task=None, data=None,
+           compiling: xla_cache.CompileClock | None = None) -> _Run:
     """Devices, the run directory, data, parts, steps and state (fresh or resumed), and the first record."""
     mesh = setup.make_mesh(config)
     resuming, hmac_key = rundir.prepare(config, workdir, checkpoint_dir, multi_process)
@@ -248,6 +252,7 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                               **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
                               **{k: v for k, v in program.items() if k != "model_flops_per_step"},
                               **({"resumed_from": start_step} if resuming else {}),
+                              **(compiling.record("startup_") if compiling else {}),
                               **({"resume_skipped": [{"step": s, "reason": why} for s, why in resumed.skipped]}
                                  if resuming and resumed.skipped else {})})
     log = steplog.StepLog(

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dtx.comm import algorithms as algorithms_lib
 from dtx.comm import collectives, costmodel
 from dtx import mesh as mesh_lib
+from dtx import xla_cache
 from dtx.step import get_driver
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
@@ -242,6 +243,7 @@ def build_steps(config):
 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+    xla_cache.enable(config.compilation_cache)
     mesh = setup.make_mesh(config)
     inputs = setup.load_data(config, mesh)
     parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps,

@@ -277,10 +277,12 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         args.global_batch = 512
     if args.verify:  # before anything starts JAX: the devices the plans are compiled for
         from dtx import mesh as mesh_lib
+        from dtx import xla_cache
 
         try:
             mesh_lib.emulate_cpu_devices(args.verify_devices)
-        except mesh_lib.MeshError as e:
+            xla_cache.enable("auto")  # $DTX_COMPILATION_CACHE names the folder; set empty, it is off
+        except (mesh_lib.MeshError, xla_cache.CacheError) as e:
             print(f"dtx simulate: error: {e}", file=sys.stderr)
             return 2
     try:
