@@ -96,17 +96,30 @@ def load_dataset(name: str, *, data_dir: str = "", seed: int = 0,
     raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
 
 
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+
+
+def download_hint(name: str, data_dir: str) -> str:
+    """Where to get a dataset's files and where to put them (empty for datasets without one place)."""
+    if name != "cifar10":
+        return ""
+    return (f" To get CIFAR-10: download {CIFAR10_URL} (the binary version, 162 MB) and extract it into "
+            f"{data_dir}: mkdir -p {data_dir} && tar xzf cifar-10-binary.tar.gz -C {data_dir} (it creates "
+            f"{os.path.join(data_dir, 'cifar-10-batches-bin')}/ with data_batch_1.bin ... test_batch.bin).")
+
+
 def check_data_dir(name: str, data_dir: str) -> str:
     """``data_dir`` of a file-backed dataset, user-expanded; refused when empty or not a folder."""
     if not data_dir:
         raise DatasetError(
             f"dataset {name!r} is read from local files, but data_dir is empty: "
             f"set --config.dataset.data_dir=DIR to the folder holding the files "
-            f"(or use dataset 'digits' / 'synthetic', which need no files).")
+            f"(or use dataset 'digits' / 'synthetic', which need no files)." + download_hint(name, "DIR"))
     data_dir = os.path.expanduser(data_dir)
     if not os.path.isdir(data_dir):
         raise DatasetError(f"dataset {name!r}: data_dir {data_dir!r} is not a "
-                           f"directory; set --config.dataset.data_dir to an existing folder.")
+                           f"directory; set --config.dataset.data_dir to an existing folder."
+                           + download_hint(name, data_dir))
     return data_dir
 
 
@@ -285,7 +298,7 @@ def cifar10_files(data_dir: str) -> tuple:
             f"dataset 'cifar10': found neither {npz} nor all of {', '.join(_CIFAR_BINS)} "
             f"in {dirs[0]} or {dirs[1]}. Set --config.dataset.data_dir=DIR to a folder "
             f"containing cifar10.npz (keys x_train, y_train, x_test, y_test; uint8 NHWC) "
-            f"or the extracted CIFAR-10 binary version (cifar-10-binary.tar.gz).")
+            f"or the extracted CIFAR-10 binary version (cifar-10-binary.tar.gz)." + download_hint("cifar10", data_dir))
     return None, folder
 
 
