@@ -10,10 +10,15 @@ programs instead of compiling them again. dtx turns it on for every run (``confi
 * ``""``: off (nothing is read or written).
 
 Small programs are cached too (JAX's default skips programs that compiled in under a second, which on
-the emulated CPU mesh is nearly every program dtx compiles). The folder is capped at
-:data:`MAX_BYTES`; the least recently used programs go first. A program read back is the program that
+the emulated CPU mesh is nearly every program dtx compiles). A program read back is the program that
 was compiled: its text, cost and memory analyses are the compiled program's (what ``--verify`` and the
 accountant read).
+
+The folder is not capped: JAX's cap (``jax_compilation_cache_max_size``) rescans the whole folder at
+every write, which a test suite writing thousands of programs pays for by the minute, and it breaks on
+a folder written without it. Delete the folder to reclaim the space; it refills as runs compile. Several
+processes may share one folder (the suite's, a job's on one host): a program another process is still
+writing fails to read, and JAX warns and compiles it.
 
 Compile times are JAX's own: :class:`CompileClock` listens to JAX's monitoring events and splits the
 time spent in tracing, lowering, XLA compiling and reading the cache; a run records its start-up's
@@ -26,9 +31,9 @@ import dataclasses
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 ENV = "DTX_COMPILATION_CACHE"  # overrides "auto": one folder shared by a job's processes, a CI cache, ...
-MAX_BYTES = 4 << 30  # the folder's cap; JAX evicts the least recently used programs beyond it
 
 
 class CacheError(ValueError):
@@ -58,28 +63,27 @@ def resolve(setting: str) -> str:
 def enable(setting: str = "auto") -> str:
     """Point JAX's persistent compilation cache at ``setting``'s folder (see the module docstring);
     returns the folder, or "" when ``setting`` turns the cache off. Safe to call again with another folder
-    (a notebook): later compiles use the new one."""
+    (a notebook, a test): the next compile uses the new one."""
     directory = resolve(setting)
-    if not directory:
-        jax.config.update("jax_compilation_cache_dir", None)
-        return ""
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise CacheError(f"compilation_cache={setting!r}: cannot create {directory!r} ({e.strerror}); give a "
-                         f"writable folder (--config.compilation_cache=/path) or turn the cache off "
-                         f"(--config.compilation_cache='')") from None
-    if not os.access(directory, os.W_OK):
-        raise CacheError(f"compilation_cache={setting!r}: {directory!r} is not writable; give a writable "
-                         "folder (--config.compilation_cache=/path) or turn the cache off "
-                         "(--config.compilation_cache='')")
-    jax.config.update("jax_compilation_cache_dir", directory)
+    if directory:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise CacheError(f"compilation_cache={setting!r}: cannot create {directory!r} ({e.strerror}); give a "
+                             f"writable folder (--config.compilation_cache=/path) or turn the cache off "
+                             f"(--config.compilation_cache='')") from None
+        if not os.access(directory, os.W_OK):
+            raise CacheError(f"compilation_cache={setting!r}: {directory!r} is not writable; give a writable "
+                             "folder (--config.compilation_cache=/path) or turn the cache off "
+                             "(--config.compilation_cache='')")
+    if (jax.config.jax_compilation_cache_dir or "") != directory:
+        jax.config.update("jax_compilation_cache_dir", directory or None)
+        # JAX opens its cache once, at the first compile, and keeps that folder: forget it, so that the
+        # next compile opens the new one (or none).
+        compilation_cache.reset_cache()
     # Cache every program: dtx's programs on the CPU mesh compile in well under JAX's 1 s threshold.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # A cap turns on JAX's eviction, which also locks the folder (filelock) around every read and write:
-    # processes sharing the folder (the suite's, a job's on one host) never read a half-written program.
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return directory
 
 

@@ -91,6 +91,23 @@ def _no_metadata(text):
     return [re.sub(r", metadata=\{[^}]*\}", "", line) for line in text.splitlines() if "file_name_id=" not in line]
 
 
+def test_the_folder_can_change_or_go_after_jax_opened_it(tmp_path, restore_cache):
+    mesh = mesh_lib.make_mesh([("data", -1)])
+    w, x = np.ones((24, 8), np.float32), np.ones((16, 24), np.float32)
+
+    def compile_in(setting):
+        xla_cache.enable(setting)
+        with xla_cache.CompileClock() as clock:
+            _program(mesh).lower(w, x).compile()
+        return clock.hits
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert compile_in(str(first)) == 0 and len(os.listdir(first)) == 1
+    assert compile_in(str(second)) == 0 and len(os.listdir(second)) == 1  # JAX had opened `first`
+    assert compile_in(str(first)) == 1
+    assert compile_in("") == 0 and len(os.listdir(first)) == len(os.listdir(second)) == 1
+
+
 def _first_record(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return json.loads(f.readline())
