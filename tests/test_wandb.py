@@ -15,7 +15,8 @@ from dtx.ckpt import preemption
 from dtx.run import metrics, wandb_sink
 from dtx.run.trainer import train
 
-wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+wandb = pytest.importorskip("wandb")
+from wandb.proto import wandb_internal_pb2 as wandb_pb  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
@@ -58,6 +59,9 @@ def _records(path):
 
 def read_offline(workdir):
     """Every attempt of the workdir's offline wandb run, in order: ``(run_id, config, {step: row})``."""
+    # wandb-core writes a run's .wandb file out when the run's stream closes, which run.finish() does not
+    # wait for (a script's exit does, through wandb's atexit teardown): wait for it here.
+    wandb.teardown()
     attempts = []
     for path in glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")):
         run_id, started, config, history = None, None, {}, {}
