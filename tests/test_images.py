@@ -47,6 +47,7 @@ def write_cifar_bins(folder, per_file=6, test=10, seed=0):
 
 def write_mnist_idx(folder, train=20, test=8, gz=False, seed=0):
     rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
     opener = gzip.open if gz else open
     for prefix, n in (("train", train), ("t10k", test)):
         x = rng.integers(0, 256, (n, 28, 28)).astype(np.uint8)
@@ -108,6 +109,22 @@ def test_mnist_idx_through_the_image_source_equals_the_reader(tmp_path, gz):
     for ours, theirs in ((mine.train, reference.train), (mine.test, reference.test)):
         np.testing.assert_array_equal(ours.inputs[:], theirs.inputs)
         np.testing.assert_array_equal(ours.labels, theirs.labels)
+
+
+def test_memory_mapped_sources_reach_a_worker_as_paths_not_contents(tmp_path):
+    """A worker process receives its source pickled: a memory-mapped one must map its file again there, not travel
+    as a copy of the file."""
+    import pickle
+
+    write_cifar_bins(tmp_path / "cifar", per_file=64, test=8)
+    write_mnist_idx(tmp_path / "mnist", train=600, test=8)
+    cifar, _, _ = images.open_sources("cifar10", str(tmp_path / "cifar"))
+    mnist, _, _ = images.open_sources("mnist", str(tmp_path / "mnist"))
+    index = np.array([300, 3, 64, 129])
+    for source, size in ((cifar, 320 * 3073), (mnist, 600 * 784)):
+        blob = pickle.dumps(source)
+        assert len(blob) < size // 20, (type(source).__name__, len(blob), size)
+        np.testing.assert_array_equal(pickle.loads(blob).read(index), source.read(index))
 
 
 # ------------------------------------------------------------------ augmentation against numpy

@@ -34,11 +34,24 @@ _STATISTICS_SAMPLE = 2048  # images a normalisation estimate reads: bounded work
 
 
 class ArrayImages:
-    """A uint8 ``(N, H, W, C)`` array (in memory or memory-mapped) and its labels, as a source."""
+    """A uint8 ``(N, H, W, C)`` array (in memory or memory-mapped) and its labels, as a source.
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray):
+    ``mapped=(path, offset, shape)`` says the array maps that file: a worker process it is sent to maps
+    the file again instead of receiving its contents (pickling a ``np.memmap`` copies its data).
+    """
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, mapped: tuple | None = None):
         self.images, self.labels = images, np.asarray(labels).astype(np.int32).reshape(-1)
-        self.shape = tuple(images.shape)
+        self.shape, self.mapped = tuple(images.shape), mapped
+
+    def __getstate__(self):
+        return {**self.__dict__, "images": None} if self.mapped else self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.mapped:
+            path, offset, shape = self.mapped
+            self.images = np.memmap(path, np.uint8, "r", offset=offset, shape=shape).reshape(self.shape)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -56,8 +69,8 @@ class CifarBinary:
     RECORD = 1 + 3 * 32 * 32
 
     def __init__(self, paths):
-        self.files = []
-        for path in paths:
+        self.paths, self.files = list(paths), []
+        for path in self.paths:
             size = os.path.getsize(path)
             if size == 0 or size % self.RECORD:
                 raise DatasetError(f"cifar10: {path} has {size} bytes, not a positive multiple of {self.RECORD} "
@@ -67,6 +80,13 @@ class CifarBinary:
         # The label column is one byte per record: read once (50 kB for the training set).
         self.labels = np.concatenate([np.asarray(f[:, 0]) for f in self.files]).astype(np.int32)
         self.shape = (int(self.starts[-1]), 32, 32, 3)
+
+    def __getstate__(self):  # a worker process maps the files again (pickling a memmap copies its data)
+        return {**self.__dict__, "files": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.files = [np.memmap(p, np.uint8, "r").reshape(-1, self.RECORD) for p in self.paths]
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -171,23 +191,26 @@ def open_sources(name: str, data_dir: str) -> tuple:
         if npz:
             x_train, y_train, x_test, y_test = datasets.load_npz("mnist", npz, ((28, 28, 1), (28, 28)))
             return ArrayImages(x_train, y_train), ArrayImages(x_test, y_test), 10
-        images = [_idx_images(p) for p in paths[0::2]]
-        labels = [datasets.read_idx(p, 2049, ()) for p in paths[1::2]]
-        return ArrayImages(images[0], labels[0]), ArrayImages(images[1], labels[1]), 10
+        splits = []
+        for images, labels in (paths[0:2], paths[2:4]):
+            pixels, mapped = _idx_images(images)
+            splits.append(ArrayImages(pixels, datasets.read_idx(labels, 2049, ()), mapped))
+        return splits[0], splits[1], 10
     raise DatasetError(f"dataset {name!r} has no image source; image sources are cifar10, mnist, image_folder")
 
 
-def _idx_images(path: str) -> np.ndarray:
-    """An IDX image file as ``(N, 28, 28, 1)`` uint8: memory-mapped when uncompressed, else decompressed."""
+def _idx_images(path: str) -> tuple:
+    """An IDX image file as ``(N, 28, 28, 1)`` uint8 and how it is mapped (:class:`ArrayImages`):
+    memory-mapped when uncompressed, else decompressed into memory."""
     if path.endswith(".gz"):
-        return datasets.read_idx(path, 2051, (28, 28))[..., None]
+        return datasets.read_idx(path, 2051, (28, 28))[..., None], None
     with open(path, "rb") as f:
         header = f.read(16)
     dims = tuple(int(v) for v in np.frombuffer(header[4:], ">u4")) if len(header) == 16 else ()
     if int.from_bytes(header[:4], "big") != 2051 or dims[1:] != (28, 28) \
             or os.path.getsize(path) != 16 + int(np.prod(dims)):
-        return datasets.read_idx(path, 2051, (28, 28))[..., None]  # not well formed: its reader says why
-    return np.memmap(path, np.uint8, "r", offset=16, shape=dims)[..., None]
+        return datasets.read_idx(path, 2051, (28, 28))[..., None], None  # not well formed: its reader says why
+    return np.memmap(path, np.uint8, "r", offset=16, shape=dims)[..., None], (path, 16, dims)
 
 
 def to_float(pixels: np.ndarray, mean: np.ndarray | None, std: np.ndarray | None) -> np.ndarray:
@@ -262,10 +285,13 @@ def draws(seed: int, epoch: int, indices: np.ndarray, padding: int) -> tuple[np.
 
 def augment(pixels: np.ndarray, dy: np.ndarray, dx: np.ndarray, flip: np.ndarray, padding: int) -> np.ndarray:
     """Each image of ``pixels`` (B, H, W, C) zero-padded by ``padding`` on every side, cropped back to
-    H×W at ``(dy, dx)``, then mirrored left-right where ``flip``; one gather for the whole batch."""
+    H×W at ``(dy, dx)``, then mirrored left-right where ``flip``."""
     batch, height, width = pixels.shape[:3]
     padded = np.pad(pixels, ((0, 0), (padding, padding), (padding, padding), (0, 0))) if padding else pixels
-    rows = dy[:, None] + np.arange(height)
-    cols = dx[:, None] + np.arange(width)
-    cols = np.where(flip[:, None], cols[:, ::-1], cols)
-    return padded[np.arange(batch)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    out = np.empty_like(pixels)
+    # One slice copy per image: 2-3x faster than a single fancy-index gather over the batch (which
+    # builds a (B, H, W) index and gathers element by element), measured on 512 CIFAR images.
+    for b in range(batch):
+        crop = padded[b, dy[b]:dy[b] + height, dx[b]:dx[b] + width]
+        out[b] = crop[:, ::-1] if flip[b] else crop
+    return out
