@@ -187,9 +187,11 @@ def test_simulate_memory_prints_every_layout_and_refuses_what_does_not_fit(tmp_p
 
 def test_split_pointwise_convolutions_keep_no_gathered_input():
     # Under `model` (4×2) XLA:CPU gathers a split 1×1 convolution's input again in the backward pass rather
-    # than keeping it; the model counts no gathered input for them. ResNet-50 at width 8 and batch 32 (the
-    # rule was found at width 16, batch 64): 1.08 with the rule, 1.2 without.
-    model, shape, batch = models.build_model("resnet50", width=8, num_classes=16), (32, 32, 3), 32
+    # than keeping it; the model counts no gathered input for them. The rule was found on ResNet-50 at width
+    # 16, batch 64; held out here: one bottleneck block per stage (ResNet-50's blocks, a quarter of the
+    # program to compile) at width 8, batch 32: 1.11 with the rule, 1.25 without.
+    model = models.build_model("resnet50", width=8, num_classes=16, stage_sizes=(1, 1, 1, 1))
+    shape, batch = (32, 32, 3), 32
     estimate = memory.estimate_model(model, shape, "model", nodes=8, global_batch=batch, group_size=2)
     peak = memory.compiled_peak(verify.compile_layout_step(model, shape, "model", MESHES["model"], batch))
     assert abs(estimate.total / peak - 1) <= TOLERANCE, (estimate, peak)
