@@ -74,9 +74,10 @@ def test_worker_count_resume_and_processes_do_not_change_a_batch(folder, mesh):
             for key in ("inputs", "labels"):
                 np.testing.assert_array_equal(prefetched.host_batch(step)[key], reference[step][key])
         resumed, _ = loader(root, mesh, workers=1)  # a resume on another worker count: first step 3
+        resumed.num_steps = 6  # a run of 6 steps (dtx.run.setup sets it)
         for step in (3, 3, 4, 5):  # (the loop compiles on its first batch, then trains on it)
             np.testing.assert_array_equal(resumed.host_batch(step)["inputs"], reference[step]["inputs"])
-        resumed.close()
+        assert resumed._iterator is None  # the run's last batch read: its worker was stopped
     finally:
         prefetched.close()
     # Two processes with 4 devices each build rows [0, 8) and [8, 16) of every batch: together, the batch.

@@ -199,6 +199,9 @@ class GrainLoader(TrainLoader):
         self.augment, self.workers = augment, workers
         self.host = HostBatches(split, global_batch_size, self._rows, seed, augment)
         self.dataset = grain.MapDataset.range(0, _HORIZON).map(self.host)
+        # The run's length, when known (dtx.run.setup sets it): the workers build no batch past it, and
+        # stop once the last one is read, so none is left in their buffers (see close).
+        self.num_steps: int | None = None
         self._iterator, self._next, self._last = None, None, (None, None)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
@@ -212,8 +215,11 @@ class GrainLoader(TrainLoader):
         else:
             if self._iterator is None or self._next != step:
                 self._start(step)
-            arrays = next(self._iterator)
+            # Copied out of grain's shared memory, which is then freed at once.
+            arrays = {key: np.array(value) for key, value in next(self._iterator).items()}
             self._next = step + 1
+            if self.num_steps is not None and self._next >= self.num_steps:
+                self.close()  # the run's last batch: the workers have nothing left to build
         self._last = (step, arrays)
         return arrays
 
@@ -229,17 +235,18 @@ class GrainLoader(TrainLoader):
         options = grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=_BUFFER)
         # No reading threads inside a worker: its batches are numpy work that holds the GIL.
         read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-        steps = self.dataset[step:].to_iter_dataset(read)
-        # Batches come back pickled through a pipe, not in shared memory: grain drops the batches still
-        # buffered when an iterator closes without unlinking their shared memory (a leak warned of at
-        # exit), and a pickled batch of a few MB costs about a millisecond.
-        steps = grain.experimental.WithOptionsIterDataset(steps, grain.experimental.DatasetOptions(
-            min_shm_size=_HORIZON))
-        self._iterator = iter(steps.mp_prefetch(options))
+        stop = self.num_steps if self.num_steps is not None and step < self.num_steps else _HORIZON
+        self._iterator = iter(self.dataset[step:stop].to_iter_dataset(read).mp_prefetch(options))
         self._next = step
 
     def close(self) -> None:
-        """Stops the worker processes (a later batch starts them again)."""
+        """Stops the worker processes (a later batch starts them again).
+
+        Batches come back in shared memory (pickling them through grain's queues instead can leave a
+        worker blocked on a full pipe at exit, which grain then waits 25 s for). Batches still buffered
+        when an iterator closes before its end are dropped without freeing theirs, and Python warns of
+        them at exit: a run's loader stops at its last step (:attr:`num_steps`) and closes itself there.
+        """
         iterator, self._iterator = self._iterator, None
         if iterator is not None and hasattr(iterator, "close"):
             iterator.close()

@@ -64,6 +64,8 @@ def load_data(config: ConfigDict, mesh, *, task: tasks_lib.Task | None = None, d
     loader = pipeline.make_loader(dataset, config.global_batch_size, mesh, seed=config.seed,
                                   settings=None if given else config.dataset)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
+    if isinstance(loader, pipeline.GrainLoader):
+        loader.num_steps = num_steps  # its prefetching workers stop after the run's last batch
     return Inputs(dataset, loader, num_steps, task)
 
 
