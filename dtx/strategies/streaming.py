@@ -109,7 +109,10 @@ def streaming_diloco(period: int = 1, fragments: int = 1, overlap: int = 0, oute
         leaves, treedef = jax.tree.flatten(tree)
         start = 0
         for i, lo, hi in pieces:
-            flat = leaves[i].reshape(-1).at[lo:hi].set(vector[start: start + hi - lo].astype(leaves[i].dtype))
+            piece = vector[start: start + hi - lo].astype(leaves[i].dtype)
+            # An update of a static window, not ``.at[lo:hi].set``: that is a scatter with an empty index
+            # array, which XLA:CPU's conditional canonicaliser crashes on (jaxlib 0.11) inside lax.cond.
+            flat = lax.dynamic_update_slice(leaves[i].reshape(-1), piece, (lo,))
             leaves[i], start = flat.reshape(leaves[i].shape), start + hi - lo
         return treedef.unflatten(leaves)
 
