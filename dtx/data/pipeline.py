@@ -14,8 +14,9 @@ iterator). With ``dataset.workers = W > 0`` the slice from the step it asks for 
 ``mp_prefetch`` in W worker processes. Each worker builds whole batches of its share of the steps and
 keeps ``_BUFFER`` of them ready, and grain hands them back in step order. Neither the worker count
 nor a restart of the iterator (a resume, a step asked for out of turn) can change a batch. Whole
-batches per element, not one record per element, because the crop, flip and normalisation of a
-batch are one vectorised numpy gather; per-record Python calls cost more than the gather itself.
+batches per element, not one record per element: the draws, the conversion and the normalisation are
+whole-batch numpy operations, and an element per record would add grain's per-element work (and a
+transfer between processes) for every image.
 
 In-memory arrays, memory-mapped files, ``synthetic``, ``digits`` and ``python_docs`` stay on
 :class:`dtx.data.loader.TrainLoader`. They need no decoding and no augmentation, their batch is one
