@@ -31,6 +31,15 @@ def test_what_a_resume_may_and_may_not_change():
         check_resumable(saved, config_lib.override(config, seed=config.seed + 1))
 
 
+def test_a_resume_may_change_how_data_is_read_but_not_what():
+    """``dataset.workers`` changes who builds a batch, never the batch (tests/test_pipeline.py)."""
+    config = config_lib.override(config_lib.base_config(), **{"dataset.name": "cifar10"})
+    saved = _saved(config)
+    check_resumable(saved, config_lib.override(config, **{"dataset.workers": 2}))
+    with pytest.raises(config_lib.ConfigError, match="dataset differ"):
+        check_resumable(saved, config_lib.override(config, **{"dataset.augment.flip": True}))
+
+
 def test_a_block_the_experiment_replaced_gains_no_default_keys():
     """An experiment's own model block (lenet: no ``features``) resumes: defaults fill only keys the run has."""
     config = config_lib.base_config()

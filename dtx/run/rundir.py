@@ -158,7 +158,7 @@ def check_shared_directory(directory: str) -> None:
 RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
                       "eval_batch_size", "watchdog_seconds", "emulate_cpu_devices", "mesh", "driver",
                       "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
-                      "log_grad_norm", "compilation_cache", "wandb")
+                      "log_grad_norm", "compilation_cache", "wandb", "dataset.workers")
 
 
 def _with_defaults(saved: dict, defaults: dict, current: dict) -> dict:
@@ -175,6 +175,16 @@ def _with_defaults(saved: dict, defaults: dict, current: dict) -> dict:
     return merged
 
 
+def _without(config: dict, keys) -> dict:
+    """``config`` less the dotted ``keys`` inside its blocks (``dataset.workers``: how, not what, is read)."""
+    config = dict(config)
+    for key in keys:
+        block, _, inner = key.partition(".")
+        if inner and isinstance(config.get(block), dict):
+            config[block] = {k: v for k, v in config[block].items() if k != inner}
+    return config
+
+
 def check_resumable(saved: dict, config: ConfigDict) -> None:
     """Refuse to resume a checkpoint under settings that change what its state means (data order,
     model, optimizer, precision): the run would silently stop being the run that was saved."""
@@ -182,6 +192,7 @@ def check_resumable(saved: dict, config: ConfigDict) -> None:
     # A key added to dtx after the checkpoint was written takes its default there: the run that
     # saved it ran with what that default means (e.g. task.name=classification).
     saved = _with_defaults(saved, json.loads(config_lib.base_config().to_json()), current) if saved else saved
+    saved, current = _without(saved, RESUME_MAY_CHANGE), _without(current, RESUME_MAY_CHANGE)
     changed = sorted(k for k in set(saved) | set(current)
                      if k not in RESUME_MAY_CHANGE and saved.get(k) != current.get(k))
     if saved and changed:
