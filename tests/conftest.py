@@ -28,6 +28,19 @@ jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
 from dtx import xla_cache  # noqa: E402
 
 xla_cache.enable("auto")
+_COMPILING = xla_cache.CompileClock().__enter__()  # this process's compiles, for DTX_TEST_COMPILE_STATS
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With $DTX_TEST_COMPILE_STATS=FILE, each test process appends what it compiled and read back (JAX's
+    own timings) to FILE: how the suite's time splits, and what the shared cache saved."""
+    path = os.environ.get("DTX_TEST_COMPILE_STATS")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                                **_COMPILING.record(), "compile_only_s": round(_COMPILING.compile_s, 3)}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
