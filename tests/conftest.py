@@ -31,6 +31,19 @@ xla_cache.enable("auto")
 _COMPILING = xla_cache.CompileClock().__enter__()  # this process's compiles, for DTX_TEST_COMPILE_STATS
 
 
+_BY_FILE: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test file's share of this process's compiles (its tests' set-up included), for the stats."""
+    before = (_COMPILING.backend_s, _COMPILING.programs, _COMPILING.hits)
+    yield
+    seconds, programs, hits = _BY_FILE.get(item.fspath.basename, (0.0, 0, 0))
+    _BY_FILE[item.fspath.basename] = (seconds + _COMPILING.backend_s - before[0],
+                                      programs + _COMPILING.programs - before[1], hits + _COMPILING.hits - before[2])
+
+
 def pytest_sessionfinish(session, exitstatus):
     """With $DTX_TEST_COMPILE_STATS=FILE, each test process appends what it compiled and read back (JAX's
     own timings) to FILE: how the suite's time splits, and what the shared cache saved."""
@@ -40,7 +53,8 @@ def pytest_sessionfinish(session, exitstatus):
 
         with open(path, "a") as f:
             f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                                **_COMPILING.record(), "compile_only_s": round(_COMPILING.compile_s, 3)}) + "\n")
+                                **_COMPILING.record(), "compile_only_s": round(_COMPILING.compile_s, 3),
+                                "files": {name: [round(t, 1), n, h] for name, (t, n, h) in _BY_FILE.items()}}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

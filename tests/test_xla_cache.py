@@ -63,6 +63,16 @@ def _program(mesh):
     return jax.jit(jax.grad(loss), in_shardings=(mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)))
 
 
+def test_clocks_nest_and_each_stops_when_it_closes():
+    """Two clocks holding equal figures are still two: closing the inner one leaves the outer one running."""
+    with xla_cache.CompileClock() as outer:
+        with xla_cache.CompileClock() as inner:
+            pass
+        assert inner == inner and inner != outer  # equal figures (nothing compiled), different clocks
+        jax.jit(lambda x: x * 7 - 1).lower(np.ones(3, np.float32)).compile()
+    assert (outer.programs, inner.programs) == (1, 0)
+
+
 def test_a_program_read_back_is_the_compiled_program(tmp_path, restore_cache):
     assert xla_cache.enable(str(tmp_path / "cache")) == str(tmp_path / "cache")
     mesh = mesh_lib.make_mesh([("data", -1)])
