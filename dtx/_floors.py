@@ -18,6 +18,7 @@ FLOORS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("precision", "the precision policy and dynamic loss scaling"),
         ("optim", "optimizers (SGD, momentum, Adam, LARS, LAMB) and learning-rate schedules"),
         ("paths", "names of a pytree's leaves"),
+        ("figures", "PNG figures: lines, labelled points, bars, marks (matplotlib, headless)"),
         ("models", "flax models by name (models/, installed as dtx.models)"),
         ("_checkout", "dtx.models and dtx.experiments from a source checkout"),
         ("_floors", "this list"),
@@ -73,7 +74,7 @@ def render() -> str:
         for room, meaning in rooms:
             if room.startswith("_") or room == "models":  # private, or a folder of its own (below)
                 continue
-            shown = room if room in ("mesh", "xla_cache", "precision", "optim", "paths") else room + "/"
+            shown = room if room in ("mesh", "xla_cache", "precision", "optim", "paths", "figures") else room + "/"
             wrapped = textwrap.wrap(meaning, 96)
             lines.append(f"    {shown:<12}{wrapped[0]}")
             lines += [" " * 16 + more for more in wrapped[1:]]

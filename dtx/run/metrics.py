@@ -84,6 +84,31 @@ class MetricWriter:
         self.close(failed=kind is not None)
 
 
+class CheckpointMarks:
+    """A :class:`dtx.run.steplog.StepLog` extra: the next record says which checkpoint saves its window holds.
+
+    The loop saves step ``k`` after dispatching it and before the record of step ``k`` closes its timing
+    window, so the seconds a save blocks the loop land in that record's ``step_time_ms``: the record carries
+    ``checkpoint_saved`` (the steps saved since the previous record) and ``checkpoint_save_s`` (the seconds
+    the loop spent in those saves), which ``dtx plot`` marks on its step-time plots.
+    """
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock, self._steps, self._seconds = clock, [], 0.0
+
+    def saved(self, step: int, started: float) -> None:
+        """Step ``step`` was saved by a call that began at ``clock()`` time ``started``."""
+        self._steps.append(int(step))
+        self._seconds += self.clock() - started
+
+    def __call__(self, step: int, record: dict) -> dict:
+        if not self._steps:
+            return {}
+        marks = {"checkpoint_saved": self._steps, "checkpoint_save_s": self._seconds}
+        self._steps, self._seconds = [], 0.0
+        return marks
+
+
 def truncate_after(workdir: str | os.PathLike, step: int) -> int:
     """Move the records of steps after ``step`` (and a line torn by a killed process) from
     ``metrics.jsonl`` to ``metrics.superseded.jsonl``; returns how many moved. Nothing is lost:

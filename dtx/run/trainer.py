@@ -133,11 +133,13 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                 run.writer.write(step + 1, evaluate(run.eval_step, state, run.tests, run.parts.task))
             preempted = preemption.requested(step + 1)
             if run.checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == run.num_steps):
+                started = time.perf_counter()
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
                     run.checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
                                                              "data_digest": data_digest, "workers": run.parts.workers,
                                                              "user_data": run.user_data, "comm": log.comm_saved(),
                                                              **({"clock": run.clock.saved()} if run.clock else {})})
+                run.saves.saved(step + 1, started)  # the record whose window holds the save says so
             if preempted:
                 break
         log.flush()  # the last step, whatever log_every says
@@ -174,6 +176,7 @@ class _Run(NamedTuple):
     log: steplog.StepLog
     clock: simclock.Recorder | None = None  # --config.cluster: sim_time_s in the records
     quiet_step: object = None  # the other steps' program (StepSpec(record=False)), or train_step itself
+    saves: metrics_lib.CheckpointMarks | None = None  # checkpoint_saved in the records
 
 
 def record_step(step: int, log_every: int, num_steps: int) -> bool:
@@ -255,6 +258,7 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                               **(compiling.record("startup_") if compiling else {}),
                               **({"resume_skipped": [{"step": s, "reason": why} for s, why in resumed.skipped]}
                                  if resuming and resumed.skipped else {})})
+    saves = metrics_lib.CheckpointMarks()
     log = steplog.StepLog(
         writer, log_every=config.log_every, global_batch_size=config.global_batch_size, num_devices=mesh.size,
         comm=comm, learning_rates=lr_by_step, loss_scaler=parts.loss_scaler,
@@ -265,9 +269,9 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                                                       seconds, peak_flops),
         peak_learning_rate=parts.peak_learning_rate if optimizer is None else None,
         bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process), run_start=run_start,
-        extras=(clock,) if clock else ())
+        extras=((clock,) if clock else ()) + (saves,))
     return _Run(parts, loader, num_steps, train_step, eval_step, tests, checkpointer, state, start_step,
-                saved.get("data_digest", ""), user_data, writer, log, clock, quiet_step)
+                saved.get("data_digest", ""), user_data, writer, log, clock, quiet_step, saves)
 
 
 def evaluate(eval_step: EvalStep, state: TrainState, batches, task: tasks_lib.Task | None = None) -> dict:

@@ -12,101 +12,67 @@ accuracy — and, for runs with a simulated clock (``--config.cluster``), agains
 the modelled time on that cluster (``loss_vs_sim_time.png``, from ``sim_time_s``). A step logged twice (a resumed run re-logs the steps after its
 checkpoint) keeps its last record.
 
-Every PNG dtx writes — ``dtx plot``, ``dtx simulate``, ``dtx bench collectives``,
-the sweeps in ``benchmarks/`` — goes through :func:`line_plot` or
-:func:`panels_plot`. They draw on a bare ``Figure`` with the Agg canvas: no
-pyplot state and no backend switch, so they are safe in CI and in notebooks
-(show the PNG with ``IPython.display.Image(path)``).
+Each PNG says what it shows without help: axes carry names and units (:func:`axis_label`); a metric
+every run records once (``test_accuracy`` of runs evaluated only at the end) is drawn as labelled bars,
+one per run, so equal values cannot hide each other; a run's single point among other runs' lines is a
+marker labelled with its name; the step-time and throughput plots mark the steps a checkpoint was saved
+(``checkpoint_saved`` in the records: the save's seconds fall into that record's window); and the
+simulated-time plots name the cluster each run was timed on (its ``config.json``).
+
+The drawing itself is :mod:`dtx.figures`' (re-exported here: :func:`line_plot`, :func:`panels_plot`).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import dataclasses
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from dtx.figures import Line, Panel, line_plot, panels_plot  # noqa: F401 - the public drawing API
 from dtx.run import metrics as metrics_lib
-
-
-@dataclasses.dataclass
-class Line:
-    """One series with a style: ``"-"`` (default), ``"--"`` dashed, ...; ``same_color_as`` names
-    an earlier series of the same panel to share its colour (measured vs predicted pairs)."""
-
-    xs: Sequence[float]
-    ys: Sequence[float]
-    style: str = "-"
-    same_color_as: str | None = None
-
-
-@dataclasses.dataclass
-class Panel:
-    """One set of axes: ``series`` maps a legend name to ``(xs, ys)`` or a :class:`Line`."""
-
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]] | Line]
-    title: str = ""
-    xlabel: str = ""
-    ylabel: str = ""
-    logx: bool = False
-    logy: bool = False
-
-
-def panels_plot(panels: Sequence[Panel], path: str | os.PathLike, *, title: str = "") -> str:
-    """Draw ``panels`` side by side and write a PNG to ``path``; returns the path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4 * len(panels), 4.4 if title else 4.2), dpi=120)
-    FigureCanvasAgg(fig)
-    for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-        colors = {}
-        for name, data in panel.series.items():
-            line = data if isinstance(data, Line) else Line(*data)
-            style = dict(marker="o", markersize=3) if line.style == "-" else {}
-            (drawn,) = ax.plot(list(line.xs), list(line.ys), line.style, label=name,
-                               color=colors.get(line.same_color_as), **style)
-            colors[name] = drawn.get_color()
-        if panel.logx:
-            ax.set_xscale("log", base=2)
-        if panel.logy:
-            ax.set_yscale("log")
-        ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if len(panel.series) > 1:
-            ax.legend(fontsize=7 if len(panel.series) > 6 else None)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path)
-    return path
-
-
-def line_plot(
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]] | Line],
-    path: str | os.PathLike,
-    *,
-    title: str = "",
-    xlabel: str = "",
-    ylabel: str = "",
-    logx: bool = False,
-    logy: bool = False,
-) -> str:
-    """Draw one line per ``name -> (xs, ys)`` and write a PNG to ``path``; returns the path."""
-    return panels_plot([Panel(series, title, xlabel, ylabel, logx, logy)], path)
 
 
 DEFAULT_METRICS = ("loss", "accuracy", "test_accuracy", "examples_per_sec", "step_time_ms", "mfu", "grad_norm",
                    "comm_bytes_per_step", "learning_rate")
 QUALITY_METRICS = ("loss", "accuracy", "test_accuracy")  # also drawn against time and bytes
-X_AXES = {"step": ("step", "step"), "time": ("elapsed_s", "seconds since the run started"),
-          "bytes": ("comm_bytes_total", "bytes sent per worker"),
+# The x axes: record field, axis label ("{cluster}": the clusters the runs were timed on)
+X_AXES = {"step": ("step", "training step"), "time": ("elapsed_s", "wall-clock time since the run started (s)"),
+          "bytes": ("comm_bytes_total", "bytes sent per worker since step 0 (B)"),
           # the modelled time on --config.cluster (dtx.perf.simclock); runs without one draw no such plot
-          "sim_time": ("sim_time_s", "simulated seconds on the cluster")}
+          "sim_time": ("sim_time_s", "simulated time on {cluster} (s)")}
+# What a record field means, with its unit: the y axis of its plot (other keys: the key, unit from its suffix)
+LABELS = {
+    "loss": "training loss (the task's, e.g. cross-entropy in nats)",
+    "accuracy": "training accuracy (fraction of the batch)",
+    "test_accuracy": "test accuracy (fraction of the test set)",
+    "test_loss": "test loss (the task's)",
+    "examples_per_sec": "throughput (examples/s, all devices)",
+    "examples_per_sec_per_device": "throughput (examples/s per device)",
+    "step_time_ms": "time per training step (ms)",
+    "mfu": "MFU (model FLOP/s / peak FLOP/s)",
+    "hfu": "HFU (compiled FLOP/s / peak FLOP/s)",
+    "grad_norm": "gradient norm (L2, after the allreduce)",
+    "comm_bytes_per_step": "bytes sent per worker per step (B)",
+    "comm_bytes_total": "bytes sent per worker since step 0 (B)",
+    "comm_ratio": "float32 ring bytes / bytes sent (×)",
+    "learning_rate": "learning rate",
+    "sim_time_s": "simulated time (s)",
+    "elapsed_s": "wall-clock time since the run started (s)",
+}
+_UNITS = (("_ms", "ms"), ("_s", "s"), ("_bytes", "B"), ("_per_sec", "1/s"))
+TIMED_METRICS = ("step_time_ms", "examples_per_sec", "examples_per_sec_per_device", "mfu", "hfu")  # save marks
+
+
+def axis_label(key: str) -> str:
+    """The axis label of record field ``key``: its meaning and unit (``step_time_ms`` -> ``time per training
+    step (ms)``); a key dtx does not know keeps its name, with the unit its suffix names."""
+    if key in LABELS:
+        return LABELS[key]
+    unit = next((unit for suffix, unit in _UNITS if key.endswith(suffix)), None)
+    return f"{key} ({unit})" if unit else key
 
 
 def metric_series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
@@ -134,19 +100,64 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def checkpoint_steps(records: list[dict]) -> list[int]:
+    """The steps a run saved a checkpoint at (``checkpoint_saved`` of its records), in order, each once."""
+    return sorted({int(step) for r in records for step in r.get("checkpoint_saved") or ()})
+
+
+def run_cluster(workdir: str | os.PathLike) -> str:
+    """The cluster a run's simulated clock modelled (``cluster.name`` of its ``config.json``; '' for none)."""
+    try:
+        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+            cluster = json.load(f).get("cluster", {})
+    except (OSError, ValueError):
+        return ""
+    return cluster.get("name", "") if isinstance(cluster, dict) else ""
+
+
+def _panel(runs: Mapping[str, list[dict]], key: str, x: str, clusters: Mapping[str, str]) -> Panel | None:
+    """The panel of ``key`` against x axis ``x``: bars when every run has one value at one step, else lines."""
+    field, xlabel = X_AXES[x]
+    lines = {name: metric_series(records, key, field) for name, records in runs.items()}
+    lines = {name: xy for name, xy in lines.items() if xy[0]}
+    if not lines:
+        return None
+    ylabel, title = axis_label(key), key
+    if x == "step" and all(len(xs) == 1 for xs, _ in lines.values()):  # evaluated once: one labelled bar per run
+        return Panel(lines, title=title, ylabel=ylabel, kind="bars", bar_x_label="step")
+    if x == "sim_time":  # name the cluster: on the axis when the runs share it, else beside each run
+        named = {clusters.get(name, "") for name in lines}
+        if len(named) == 1:
+            cluster = named.pop()
+            xlabel = xlabel.format(cluster=cluster or "the run's cluster")
+            title += f", simulated on {cluster}" if cluster else ""
+        else:
+            xlabel = xlabel.format(cluster="each run's cluster")
+            lines = {f"{name} ({clusters.get(name) or '?'})": xy for name, xy in lines.items()}
+    marks, colors = {}, {}
+    if x == "step" and key in TIMED_METRICS:  # a save blocks the loop: its record's step time shows it
+        for name in lines:
+            saves = checkpoint_steps(runs[name])
+            if saves:
+                mark = f"{name}: checkpoint saved" if len(lines) > 1 else "checkpoint saved (that step's time includes it)"
+                marks[mark], colors[mark] = saves, name
+    return Panel(lines, title=title, xlabel=xlabel, ylabel=ylabel, logy=key == "loss", marks=marks,
+                 mark_colors=colors)
+
+
 def plot_runs(runs: Mapping[str, list[dict]], out: str, metrics: Sequence[str] = DEFAULT_METRICS,
-              x_axes: Sequence[str] = tuple(X_AXES)) -> list[str]:
-    """Write the PNGs of ``dtx plot`` for ``name -> records``; returns their paths."""
+              x_axes: Sequence[str] = tuple(X_AXES), clusters: Mapping[str, str] | None = None) -> list[str]:
+    """Write the PNGs of ``dtx plot`` for ``name -> records``; returns their paths.
+
+    ``clusters``: ``name -> cluster`` the run's simulated clock modelled (:func:`run_cluster`), for the
+    ``sim_time`` plots."""
     written = []
     for x in x_axes:
-        field, label = X_AXES[x]
         for key in metrics if x == "step" else [m for m in metrics if m in QUALITY_METRICS]:
-            lines = {name: metric_series(records, key, field) for name, records in runs.items()}
-            lines = {name: xy for name, xy in lines.items() if xy[0]}
-            if lines:
+            panel = _panel(runs, key, x, clusters or {})
+            if panel is not None:
                 suffix = "" if x == "step" else f"_vs_{x}"
-                written.append(line_plot(lines, os.path.join(out, f"{key}{suffix}.png"), title=key, xlabel=label,
-                                         ylabel=key, logy=key == "loss"))
+                written.append(panels_plot([panel], os.path.join(out, f"{key}{suffix}.png")))
     return written
 
 
@@ -171,7 +182,8 @@ def plot_main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         records[os.path.basename(os.path.normpath(run))] = metrics_lib.read_metrics(run)
-    written = plot_runs(records, args.out, [m for m in args.metrics.split(",") if m], x_axes)
+    clusters = {os.path.basename(os.path.normpath(run)): run_cluster(run) for run in args.runs}
+    written = plot_runs(records, args.out, [m for m in args.metrics.split(",") if m], x_axes, clusters)
     if not written:
         print(f"dtx plot: error: none of {args.metrics} is in the runs' records", file=sys.stderr)
         return 2
