@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import numpy as np
+
+from dtx.config import ConfigError, is_import_path, parameters, register_check, register_family, resolve
 
 from .lenet import LeNet
 from .mlp import MLP
@@ -35,13 +38,37 @@ MODELS: dict[str, type[nn.Module]] = {
 _RESERVED = ("num_classes", "dtype", "param_dtype", "norm_axis_name", "parent", "name")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """Unknown model name or keyword."""
 
 
+def model_class(name: str) -> type[nn.Module]:
+    """The class ``name`` chooses: a model of :data:`MODELS`, or your ``flax.linen.Module`` by import path
+    (``package.module:Class``, :mod:`dtx.config.parts`)."""
+    if not is_import_path(name):
+        if name not in MODELS:
+            raise ModelConfigError(f"unknown model {name!r} (config key model.name); choose one of {sorted(MODELS)}, "
+                                   "or your own flax module as package.module:Class")
+        return MODELS[name]
+    try:
+        cls = resolve(name, "model.name")
+    except ConfigError as e:
+        raise ModelConfigError(str(e)) from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ModelConfigError(f"model.name={name!r} is {type(cls).__name__} {cls!r}, not a flax.linen.Module class; "
+                               "name your model's class")
+    return cls
+
+
 def model_fields(name: str) -> dict[str, object]:
-    """The user-settable keywords of model ``name`` with their defaults."""
-    cls = _lookup(name)
+    """The user-settable keywords of model ``name`` with their defaults (for your class: its dataclass fields
+    but those dtx sets, ``num_classes``, ``dtype``, ``param_dtype``, ``norm_axis_name``)."""
+    cls = model_class(name)
+    if is_import_path(name):
+        try:
+            return parameters(cls, f"model.name={name!r}", supplied=_RESERVED)
+        except ConfigError as e:
+            raise ModelConfigError(str(e)) from None
     return {
         f.name: f.default
         for f in dataclasses.fields(cls)
@@ -50,19 +77,44 @@ def model_fields(name: str) -> dict[str, object]:
 
 
 def build_model(name: str, **kwargs) -> nn.Module:
-    """Instantiate model ``name``; unknown keywords raise naming the key and the valid ones."""
-    cls = _lookup(name)
-    allowed = set(model_fields(name)) | set(_RESERVED[:4])
-    unknown = sorted(set(kwargs) - allowed)
+    """Instantiate model ``name``; unknown keywords raise naming the key and the valid ones.
+
+    ``num_classes``, ``dtype``, ``param_dtype`` and ``norm_axis_name`` go to a class that declares them; your
+    class without a ``dtype`` field computes as it is written, so a precision other than float32 is refused.
+    """
+    cls = model_class(name)
+    settings = model_fields(name)
+    unknown = sorted(set(kwargs) - set(settings) - set(_RESERVED[:4]))
     if unknown:
-        raise ModelConfigError(
-            f"model {name!r} has no setting {unknown[0]!r} (config key model.{unknown[0]}); "
-            f"valid settings: {', '.join(sorted(model_fields(name)))}"
-        )
+        raise ModelConfigError(_no_setting(name, unknown[0], settings))
+    declared = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in sorted(set(kwargs) & set(_RESERVED[:4]) - declared):
+        value = kwargs.pop(key)
+        if key in ("dtype", "param_dtype") and value is not None and np.dtype(value) != np.float32:
+            raise ModelConfigError(f"model {name!r} has no field {key!r}, so the precision policy's "
+                                   f"{np.dtype(value).name} cannot reach its layers; give the class fields "
+                                   "dtype and param_dtype (default jnp.float32) and pass them to its layers, or keep "
+                                   "--config.precision at float32")
     return cls(**kwargs)
 
 
-def _lookup(name: str) -> type[nn.Module]:
-    if name not in MODELS:
-        raise ModelConfigError(f"unknown model {name!r} (config key model.name); choose one of {sorted(MODELS)}")
-    return MODELS[name]
+def _no_setting(name: str, key: str, settings) -> str:
+    return (f"model {name!r} has no setting {key!r} (config key model.{key}); valid settings: "
+            f"{', '.join(sorted(settings)) or 'none'}")
+
+
+def check_config(config) -> None:
+    """At load time: ``model.name`` resolves and its block holds only that model's settings."""
+    block = config.model
+    settings = model_fields(block.name)
+    foreign = [key for key in block if key != "name" and key not in settings]
+    if foreign:
+        raise ModelConfigError(
+            _no_setting(block.name, foreign[0], settings) + f". A model's name chooses its settings: "
+            f"--config.model.name={block.name} (or dtx.override(config, **{{'model.name': {block.name!r}}})) replaces "
+            "the block with that model's defaults, then --config.model.KEY=VALUE applies; an experiment file "
+            f"assigns the whole block, config.model = ConfigDict(dict(name={block.name!r}, ...))")
+
+
+register_family("model", model_fields, replaces=True)
+register_check(check_config)

@@ -100,7 +100,9 @@ def base_config() -> ConfigDict:
 
     # Data.
     c.dataset = ConfigDict()
-    c.dataset.name = "digits"  # synthetic | digits | mnist | cifar10 | image_folder | python_docs (or train(data=))
+    # synthetic | digits | mnist | cifar10 | image_folder | python_docs, or package.module:function (your arrays);
+    # or dtx.train(data=)
+    c.dataset.name = "digits"
     c.dataset.data_dir = ""  # folder with the files of mnist / cifar10 / image_folder (train/<class>/*.png, test/...)
     # mnist / cifar10 / image_folder are read through grain (dtx.data.pipeline): augmentation of the training
     # images, a hash of (seed, epoch, example) so batches stay a function of (seed, step), and prefetch workers.
@@ -118,11 +120,12 @@ def base_config() -> ConfigDict:
 
     # Task: the loss and metrics (dtx.data.tasks; or dtx.train(..., task=)).
     c.task = ConfigDict()
-    c.task.name = "classification"  # classification | regression | next_token
+    c.task.name = "classification"  # classification | regression | next_token | package.module:function
     c.task.label_smoothing = 0.0  # classification / next_token: in [0, 1)
     c.task.pad_id = -1  # next_token: label id that is not scored (padding); -1: every token is
 
-    # Model: name plus that model's own settings (see models.model_fields(name)).
+    # Model: name plus that model's own settings (see models.model_fields(name)); the name may be your flax
+    # module's class, package.module:Class, whose dataclass fields are then the settings.
     c.model = ConfigDict(dict(name="mlp", features=(256, 256)))
 
     # Optimisation.
@@ -307,8 +310,9 @@ def check_block(config: ConfigDict, block: str, taken: Mapping[str, Sequence[str
 
 
 def chosen_settings(block: ConfigDict, taken: Mapping[str, Sequence[str]]) -> dict:
-    """The keys of a plug-in ``block`` its chosen plug-in takes: the keyword arguments of its factory."""
-    return {key: _plain(block[key]) for key in taken.get(block.name, ())}
+    """The keys of a plug-in ``block`` its chosen plug-in takes: the keyword arguments of its factory (a key the
+    block lacks leaves the factory's default)."""
+    return {key: _plain(block[key]) for key in taken.get(block.name, ()) if key in block}
 
 
 def replaces_optimizer(part: str, when: str = "") -> Callable[[Callable], Callable]:
@@ -363,8 +367,9 @@ def _check_numbers(config: ConfigDict) -> None:
             raise ConfigError(f"{key}={value!r} must be >= 0; set --config.{key}=<value >= 0>")
         if key in _FRACTIONS and not 0 <= value < 1:
             raise ConfigError(f"{key}={value!r} must be in [0, 1); set --config.{key}, e.g. 0.9")
-    # Model sizes: every integer of the model block is a width, count or size, so >= 1.
-    for key, value in _leaves(config.model, "model"):
+    # Model sizes: every integer of a built-in model's block is a width, count or size, so >= 1 (your own
+    # model's, chosen by import path, may mean anything: its class checks them).
+    for key, value in _leaves(config.model, "model") if ":" not in str(config.model.get("name")) else ():
         for number in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(number, int) and not isinstance(number, bool) and number < 1:
                 raise ConfigError(f"{key}={value!r}: widths and sizes must be >= 1; fix --config.{key}")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ml_collections import ConfigDict
 
+from dtx.config import parts
 from dtx.config.defaults import ConfigError, validate
 
 def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
@@ -42,15 +43,29 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     config = _parse(path, [], blame=file_part)
     if not isinstance(config, ConfigDict):
         raise ConfigError(f"{file_part}: get_config() must return an ml_collections.ConfigDict")
-    # ... then the overrides, each key checked against the file's config first.
+    # ... then the overrides: first a part chosen by name (--config.model.name=lenet replaces the model block
+    # with lenet's settings), then each other key, checked against the config it changes.
     flags_ = [_as_flag(arg) for arg in overrides]
+    pairs = [flag[len("--config."):].partition("=")[::2] for flag in flags_]
+    chosen = {key.partition(".")[0]: value for key, value in pairs if _chooses(key)}  # the last one wins
+    flags_ = [flag for flag, (key, _) in zip(flags_, pairs) if not _chooses(key)]
+    for block, name in chosen.items():
+        config = parts.choose(config, block, name)
     for flag in flags_:
         key = flag[len("--config."):].split("=", 1)[0]
         node = config
-        for part in key.split("."):
-            node = _child(node, part, key)
+        try:
+            for part in key.split("."):
+                node = _child(node, part, key)
+        except ConfigError as e:
+            block = key.partition(".")[0]
+            if block not in chosen:
+                raise
+            takes = ", ".join(k for k in config[block] if k != "name") or "none"
+            raise ConfigError(f"{e}: --config.{block}.name={chosen[block]} chose a {block} that does not take it "
+                              f"(its settings: {takes})") from None
     if flags_:
-        config = _parse(path, flags_, blame="override")
+        config = _parse(config, flags_, blame="override")
     validate(config)
     return config
 
@@ -105,15 +120,20 @@ def _defines(node) -> bool:
     return any((alias.asname or alias.name) == "get_config" for alias in node.names)
 
 
-def _parse(path: str, flags_: list[str], blame: str) -> ConfigDict:
-    """Run ml_collections' config_flags on ``--config=path`` plus ``flags_``."""
+def _parse(source: str | ConfigDict, flags_: list[str], blame: str) -> ConfigDict:
+    """Run ml_collections' config_flags on ``--config=path`` (or on a config already read) plus ``flags_``:
+    each value parsed by the type of the key's current value."""
     from absl import flags
     from ml_collections import config_flags
 
-    argv = ["dtx", f"--config={path}", *flags_]
     flag_values = flags.FlagValues()
     # sys_argv: config_flags finds the override flags there (default: the process's sys.argv).
-    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
+    if isinstance(source, ConfigDict):
+        argv = ["dtx", *flags_]
+        config_flags.DEFINE_config_dict("config", source, flag_values=flag_values, lock_config=True, sys_argv=argv)
+    else:
+        argv = ["dtx", f"--config={source}", *flags_]
+        config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
     try:
         flag_values(argv)
         return flag_values.config
@@ -145,7 +165,13 @@ def override(config: ConfigDict, **values) -> ConfigDict:
     """
     new = config.copy_and_resolve_references()
     new.lock()
+    # A part chosen by name first (override(c, **{"model.name": "lenet"}) replaces the model block), then the rest.
+    values = dict(sorted(values.items(), key=lambda item: not _chooses(item[0])))
     for key, value in values.items():
+        if _chooses(key):
+            _child(new, key.partition(".")[0], key)
+            parts.choose(new, key.partition(".")[0], value)
+            continue
         node, _, leaf = key.rpartition(".")
         target = new
         for part in filter(None, node.split(".")):
@@ -157,6 +183,12 @@ def override(config: ConfigDict, **values) -> ConfigDict:
             raise ConfigError(f"config key {key!r}: {_one_line(e)}") from None
     validate(new)
     return new
+
+
+def _chooses(key: str) -> bool:
+    """``model.name``, ``task.name``, ``dataset.name``: a key that chooses a part (:mod:`dtx.config.parts`)."""
+    block, _, leaf = key.partition(".")
+    return leaf == "name" and block in parts.families()
 
 
 def _as_flag(arg: str) -> str:

@@ -36,8 +36,8 @@ import dataclasses
 import numpy as np
 from ml_collections import ConfigDict
 
-from dtx.config import ConfigError, register_check
-from dtx.data import datasets, images
+from dtx.config import ConfigError, is_import_path, register_check
+from dtx.data import datasets, images, userdata
 from dtx.data.datasets import Dataset, DatasetError, Split
 from dtx.data.loader import Batch, TrainLoader, _place, epoch_permutation
 
@@ -119,10 +119,13 @@ def check_dataset(config: ConfigDict) -> None:
 def load_dataset(block: ConfigDict, *, seed: int) -> Dataset:
     """The config's dataset (``config.dataset``): image datasets as :class:`dtx.data.images.ImageRows` over
     their files (nothing decoded until read), the others from :func:`dtx.data.datasets.load_dataset`."""
+    if is_import_path(block.name):  # your function returning arrays or a Dataset (dtx.data.userdata)
+        return userdata.load_source(block, seed=seed)
     if block.name not in IMAGE_DATASETS:
         if block.name not in datasets.DATASETS:
             raise DatasetError(f"unknown dataset {block.name!r}; choose one of "
-                               f"{', '.join(datasets.DATASETS + IMAGE_DATASETS[2:])}.")
+                               f"{', '.join(datasets.DATASETS + IMAGE_DATASETS[2:])}, or your function returning "
+                               "arrays as package.module:function.")
         return datasets.load_dataset(block.name, data_dir=block.data_dir, seed=seed,
                                      synthetic=block.synthetic.to_dict(), seq_len=block.seq_len)
     augment = Augment.from_settings(block.get("augment"))

@@ -41,7 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from dtx.config import ConfigError, check_block, declared_settings, refuse_foreign, register_check
+from dtx.config import (
+    ConfigError, check_block, declared_settings, is_import_path, parameters, refuse_foreign, register_check,
+    register_family, resolve,
+)
 
 Array = Any
 
@@ -203,18 +206,46 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-def task_settings() -> dict[str, tuple[str, ...]]:
-    """Each task's settings (keys of ``config.task``): its factory's parameters."""
-    return {name: declared_settings(factory) for name, factory in TASKS.items()}
+def task_settings(name: str | None = None) -> dict[str, tuple[str, ...]]:
+    """Each task's settings (keys of ``config.task``): its factory's parameters; with ``name`` an import path
+    (``package.module:function``), that function's too."""
+    taken = {task: declared_settings(factory) for task, factory in TASKS.items()}
+    if is_import_path(name):
+        taken[name] = tuple(user_task_settings(name))
+    return taken
+
+
+def user_task_settings(name: str) -> dict:
+    """Your task factory ``package.module:function``'s settings with their defaults (a task block's keys)."""
+    return parameters(_user_factory(name), f"task.name={name!r}")
+
+
+def _user_factory(name: str) -> Callable[..., Task]:
+    factory = resolve(name, "task.name")
+    if not callable(factory):
+        raise ConfigError(f"task.name={name!r} is {type(factory).__name__} {factory!r}; name a function that "
+                          "returns a dtx.data.tasks.Task")
+    return factory
 
 
 def make_task(name: str = "classification", **settings) -> Task:
     """The task ``config.task`` describes: ``name`` built from ``settings``, keys of ``config.task`` that it
     takes (:func:`task_settings`; ``pad_id < 0``: no padding); a setting it does not take raises
-    :class:`TaskError`."""
+    :class:`TaskError`. ``name`` may be your function returning a :class:`Task`, ``package.module:function``."""
+    if is_import_path(name):
+        try:
+            factory = _user_factory(name)
+        except ConfigError as e:
+            raise TaskError(str(e)) from None
+        refuse_foreign("task", name, settings, task_settings(name), TaskError)
+        task = factory(**settings)
+        if not isinstance(task, Task):
+            raise TaskError(f"task.name={name!r} returned {type(task).__name__}, not a dtx.data.tasks.Task; return "
+                            "Task(name, loss=..., metrics=...)")
+        return task
     if name not in TASKS:
-        raise TaskError(f"task.name={name!r} is unknown; choose one of {list(TASKS)} (or pass your own "
-                        "dtx.data.tasks.Task as dtx.train(..., task=))")
+        raise TaskError(f"task.name={name!r} is unknown; choose one of {list(TASKS)} (or your own function "
+                        "returning a dtx.data.tasks.Task, as package.module:function)")
     refuse_foreign("task", name, settings, task_settings(), TaskError)
     return TASKS[name](**settings)
 
@@ -298,11 +329,14 @@ def summarize(sums: list[dict], task: Task | None = None) -> dict:
 def check_config(config) -> None:
     """The task block names a known task with settings that apply to it (those :func:`make_task` takes)."""
     task = config.task
-    if task.name not in TASKS:
-        raise ConfigError(f"task.name={task.name!r} is unknown; choose one of {list(TASKS)} (or pass your own "
-                          "dtx.data.tasks.Task as dtx.train(..., task=))")
+    if task.name not in TASKS and not is_import_path(task.name):
+        raise ConfigError(f"task.name={task.name!r} is unknown; choose one of {list(TASKS)} (or your own function "
+                          "returning a dtx.data.tasks.Task, as package.module:function, or dtx.train(..., task=))")
     if not 0 <= task.label_smoothing < 1:
         raise ConfigError(f"task.label_smoothing={task.label_smoothing!r} must be in [0, 1), e.g. 0.1")
-    check_block(config, "task", task_settings())
+    check_block(config, "task", task_settings(task.name))
     if config.dataset.seq_len < 1:
         raise ConfigError(f"dataset.seq_len={config.dataset.seq_len} must be >= 1 (tokens per example)")
+
+
+register_family("task", user_task_settings, replaces=False)  # task.name=package.module:function adds its settings

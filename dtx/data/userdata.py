@@ -16,6 +16,10 @@ and a resumed run reads exactly the rows an uninterrupted one would.
   default: ``max(label) + 1`` for integer labels, the target width for float ones);
 * a :class:`dtx.data.datasets.Dataset`.
 
+Or by name, from the shell: ``--config.dataset.name=package.module:function`` names your function that
+returns any of those (:func:`load_source`); its keyword parameters become settings of the ``dataset`` block
+(``data_dir`` and ``seq_len`` are the block's own; ``seed`` is given ``config.seed``).
+
 Arrays may also be array-like readers of other formats: anything with ``len()``, ``shape``,
 ``dtype`` and ``[indices]`` / ``[start:stop]`` returning those rows as numpy (:class:`Rows` is one).
 
@@ -28,11 +32,13 @@ as 32-bit (JAX's default), batch by batch.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import mmap
 from collections.abc import Mapping
 
 import numpy as np
 
+from dtx.config import ConfigError, base_config, is_import_path, parameters, register_check, register_family, resolve
 from dtx.data.datasets import Dataset, Split
 from dtx.data.tasks import Task, TaskError
 
@@ -59,8 +65,8 @@ class Rows:
         return np.asarray(self.array[index]).astype(self.dtype)
 
 
-def as_dataset(data, task: Task, name: str = "user") -> Dataset:
-    """``data`` (see the module docstring) as a :class:`Dataset`, checked against ``task``.
+def as_dataset(data, task: Task | None, name: str = "user") -> Dataset:
+    """``data`` (see the module docstring) as a :class:`Dataset`, checked against ``task`` (``None``: unchecked).
 
     Raises :class:`DataError` (or :class:`dtx.data.tasks.TaskError`) naming the array and the fix,
     before anything is compiled.
@@ -80,7 +86,7 @@ def as_dataset(data, task: Task, name: str = "user") -> Dataset:
         raise DataError(f"data: test inputs have shape {test.inputs.shape[1:]} per example but train inputs "
                         f"{train.inputs.shape[1:]}; both splits must hold examples of the same shape")
     for what, split in (("train", train), ("test", test)):
-        if split is not None and task.check is not None:
+        if split is not None and task is not None and task.check is not None:
             try:
                 task.check(split.labels.shape, split.labels.dtype)
             except TaskError as e:
@@ -187,3 +193,52 @@ def check_resume(saved: dict, current: str | None) -> None:
         now = f"data with fingerprint {current}" if current else "the config's dataset"
         raise DataError(f"cannot resume: the checkpoint was trained on {was} but this run has {now}; pass the "
                         "same data= (same arrays, same order) or train into a new workdir")
+
+
+# ------------------------------------------------------------------ your data source by import path
+_SUPPLIED = ("seed",)  # given by dtx (config.seed), never a setting of the block
+
+
+def source_settings(name: str) -> dict:
+    """Your data function ``package.module:function``'s settings with their defaults (keys of the dataset block)."""
+    return parameters(_source(name), f"dataset.name={name!r}", supplied=_SUPPLIED)
+
+
+def load_source(block, *, seed: int) -> Dataset:
+    """The data of ``dataset.name=package.module:function``: the function called with the block's values of its
+    settings (and ``seed``), its arrays or :class:`Dataset` read as :func:`as_dataset` reads ``data=``."""
+    function = _source(block.name)
+    settings = {key: block[key] for key in source_settings(block.name) if key in block}
+    if "seed" in inspect.signature(function).parameters:
+        settings["seed"] = seed
+    try:
+        data = function(**settings)
+    except (ValueError, TypeError, OSError) as e:
+        raise DataError(f"dataset.name={block.name!r} failed: {type(e).__name__}: {e}") from None
+    return as_dataset(data, None, name=block.name)
+
+
+def _source(name: str):
+    function = resolve(name, "dataset.name")
+    if not callable(function):
+        raise ConfigError(f"dataset.name={name!r} is {type(function).__name__} {function!r}; name a function that "
+                          "returns arrays ({'train': (inputs, labels), 'test': ...}) or a dtx.data.datasets.Dataset")
+    return function
+
+
+@register_check
+def check_source(config) -> None:
+    """``dataset.name=package.module:function`` resolves, and the block's own keys it does not take
+    (``data_dir``, ``seq_len``) are left at their defaults."""
+    block = config.dataset
+    if not is_import_path(block.name):
+        return
+    takes, defaults = source_settings(block.name), base_config().dataset
+    changed = [key for key in ("data_dir", "seq_len") if key not in takes and block[key] != defaults[key]]
+    if changed:
+        raise ConfigError(f"dataset.{changed[0]}={block[changed[0]]!r} does not reach dataset.name={block.name!r}, "
+                          f"which takes {', '.join(takes) or 'no settings'}; leave dataset.{changed[0]} at its "
+                          f"default {defaults[changed[0]]!r} or add a parameter {changed[0]} to the function")
+
+
+register_family("dataset", source_settings, replaces=False)  # dataset.name=package.module:function adds its settings

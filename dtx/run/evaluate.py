@@ -147,24 +147,14 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
     """
     workdir = os.fspath(workdir)
     saved = _saved_config(workdir)
-    arguments = {"model": model, "optimizer": optimizer, "task": task, "dataset": data}
-    for block, argument in arguments.items():
-        entry = saved.get(block, {})
-        if isinstance(entry, dict) and preflight.GIVEN in entry and argument is None:
-            name = "data" if block == "dataset" else block
-            what = entry.get("class") or entry.get("description") or entry.get("name") or entry.get("fingerprint")
-            raise RunError(
-                f"{workdir} trained with a {name} passed to {entry[preflight.GIVEN]} ({what}), which its config "
-                f"cannot rebuild; in Python, pass the same one: dtx.run.evaluate.evaluate_run({workdir!r}, {name}=...) "
-                f"(or export_run)")
+    _check_rebuildable(workdir, saved, {"model": model, "optimizer": optimizer, "task": task, "dataset": data})
     config = config_from_json(saved)
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
     xla_cache.enable(config.compilation_cache)
     mesh = mesh_lib.make_mesh(config.mesh)
     mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
-    task = task or tasks_lib.make_task(config.task.name,
-                                       **config_lib.chosen_settings(config.task, tasks_lib.task_settings()))
+    task = task or setup.config_task(config)
     if data is None:  # as dtx.train reads the config
         data = pipeline.load_dataset(config.dataset, seed=config.seed)
     dataset = userdata.as_dataset(data, task)
@@ -195,6 +185,36 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
     return Restored(config, mesh, dataset, parts, state, chosen, directory)
 
 
+def _check_rebuildable(workdir: str, saved: dict, arguments: dict) -> None:
+    """Refuse, in one error that lists them all, the parts ``config.json`` cannot rebuild: those passed to
+    ``dtx.train`` (marked ``"given"``) and not passed here, and those named by an import path that does not
+    import here."""
+    missing, needed = [], []
+    for block, argument in arguments.items():
+        entry = saved.get(block, {})
+        if not isinstance(entry, dict):
+            continue
+        name = "data" if block == "dataset" else block
+        if preflight.GIVEN in entry and argument is None:
+            what = entry.get("class") or entry.get("description") or entry.get("name") or entry.get("fingerprint")
+            module, _, cls = str(entry.get("class") or "").rpartition(".")
+            hint = (f"; or train it by import path, --config.model.name={module}:{cls}, and the command line can "
+                    "rebuild it" if block == "model" and module and module != "__main__" else "")
+            missing.append(f"the {name} passed to {entry[preflight.GIVEN]} ({what}){hint}")
+            needed.append(name)
+        elif preflight.GIVEN not in entry and config_lib.is_import_path(entry.get("name")) and argument is None:
+            try:
+                config_lib.resolve(entry["name"], f"{block}.name")
+            except config_lib.ConfigError as e:
+                missing.append(str(e))
+    if missing:
+        call = ", ".join(f"{name}=..." for name in needed)
+        fix = (f"; in Python, pass the same ones: dtx.run.evaluate.evaluate_run({workdir!r}, {call}) (or export_run)"
+               if needed else "")
+        raise RunError(f"{workdir} cannot be rebuilt from its config.json; it needs {len(missing)} part(s) it cannot "
+                       f"find: " + "; ".join(f"({i}) {m}" for i, m in enumerate(missing, 1)) + fix)
+
+
 def config_from_json(saved: dict) -> ConfigDict:
     """The locked, validated config a run's ``config.json`` records (JSON lists back to tuples).
 
@@ -211,6 +231,8 @@ def config_from_json(saved: dict) -> ConfigDict:
             if key == "model":  # experiments replace the whole block (another model, other settings)
                 config.model = ConfigDict(_tuples(value))
             elif isinstance(config[key], ConfigDict):
+                if isinstance(value, dict) and config_lib.is_import_path(value.get("name")):
+                    config_lib.choose(config, key, value["name"])  # your task's or data's settings join the block
                 _assign(config[key], value, key)
             else:
                 setattr(config, key, _tuples(value))

@@ -56,7 +56,7 @@ class Inputs(NamedTuple):
 
 def load_data(config: ConfigDict, mesh, *, task: tasks_lib.Task | None = None, data=None) -> Inputs:
     """``config.dataset`` (or your ``data``), checked against the task, batched over ``mesh``."""
-    task = task or tasks_lib.make_task(config.task.name, **_settings(config.task, tasks_lib.task_settings()))
+    task = task or config_task(config)
     given = data is not None
     if not given:  # image datasets are read through grain, augmented (dtx.data.pipeline)
         data = pipeline.load_dataset(config.dataset, seed=config.seed)
@@ -67,6 +67,11 @@ def load_data(config: ConfigDict, mesh, *, task: tasks_lib.Task | None = None, d
     if isinstance(loader, pipeline.GrainLoader):
         loader.num_steps = num_steps  # its prefetching workers stop after the run's last batch
     return Inputs(dataset, loader, num_steps, task)
+
+
+def config_task(config: ConfigDict) -> tasks_lib.Task:
+    """The task ``config.task`` names (built in, or your function by import path), built from its settings."""
+    return tasks_lib.make_task(config.task.name, **_settings(config.task, tasks_lib.task_settings(config.task.name)))
 
 
 class Parts(NamedTuple):
@@ -151,7 +156,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     check_memory(config, model, example, policy, mesh, layout)
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
                  abstract_state, placement,
-                 task or tasks_lib.make_task(config.task.name, **_settings(config.task, tasks_lib.task_settings())))
+                 task or config_task(config))
 
 
 def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, layout) -> None:
