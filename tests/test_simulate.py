@@ -31,7 +31,44 @@ def test_simulate_table_with_a_preset(tmp_path, capsys):
     assert simulate_main(argv) == 0
     out = capsys.readouterr().out
     assert "weak scaling, 16 per node" in out and "G=" in out and "fc7" in out
-    assert (tmp_path / "simulate_speech_dnn_cloud_10gbe.png").exists()
+    assert (tmp_path / "simulate_speech_dnn_cloud_10gbe_nodes-1-4-16_per-node-batch-16_overlap-ideal_plan-hybrid.png"
+            ).exists()
+
+
+def test_two_commands_into_one_folder_never_overwrite_each_other(tmp_path, capsys):
+    """The README's two commands once wrote the same simulate_vgg_a_haswell_fdr.png, the second silently
+    replacing the first: the name carries the node list and every setting away from its default."""
+    common = ["--model", "speech_dnn", "--cluster", "haswell_fdr", "--out", str(tmp_path)]
+    assert simulate_main(common + ["--nodes", "1,2,4,8"]) == 0
+    assert simulate_main(common + ["--nodes", "2,4,8"]) == 0
+    assert simulate_main(common + ["--nodes", "2,4,8", "--global-batch", "256"]) == 0
+    assert simulate_main(common + ["--nodes", "2,4,8", "--algorithm", "tree"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "simulate_speech_dnn_haswell_fdr_nodes-1-2-4-8_batch-512.png",
+        "simulate_speech_dnn_haswell_fdr_nodes-2-4-8_batch-256.png",
+        "simulate_speech_dnn_haswell_fdr_nodes-2-4-8_batch-512.png",
+        "simulate_speech_dnn_haswell_fdr_nodes-2-4-8_batch-512_algorithm-tree.png"]
+
+
+def test_the_python_study_prints_the_commands_tables_and_plots(tmp_path, capsys):
+    from dtx.perf import report
+
+    argv = ["--model", "speech_dnn", "--cluster", "cloud_10gbe", "--nodes", "1,4,16", "--global-batch", "256"]
+    assert simulate_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert simulate_main(argv + ["--json"]) == 0
+    speedup = json.loads(capsys.readouterr().out)["speedup"]
+    study = report.simulate("speech_dnn", "cloud_10gbe", [1, 4, 16], global_batch=256)
+    assert printed.startswith(str(study) + "\n") and repr(study) == str(study)
+    assert "fc7" in str(study) and "run the 16-node plan: dtx train EXPERIMENT.py --config.mesh=" in str(study)
+    assert [p.speedup for p in study.points] == [speedup[k] for k in ("1", "4", "16")]
+    nodes, predicted = study.speedups()[f"predicted, overlap={study.overlap}"]
+    assert nodes == [1, 4, 16] and predicted == pytest.approx([p.speedup for p in study.points], rel=1e-12)
+    path = study.plot(tmp_path)
+    assert path == str(tmp_path / "simulate_speech_dnn_cloud_10gbe_nodes-1-4-16_batch-256.png")
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="unknown cluster preset 'nope'"):
+        report.simulate("speech_dnn", "nope", [1, 2])
 
 
 def test_simulate_writes_no_file_unless_asked(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,9 @@ runs), plans each node count (:func:`dtx.perf.model.make_plan`), prints a table 
 iteration time under both overlap bounds, speedup, efficiency and the per-layer plan,
 then the per-layer analysis (Das et al., arXiv 1602.06709 §3) at the largest node
 count, and, given ``--out DIR``, writes a PNG speedup plot there (nothing is written
-without it). ``--json`` prints the same as
+without it), named by the model, the cluster, the node list and the settings
+(:meth:`dtx.perf.report.ScalingReport.file_name`), so two commands never overwrite each other's plot.
+From Python, :func:`dtx.perf.report.simulate` returns the study, which prints as these tables. ``--json`` prints the same as
 JSON instead of tables. ``--verify`` then compiles every plan of 2 to
 ``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
 group and for the whole training step, the predicted and the compiled per-device
@@ -27,14 +29,14 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import shlex
 import sys
 from collections.abc import Sequence
 
 from dtx import parallel
 from dtx.comm import algorithms
 from dtx.perf import model as perfmodel
+from dtx.perf import report as report_lib
+from dtx.perf.report import plan_overrides  # noqa: F401 - documented here too
 from dtx.perf import layers as layers_lib
 from dtx.perf import memory as memory_lib
 from dtx.perf.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
@@ -228,42 +230,9 @@ def _point_json(point: perfmodel.ScalingPoint) -> dict:
     )
 
 
-def _print_tables(args, cluster, points, report, plot) -> None:
-    setting = (f"strong scaling, global batch {args.global_batch}" if args.per_node_batch is None
-               else f"weak scaling, {args.per_node_batch} per node")
-    print(f"{args.model} on {cluster.name} ({cluster.description}): {setting}, {args.algorithm} allreduce, "
-          f"{cluster.bytes_per_element} B/element, plan {args.plan}, speedup with overlap={args.overlap}")
-    print(f"{'nodes':>6} {'batch/node':>10} {'t_iter none':>12} {'t_iter ideal':>12} {'speedup':>8} "
-          f"{'efficiency':>10}  plan")
-    for p in points:
-        print(f"{p.nodes:>6} {p.per_node_batch:>10g} {p.plan.times['none']:>11.4f}s {p.plan.times['ideal']:>11.4f}s "
-              f"{p.speedup:>8.2f} {p.efficiency:>10.3f}  {perfmodel.plan_text(p.plan)}")
-    last = points[-1]
-    print(f"\nper layer at {last.nodes} nodes ({last.per_node_batch:g} per node; bytes sent per node per iteration; "
-          f"balanced = data-parallel compute >= its allreduce, Das et al. §3):")
-    print(f"{'layer':>20} {'GFLOP/ex':>9} {'weights':>11} {'compute':>9} {'comm':>9} {'B data':>9} {'B model':>9} "
-          f"{'B hybrid':>9} {'balanced':>8} {'min b':>6}  choice")
-    for r in report:
-        hybrid = "-" if r["bytes_hybrid"] is None else f"{r['bytes_hybrid']:.2e}"
-        print(f"{r['layer']:>20} {r['gflop_per_example']:>9.3f} {r['weights']:>11,} {r['compute_s']:>8.4f}s "
-              f"{r['comm_s']:>8.4f}s {r['bytes_data']:>9.2e} {r['bytes_model']:>9.2e} {hybrid:>9} "
-              f"{'yes' if r['balanced'] else 'no':>8} {r['min_batch']:>6}  {r['choice']}")
-    print(f"\nrun the {last.nodes}-node plan: dtx train EXPERIMENT.py {' '.join(plan_overrides(last.plan))}")
+def _print_tables(study, plot) -> None:
+    print(study)  # dtx.perf.report.ScalingReport: the same tables from Python
     print(f"\nplot: {plot}" if plot else "\n(pass --out DIR to save the speedup plot)")
-
-
-def plan_overrides(plan: perfmodel.Plan) -> list[str]:
-    """``dtx train`` overrides that run ``plan``: its mesh, the jit driver and its partitioning rules."""
-    mesh = tuple((name, size) for name, size in plan.mesh_spec)
-    rules = tuple((regex, tuple(spec)) for regex, spec in plan.rules()[:-1])  # the trainer adds the catch-all
-    def literal(value) -> str:  # a Python literal, double-quoted inside so the shell quoting stays readable
-        text = repr(value)
-        return shlex.quote(text.replace("'", '"')) if "'" in text and '"' not in text else shlex.quote(text)
-
-    mesh_flag = "--config.mesh=" + literal(mesh)
-    if not rules:
-        return [mesh_flag]
-    return [mesh_flag, "--config.driver=jit", "--config.parallel.name=rules", "--config.parallel.rules=" + literal(rules)]
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
@@ -310,24 +279,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # ModelConfigError, ClusterError, PerfModelError, CollectiveError
         print(f"dtx simulate: error: {e}", file=sys.stderr)
         return 2
-    report = perfmodel.layer_report(points[-1].plan, cluster, args.algorithm)
-
-    from dtx.tools.plots import line_plot
-
-    nodes = [p.nodes for p in points]
-    ys = {bound: [p.plan.times[bound] for p in points] for bound in perfmodel.OVERLAPS}
-    base = {bound: perfmodel.make_plan(layers, cluster, 1, args.global_batch or args.per_node_batch, mode=args.plan,
-                                       overlap=bound, algorithm=args.algorithm).times[bound]
-            for bound in perfmodel.OVERLAPS}
-    strong = args.per_node_batch is None
-    series = {f"predicted, overlap={bound}": (nodes, [(1 if strong else n) * base[bound] / t
-                                                      for n, t in zip(nodes, ys[bound])])
-              for bound in perfmodel.OVERLAPS}
-    series["linear"] = (nodes, nodes)
-    plot = None  # a file only where asked: a command run in a checkout must not litter it
-    if args.out:
-        plot = line_plot(series, os.path.join(args.out, f"simulate_{args.model}_{cluster.name}.png"),
-                         title=f"{args.model} on {cluster.name}", xlabel="nodes", ylabel="speedup", logx=True)
+    study = report_lib.report(args.model, layers, cluster, points, **setting)
+    strong = study.strong
+    # A file only where asked (a command run in a checkout must not litter it), named by the node list and
+    # the settings, so two commands writing into one folder never overwrite each other's plot.
+    plot = study.plot(args.out) if args.out else None
 
     if args.verify:
         from dtx.tools import plancheck  # compiles plans: JAX and the model zoo only when asked
@@ -341,11 +297,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             scaling="strong" if strong else "weak", global_batch=args.global_batch,
             per_node_batch=args.per_node_batch, algorithm=args.algorithm, overlap=args.overlap, plan=args.plan,
             speedup={str(p.nodes): p.speedup for p in points}, points=[_point_json(p) for p in points],
-            layers=report, plot=plot, **({"verify": verified} if args.verify else {}),
+            layers=list(study.layers), plot=plot, **({"verify": verified} if args.verify else {}),
             **({"memory": memory_rows, "refused": {str(n): m for n, m in refused.items()}} if args.memory else {})),
             indent=1, default=float))
     else:
-        _print_tables(args, cluster, points, report, plot)
+        _print_tables(study, plot)
         if args.memory:
             _print_memory(memory_rows, cluster, args)
             for message in refused.values():
