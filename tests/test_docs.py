@@ -151,8 +151,10 @@ def command_lines(page: str) -> list[dict]:
             if line.endswith("\\"):
                 pending += line[:-1] + " "
                 continue
+            comment = re.search(r"(?:^|\s)#\s*(.*)$", line)  # what the page says the command gives
             for words in _segments(shlex.split(pending + line, comments=True)):
-                found.append(dict(line=start, text=" ".join(words), words=words, inline=False))
+                found.append(dict(line=start, text=" ".join(words), words=words, inline=False,
+                                  comment=comment[1] if comment else ""))
             pending = ""
     for match in re.finditer(r"`([^`\n]+)`", text):
         if any(a <= match.start() < b for a, b in fenced):
@@ -264,7 +266,7 @@ def _check_dtx(command: dict, devices: int, scratch: str) -> str:
     code, reached, output = _run_cli([*name, *args])
     if reached is None:
         if name == ["simulate"] and code == 0:
-            return ""
+            return _stated_speedups(command.get("comment", ""), output)
         return f"exited {code} before its work:\n{output[-3000:]}"
     if reached.kind == "launch":  # what each process runs: a dtx train command of its own
         from dtx import mesh as mesh_lib
@@ -284,6 +286,22 @@ def _check_dtx(command: dict, devices: int, scratch: str) -> str:
         if missing:
             return f"names {missing}, which no command before it on this page writes"
     return ""
+
+
+_SPEEDUP = re.compile(r"speedup (\d+(?:\.\d+)?)× at (\d+) nodes")
+_TABLE_ROW = re.compile(r"^\s*(\d+)\s+\S+\s+[\d.]+s\s+[\d.]+s\s+([\d.]+)\s", re.M)
+
+
+def _stated_speedups(comment: str, output: str) -> str:
+    """A ``dtx simulate`` line's comment stating ``speedup S× at N nodes`` matches what the command prints
+    (its table's speedup at N nodes, rounded as the page rounds it); '' when it does or states none."""
+    printed = {int(nodes): float(speedup) for nodes, speedup in _TABLE_ROW.findall(output)}
+    wrong = []
+    for stated, nodes in _SPEEDUP.findall(comment):
+        digits = len(stated.split(".")[1]) if "." in stated else 0
+        if int(nodes) not in printed or round(printed[int(nodes)], digits) != float(stated):
+            wrong.append(f"states speedup {stated}× at {nodes} nodes; the command prints {printed.get(int(nodes))}")
+    return "; ".join(wrong)
 
 
 def _check_config(config, processes: int, devices: int, scratch: str) -> str:
@@ -478,6 +496,12 @@ def test_a_wrong_command_line_fails_the_check(tmp_path, monkeypatch):
                   "dtx evaluate runs/ck"]:
         assert problem(wrong), wrong
     assert problem("dtx simulate --memory", inline=True) == "" and problem("dtx simulate --memroy", inline=True)
+    # A speedup a page states beside a dtx simulate line is the one the command prints (4.46 here).
+    _, _, output = _run_cli(shlex.split("dtx simulate --model speech_dnn --cluster haswell_fdr --nodes 1,8")[1:])
+    stated = {"speedup 4.5× at 8 nodes": False, "speedup 4.46× at 8 nodes": False, "speedup 4.4× at 8 nodes": True,
+              "speedup 4× at 4 nodes": True, "plans vs compiled programs": False}
+    for comment, is_wrong in stated.items():
+        assert bool(_stated_speedups(comment, output)) == is_wrong, (comment, output[:600])
     bench = [(f"page:{i}", dict(words=shlex.split(text), text=text)) for i, text in enumerate(
         ["benchmarks/large_batch_sweep.py --optimizers lars --batches 128,8192",
          "benchmarks/large_batch_sweep.py --optimisers lars", "benchmarks/no_such_sweep.py"])]

@@ -43,9 +43,12 @@ def test_quickstart_notebook_runs_as_committed(tmp_path, monkeypatch):
     assert "8 devices: cpu" in _text(code[1])
     assert float(_text(code[2]).split("'test_accuracy': ")[1].split(",")[0]) >= 0.97  # the default experiment
     assert float(_text(code[4])) > 0.9  # your own ConvNet and optimizer
+    warned = "".join(o.get("text", "") for o in code[4].outputs if o.get("name") == "stderr")
+    assert "do nothing" not in warned and "RunWarning" not in warned, warned  # the example heeds its own warning
     table = _text(code[5])
     for run in ("baseline", "bf16", "ring", "topk-5%", "powersgd-r2", "local_sgd-H4"):
         assert f"| {run} |" in table
+    assert "per layer at 128 nodes" in _text(code[7]) and "run the 128-node plan" in _text(code[7])  # the tables
     assert not any("ROOT" in cell.source or "experiments/" in cell.source for cell in code)  # no checkout assumed
     assert list(tmp_path.iterdir()) == []  # the runs went to a temporary folder of their own
     images = [o for cell in code[7:] for o in cell.outputs if "image/png" in o.get("data", {})]
