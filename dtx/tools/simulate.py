@@ -84,7 +84,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtx simulate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model name from models/ (vgg_a, overfeat_fast, speech_dnn, "
-                   "resnet18, resnet50, ...)")
+                   "resnet18, resnet50, ...), or your flax module by import path, package.module:Class (with "
+                   "--input-shape)")
     p.add_argument("--input-shape", type=_int_list, help="one example's shape, e.g. 224,224,3 (default: the model's)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=_positive(int), help="strong scaling at this global batch (default 512)")
