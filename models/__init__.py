@@ -4,6 +4,10 @@ A model is a ``flax.linen.Module`` called as ``model(inputs, train=bool)`` that
 returns logits and takes ``dtype`` (compute) and ``param_dtype`` (stored weights)
 attributes, so the precision policy can drive it. Models with batch statistics
 declare a ``norm_axis_name`` attribute that the ``shard_map`` driver fills in.
+
+``model.name`` may also name your own module class by import path, ``package.module:Class``
+(:mod:`dtx.config.parts`): its dataclass fields with defaults are the block's settings, and dtx
+fills ``num_classes``, ``dtype``, ``param_dtype`` and ``norm_axis_name`` where the class declares them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ smoothed objective (classification and next_token alike); only ``next_token`` re
 (``perplexity``) that must be the unsmoothed cross-entropy, so only it sums that at evaluation.
 
 Your own task: ``Task(name, loss=..., metrics=..., valid=...)`` with functions of the same
-shapes (see :class:`Task`).
+shapes (see :class:`Task`), passed as ``dtx.train(..., task=)``, or a function returning one named by
+import path, ``--config.task.name=package.module:function`` (its keyword parameters become ``task.*``
+settings, :mod:`dtx.config.parts`).
 """
 
 from __future__ import annotations

@@ -15,8 +15,11 @@ and the model state (batch-norm statistics) for plain flax: ``variables.msgpack`
 (:func:`flax.serialization.msgpack_serialize` of ``{"params": ..., "batch_stats": ...}``),
 ``model.json`` (class, constructor keywords, input shape) and, when the model's module
 is a self-contained file, a copy of it as ``model.py`` (docs/checkpoints.md shows the
-load). A run that trained a module or optimizer passed to ``dtx.train`` cannot be
-rebuilt from its config: pass the same ones to :func:`evaluate_run` / :func:`export_run`.
+load). A model, task or data source that the config names by import path
+(``--config.model.name=package.module:Class``, :mod:`dtx.config.parts`) is rebuilt like dtx's own,
+when its module imports. A run that trained a module, optimizer, task or data passed to ``dtx.train``
+as an object cannot be rebuilt from its config: pass the same ones to :func:`evaluate_run` /
+:func:`export_run`; one error lists every part a run lacks.
 """
 
 from __future__ import annotations
