@@ -291,3 +291,14 @@ def test_a_run_that_cannot_be_rebuilt_lists_every_missing_part_at_once(package, 
     assert "evaluate_run(" in text and "model=..., data=..." in text
     assert main(["eval", str(tmp_path)]) == 2
     assert "needs 3 part(s)" in capsys.readouterr().err
+
+
+def test_a_module_in_the_current_folder_imports_without_pythonpath(tmp_path, monkeypatch):
+    """`dtx` is a console script: the folder it runs in is not on sys.path, yet a file there is found."""
+    (tmp_path / "beside_cmd.py").write_text("import flax.linen as nn\n\n\nclass Net(nn.Module):\n    width: int = 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        assert load("--config.model.name=beside_cmd:Net").model.to_dict() == {"name": "beside_cmd:Net", "width": 3}
+    finally:
+        sys.modules.pop("beside_cmd", None)
