@@ -86,8 +86,8 @@ def parameters(factory: Callable, key: str, supplied: Sequence[str] = ()) -> dic
     function's keyword parameters; those dtx ``supplied`` itself are left out. One without a default is
     refused: a config block holds a value for every setting it has."""
     if dataclasses.is_dataclass(factory):
-        found = {f.name: (f.default if f.default is not dataclasses.MISSING else
-                          f.default_factory() if f.default_factory is not dataclasses.MISSING else inspect.Parameter.empty)
+        found = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                 if f.default_factory is not dataclasses.MISSING else inspect.Parameter.empty
                  for f in dataclasses.fields(factory) if f.init}
     else:
         try:
