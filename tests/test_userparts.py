@@ -50,6 +50,7 @@ CNN = textwrap.dedent('''
     class Plain(nn.Module):
         """No dtype fields: it computes in float32 whatever the policy says."""
         width: int = 8
+        label: Any = None
 
         @nn.compact
         def __call__(self, x, train: bool = False):
@@ -215,6 +216,10 @@ def test_a_model_without_dtype_fields_refuses_another_precision(package):
     from dtx.models import build_model
 
     assert build_model("userpkg.cnn:Plain", num_classes=4, dtype=np.float32).width == 8
+    # A field whose default is None has no type the command line can parse by; Python can still set it.
+    with pytest.raises(config_lib.ConfigError, match=r"'model\.label' has the default None.*dtx\.override"):
+        load("--config.model.name=userpkg.cnn:Plain", "--config.model.label=x")
+    assert dtx.override(load("--config.model.name=userpkg.cnn:Plain"), **{"model.label": "x"}).model.label == "x"
     with pytest.raises(config_lib.ConfigError, match=r"no field 'dtype'.*bfloat16 cannot reach its layers"):
         build_model("userpkg.cnn:Plain", dtype="bfloat16")
 

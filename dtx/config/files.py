@@ -128,13 +128,13 @@ def _parse(source: str | ConfigDict, flags_: list[str], blame: str) -> ConfigDic
 
     flag_values = flags.FlagValues()
     # sys_argv: config_flags finds the override flags there (default: the process's sys.argv).
-    if isinstance(source, ConfigDict):
-        argv = ["dtx", *flags_]
-        config_flags.DEFINE_config_dict("config", source, flag_values=flag_values, lock_config=True, sys_argv=argv)
-    else:
-        argv = ["dtx", f"--config={source}", *flags_]
-        config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
     try:
+        if isinstance(source, ConfigDict):
+            argv = ["dtx", *flags_]
+            config_flags.DEFINE_config_dict("config", source, flag_values=flag_values, lock_config=True, sys_argv=argv)
+        else:
+            argv = ["dtx", f"--config={source}", *flags_]
+            config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
         flag_values(argv)
         return flag_values.config
     except AttributeError as e:  # ConfigDict refusing a key the locked default does not have
@@ -150,6 +150,11 @@ def _parse(source: str | ConfigDict, flags_: list[str], blame: str) -> ConfigDic
         raise ConfigError(f"{blame}: {_one_line(e)}") from None
     except flags.Error as e:  # an override's value of the wrong type, or a file that fails to load
         text = str(e).strip()
+        field = re.search(r"of field config\.([\w.]+) is not supported for overriding", text)
+        if field and "NoneType" in text:  # a key whose default is None (your part's): its type is unknown
+            raise ConfigError(f"config key {field.group(1)!r} has the default None, so the command line cannot tell "
+                              "its type; give it a default of its type (e.g. '' or 0.0) where it is defined, or set "
+                              "it from Python (dtx.override) or an experiment file") from None
         flag = re.search(r"--config\.([\w.]+)=(.*?): (.*)", text)
         if flag:
             key, value, reason = flag.groups()
