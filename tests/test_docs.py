@@ -12,7 +12,8 @@ Convention (stated for writers in docs/README.md):
   where it would start its work (experiment and ``--config.`` overrides loaded and validated, the run's parts
   built on the 8 devices; ``dtx simulate`` runs; ``dtx plot``/``eval``/``export`` name runs an earlier line of
   the page writes), and every ``python benchmarks/NAME.py ...`` line through its script's parser; ``dtx``
-  commands in inline code name a command and flags it has;
+  commands in inline code name a command and flags it has; a ``dtx simulate`` line whose comment states
+  ``speedup S× at N nodes`` prints that speedup (rounded as stated);
 - a block whose prose states a result asserts it (``assert abs(acc - 0.97) < 0.01``), so the page's claim
   is checked where the reader sees it;
 - ``>>>`` examples in docstrings of dtx (and dtx.models, dtx.experiments) run as doctests.
