@@ -296,7 +296,10 @@ _TABLE_ROW = re.compile(r"^\s*(\d+)\s+\S+\s+[\d.]+s\s+[\d.]+s\s+([\d.]+)\s", re.
 def _stated_speedups(comment: str, output: str) -> str:
     """A ``dtx simulate`` line's comment stating ``speedup S× at N nodes`` matches what the command prints
     (its table's speedup at N nodes, rounded as the page rounds it); '' when it does or states none."""
-    printed = {int(nodes): float(speedup) for nodes, speedup in _TABLE_ROW.findall(output)}
+    try:  # --json: the speedups by node count
+        printed = {int(nodes): float(speedup) for nodes, speedup in json.loads(output)["speedup"].items()}
+    except (ValueError, KeyError, TypeError):
+        printed = {int(nodes): float(speedup) for nodes, speedup in _TABLE_ROW.findall(output)}
     wrong = []
     for stated, nodes in _SPEEDUP.findall(comment):
         digits = len(stated.split(".")[1]) if "." in stated else 0
@@ -503,6 +506,9 @@ def test_a_wrong_command_line_fails_the_check(tmp_path, monkeypatch):
               "speedup 4× at 4 nodes": True, "plans vs compiled programs": False}
     for comment, is_wrong in stated.items():
         assert bool(_stated_speedups(comment, output)) == is_wrong, (comment, output[:600])
+    _, _, output = _run_cli(shlex.split("dtx simulate --model speech_dnn --cluster haswell_fdr --nodes 1,8 --json")[1:])
+    assert _stated_speedups("speedup 4.46× at 8 nodes", output) == "" and _stated_speedups("speedup 4.4× at 8 nodes",
+                                                                                            output)
     bench = [(f"page:{i}", dict(words=shlex.split(text), text=text)) for i, text in enumerate(
         ["benchmarks/large_batch_sweep.py --optimizers lars --batches 128,8192",
          "benchmarks/large_batch_sweep.py --optimisers lars", "benchmarks/no_such_sweep.py"])]
