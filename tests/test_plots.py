@@ -106,6 +106,21 @@ def test_step_time_plots_mark_the_checkpoint_saves():
     assert _panel(runs, "loss", "step", {}).marks == {}  # the loss does not pay for a save
 
 
+def test_marks_and_bars_draw_and_a_bad_kind_is_refused(tmp_path):
+    import pytest
+
+    from dtx.figures import Panel, panels_plot
+    from dtx.tools.plots import _panel
+
+    runs = _runs_evaluated_at_the_end()
+    runs["b"][0]["checkpoint_saved"] = [4]
+    panels = [_panel(runs, "step_time_ms", "step", {}), _panel(runs, "test_accuracy", "step", {})]
+    assert open(panels_plot(panels, tmp_path / "two.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"Panel\(kind='pie'\): choose one of lines, bars"):
+        panels_plot([Panel({"a": ([1], [1])}, kind="pie")], tmp_path / "pie.png")
+    assert not (tmp_path / "pie.png").exists()
+
+
 def test_simulated_time_plots_name_the_cluster(tmp_path):
     from dtx.tools.plots import _panel, run_cluster
 
