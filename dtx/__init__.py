@@ -12,7 +12,13 @@ Quick start (a notebook's first cell, before any JAX computation)::
     result = dtx.train(digits_mlp.get_config(), workdir="runs/quickstart")
 """
 
-# First: dtx.models and dtx.experiments resolve from a source checkout too (installed, setuptools maps them).
+# Before anything slow: the dtx command catches SIGTERM from its first moment (dtx._sigterm; your program
+# importing dtx installs nothing).
+from dtx import _sigterm
+
+_sigterm.install()
+
+# Then: dtx.models and dtx.experiments resolve from a source checkout too (installed, setuptools maps them).
 from dtx import _checkout
 
 _checkout.install()

@@ -20,6 +20,7 @@ FLOORS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("paths", "names of a pytree's leaves"),
         ("figures", "PNG figures: lines, labelled points, bars, marks (matplotlib, headless)"),
         ("models", "flax models by name (models/, installed as dtx.models)"),
+        ("_sigterm", "SIGTERM noted from the dtx command's first moment, before its imports"),
         ("_checkout", "dtx.models and dtx.experiments from a source checkout"),
         ("_floors", "this list"),
     )),

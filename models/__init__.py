@@ -118,6 +118,26 @@ def check_config(config) -> None:
             f"--config.model.name={block.name} (or dtx.override(config, **{{'model.name': {block.name!r}}})) replaces "
             "the block with that model's defaults, then --config.model.KEY=VALUE applies; an experiment file "
             f"assigns the whole block, config.model = ConfigDict(dict(name={block.name!r}, ...))")
+    if not is_import_path(block.name):  # your own class checks its own fields
+        for key, default in settings.items():
+            _check_integers(f"model.{key}", block.get(key, default), default)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_integers(key: str, value, default) -> None:
+    """A width, count or size (an integer, or a tuple of them, by its default) must be one: ``2.5``,
+    ``"a"``, ``None`` or ``True`` would reach flax as a shape, or silently train a width of 1."""
+    if _integer(default) and not _integer(value):
+        raise ModelConfigError(f"{key}={value!r} must be an integer (a width, count or size), e.g. "
+                               f"--config.{key}={default}")
+    sequence = isinstance(default, (tuple, list)) and default and all(_integer(v) for v in default)
+    if sequence and not (isinstance(value, (tuple, list)) and all(_integer(v) for v in value)):
+        example = "(" + ", ".join(map(str, default)) + ("," if len(default) == 1 else "") + ")"
+        raise ModelConfigError(f"{key}={value!r} must be a tuple of integers (widths or sizes), e.g. "
+                               f"--config.{key}='{example}'")
 
 
 register_family("model", model_fields, replaces=True)

@@ -36,3 +36,20 @@ def test_every_command_is_listed_and_dispatched_to_its_module(capsys):
         assert re.search(rf"^\s+{command}\s", out, re.M), command
     assert main(["simulate", "--model", "nope", "--cluster", "haswell_fdr"]) == 2  # reached dtx.tools.simulate
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("features", ['("a",)', "(2.5,)", "(None,)", "(True,)", "(64, True)"])
+def test_widths_of_the_wrong_type_are_one_config_error(features, capsys):
+    """They reached flax as a shape (a 40-line traceback), or, True, silently trained a width-1 MLP."""
+    assert main(["train", "digits_mlp", f"--config.model.features={features}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dtx: config error: model.features=") and len(err.strip().splitlines()) == 1
+    assert "must be a tuple of integers (widths or sizes), e.g. --config.model.features='(256, 256)'" in err
+
+
+def test_a_workdir_under_a_file_is_one_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["train", "digits_mlp", "--workdir", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"dtx: error: --workdir (train(..., workdir=)) '{tmp_path}/file/sub' cannot be "
+                           f"created: '{tmp_path}/file' is a file, not a directory; name a directory")

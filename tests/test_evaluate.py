@@ -149,3 +149,34 @@ def test_resume_step_from_the_command_line(run, tmp_path, capsys):
     assert "dtx: resumed from step 5" in capsys.readouterr().err
     # Steps 6-10 again from step 5's checkpoint: the same run, bit for bit.
     assert _test_metrics(metrics.read_metrics(copy)[-1]) == _test_metrics(metrics.read_metrics(workdir)[-1])
+
+
+def test_an_export_appears_whole_or_not_at_all_and_a_half_written_one_is_replaced(run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """The probe: SIGTERM/SIGKILL mid-export left variables.msgpack truncated, and the rerun refused it
+    ("already holds variables.msgpack") without saying it was incomplete."""
+    from dtx.run import exportdir
+
+    _, workdir = run
+    out = tmp_path / "exported"
+    fsync = os.fsync
+
+    def storage_fails_after_the_first_file(fd):
+        monkeypatch.setattr(os, "fsync", lambda _: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", storage_fails_after_the_first_file)
+    with pytest.raises(OSError, match="No space left on device"):
+        evaluate.export_run(workdir, out, step=5)
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert os.listdir(tmp_path) == []  # neither a half-written export nor its temporary folder
+
+    assert main(["export", str(workdir), "--out", str(out), "--step", "5"]) == 0
+    whole = (out / "variables.msgpack").read_bytes()
+    (out / "variables.msgpack").write_bytes(whole[: len(whole) // 2])  # what a killed older export left
+    assert main(["export", str(workdir), "--out", str(out), "--step", "5"]) == 0
+    assert (f"dtx: --out {out} holds an incomplete export (variables.msgpack is not the one model.json names "
+            "(truncated?)); replacing it") in capsys.readouterr().err
+    assert (out / "variables.msgpack").read_bytes() == whole and exportdir.incomplete(str(out)) is None
+    (out / "model.json").write_text("")
+    assert exportdir.incomplete(str(out)) == "model.json is truncated or garbled"

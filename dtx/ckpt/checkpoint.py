@@ -31,6 +31,7 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -39,11 +40,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from dtx.ckpt import integrity
+from dtx.ckpt import handlers, integrity
 from dtx.ckpt.integrity import CheckpointDamaged, CheckpointError, flatten
 
 MANIFEST_VERSION = integrity.MANIFEST_VERSION
 SUPERSEDED = "superseded"  # where a resume moves the steps newer than the one it restored
+SAVE_TIMEOUT_S = 1200  # a save's bound (orbax's default); waits end 30 s after it
+STOPPING_TIMEOUT_S = 120  # what a run stopping on an error gives its pending save
+_STUCK: list[threading.Thread] = []  # waits that gave up on a save: its orbax thread is stuck too
+
+
+def stalled() -> bool:
+    """Whether a save this process gave up waiting for is still stuck: the interpreter would wait for
+    orbax's thread at exit, so a command ends with ``os._exit`` instead."""
+    return any(waiter.is_alive() for waiter in _STUCK)
 
 
 @dataclasses.dataclass
@@ -68,10 +78,12 @@ class Checkpointer:
         to restore manifests that are unsigned or signed otherwise.
       read_only: restore only (``dtx eval``, ``dtx export``): create nothing, remove no
         temporaries — a run may still be writing into ``directory``.
+      timeout_s: how long a save may take before it fails, and how long :meth:`wait` waits for one
+        (storage that stalls ends the run with an error, never an endless wait).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
-                 hmac_key: bytes | None = None, read_only: bool = False):
+                 hmac_key: bytes | None = None, read_only: bool = False, timeout_s: int = SAVE_TIMEOUT_S):
         if keep < 1:
             raise CheckpointError(f"checkpoint.keep={keep} must be >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -86,11 +98,13 @@ class Checkpointer:
         self._key = hmac_key or None
         self._closed = False
         # read_only: orbax's own read_only flag only logs warnings on every start; nothing here saves or deletes.
+        self._timeout_s = timeout_s
         options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
-                                               enable_async_checkpointing=async_save, create=not read_only)
+                                               enable_async_checkpointing=async_save, create=not read_only,
+                                               async_options=ocp.AsyncOptions(timeout_secs=timeout_s))
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
-            item_handlers={"state": _state_handler(), "manifest": _ManifestHandler()})
+            item_handlers={"state": handlers.state_handler(), "manifest": handlers.ManifestHandler()})
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any, metadata: dict | None = None) -> None:
@@ -108,29 +122,46 @@ class Checkpointer:
                 f"has non-finite values (the run diverged); the last good checkpoint in {self.directory} "
                 f"(step {self.latest_step()}) is kept")
         copies = integrity.ShardCopies(state)
-        manifest = _ManifestSave(integrity.header(step, metadata or {}, state), copies, self._key)
+        manifest = handlers.ManifestSave(integrity.header(step, metadata or {}, state), copies, self._key)
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), manifest=manifest)
         try:
             self._manager.save(int(step), args=args, force=True)
         except Exception as e:  # surface storage failures with the step and directory named
             raise CheckpointError(f"saving checkpoint {step} to {self.directory} failed: {e}") from e
 
-    def wait(self) -> None:
-        """Block until pending saves have committed; raise if one failed."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until pending saves have committed, at most ``timeout_s`` (default the save timeout);
+        raise if one failed or is still pending then (:func:`stalled` says so afterwards)."""
+        failure = []
+        waiter = threading.Thread(target=self._finish, args=(failure,), daemon=True, name="dtx-checkpoint-wait")
+        waiter.start()
+        bound = self._timeout_s + 30 if timeout_s is None else timeout_s
+        waiter.join(bound)  # orbax's own wait has no bound
+        if waiter.is_alive():
+            _STUCK.append(waiter)
+            committed = max((int(n) for n in os.listdir(self.directory) if n.isdigit()), default=None)
+            raise CheckpointError(
+                f"a checkpoint save to {self.directory} did not finish within {bound} s (storage stalled, or "
+                f"another process writes there); the newest committed step is {committed}")
+        if failure:
+            raise CheckpointError(f"saving a checkpoint to {self.directory} failed: {failure[0]}") from failure[0]
+
+    def _finish(self, failure: list) -> None:
         try:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as e:
-            raise CheckpointError(f"saving a checkpoint to {self.directory} failed: {e}") from e
+            failure.append(e)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self.wait()
+            self.wait(timeout_s)
         finally:
-            self._manager.close()
+            if not stalled():  # closing would wait for the stuck save again, without a bound
+                self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -141,7 +172,7 @@ class Checkpointer:
             self.close()
             return
         try:
-            self.close()
+            self.close(STOPPING_TIMEOUT_S)
         except CheckpointError as e:  # never hide the error that stopped the run
             print(f"dtx: while stopping on {kind.__name__}, a pending checkpoint save failed too: {e}",
                   file=sys.stderr, flush=True)
@@ -232,7 +263,7 @@ class Checkpointer:
         if check is not None:
             check(manifest.metadata)
         _check_matches(manifest, target, step_dir)
-        handler = _state_handler()
+        handler = handlers.state_handler()
         try:
             restored = handler.restore(epath.Path(step_dir) / "state", args=ocp.args.PyTreeRestore(
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
@@ -285,52 +316,6 @@ class Checkpointer:
         for name in os.listdir(self.directory):
             if ".orbax-checkpoint-tmp" in name:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-
-
-# --------------------------------------------------------------------- orbax glue
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
-    """Orbax's pytree handler, writing replica 0 of every shard whole (no replica-parallel slicing), so
-    the bytes it writes are the shard copies :class:`dtx.ckpt.integrity.ShardCopies` hashed."""
-    handlers = ocp.type_handlers
-    registry = handlers.create_type_handler_registry(
-        (int, handlers.ScalarHandler()), (float, handlers.ScalarHandler()), (np.number, handlers.ScalarHandler()),
-        (np.ndarray, handlers.NumpyHandler()), (jax.Array, handlers.ArrayHandler(use_replica_parallel=False)))
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-
-
-class _ManifestHandler(ocp.AsyncCheckpointHandler):
-    """Writes the ``manifest`` item from orbax's commit thread: the header (process 0) and every process's
-    digests, hashed there — the step commits only once they are written."""
-
-    async def async_save(self, directory: epath.Path, args: _ManifestSave):
-        return [ocp.future.CommitFutureAwaitingContractedSignals(self._write(directory, args), name="dtx_manifest")]
-
-    async def _write(self, directory: epath.Path, args: _ManifestSave) -> None:
-        self.save(directory, args)
-
-    def save(self, directory: epath.Path, args: _ManifestSave) -> None:
-        step, arrays = args.header["step"], args.header["arrays"]
-        part = integrity.part(step, args.copies.digests(), arrays)
-        (directory / integrity.part_file(jax.process_index())).write_text(integrity.dumps(part, args.key))
-        if jax.process_index() == 0:
-            (directory / integrity.HEADER_FILE).write_text(integrity.dumps(args.header, args.key))
-
-    def restore(self, directory: epath.Path, args=None):
-        raise NotImplementedError("dtx reads manifests with dtx.ckpt.integrity.read_manifest")
-
-
-@ocp.args.register_with_handler(_ManifestHandler, for_save=True)
-@dataclasses.dataclass
-class _ManifestSave(ocp.args.CheckpointArgs):
-    header: dict
-    copies: integrity.ShardCopies
-    key: bytes | None
-
-
-@ocp.args.register_with_handler(_ManifestHandler, for_restore=True)
-@dataclasses.dataclass
-class _ManifestRestore(ocp.args.CheckpointArgs):  # orbax wants one; dtx reads manifests itself
-    pass
 
 
 def _everyone(ok: bool) -> bool:

@@ -8,6 +8,8 @@ import threading
 
 import jax
 
+from dtx import _sigterm
+
 
 class PreemptionWatcher:
     """SIGTERM -> stop at the next step boundary (after saving), instead of dying mid-step.
@@ -15,6 +17,10 @@ class PreemptionWatcher:
     With several processes JAX's own preemption sync point decides, so every process
     stops at the same step; there JAX installs the signal notifier itself (a handler
     installed after ``jax.distributed.initialize`` would silently disable it).
+
+    The ``dtx`` command notes SIGTERM from its first moment (:mod:`dtx._sigterm`); entering the
+    watcher takes that over, so a signal that came while dtx was still importing stops the run
+    before its first step.
     """
 
     def __init__(self, enabled: bool = True, multi_process: bool | None = None):
@@ -42,6 +48,10 @@ class PreemptionWatcher:
     def __enter__(self) -> PreemptionWatcher:
         if self.enabled and not self.multi_process and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
+            if _sigterm.take():  # came while the dtx command was still importing: stop before the first step
+                self._flag.set()
+        else:  # JAX's notifier (several processes) or the default action gets what the dtx command noted
+            _sigterm.hand_back(restore_default=not self.multi_process)
         return self
 
     def __exit__(self, *exc) -> None:

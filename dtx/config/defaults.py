@@ -41,6 +41,9 @@ def base_config() -> ConfigDict:
     c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
     c.distributed = "auto"  # join a multi-process job when launched as one (dtx launch, SLURM, ...); "off"
     c.watchdog_seconds = 300.0  # abort when no step completes for this long (0: off)
+    # A process of a multi-process job that sends no heartbeat for this long is declared dead and the
+    # job stops, naming it (jax.distributed's coordination service).
+    c.heartbeat_seconds = 30
     c.memory_limit = 0.0  # bytes per device a run may use (0: what an accelerator reports; none on CPU)
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
     c.allreduce = "psum"  # shard_map driver: psum | ring | halving_doubling | recursive_doubling | tree | hierarchical
@@ -206,7 +209,7 @@ def validate(config: ConfigDict) -> None:
         raise ConfigError(f"emulate_cpu_devices={config.emulate_cpu_devices} must be >= 0")
     mesh = config.mesh
     if not all(isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
-               for a in mesh):
+               and not isinstance(a[1], bool) for a in mesh):
         raise ConfigError(f"mesh={mesh!r} must be (name, size) pairs, e.g. (('data', -1),) or (('data', 4), ('model', 2))")
     if config.optimizer.warmup_steps and config.optimizer.warmup_epochs:
         raise ConfigError("set optimizer.warmup_steps or optimizer.warmup_epochs, not both")
@@ -344,7 +347,7 @@ def _plain(value):
 
 # Hyper-parameters that must be positive / non-negative, and fractions in [0, 1): a sign error or a
 # NaN here would silently train nonsense, so it is refused before anything runs.
-_POSITIVE = ("optimizer.trust_coefficient", "optimizer.decay_power", "optimizer.step_factor",
+_POSITIVE = ("heartbeat_seconds", "optimizer.trust_coefficient", "optimizer.decay_power", "optimizer.step_factor",
              "optimizer.base_batch_size", "loss_scale.initial", "loss_scale.min_scale", "loss_scale.growth_interval")
 _NON_NEGATIVE = ("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.warmup_steps",
                  "optimizer.warmup_epochs", "watchdog_seconds", "num_epochs", "seed", "memory_limit")

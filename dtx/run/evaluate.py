@@ -56,10 +56,10 @@ from dtx.data.loader import TrainLoader, eval_batches
 from dtx.step import body as step_body
 from dtx.step import state_specs
 
-from dtx.run import rundir, setup
+from dtx.run import exportdir, rundir, setup
 from dtx.run import trainer as train_lib  # noqa: E402
 
-VARIABLES_FILE, MODEL_FILE, SOURCE_FILE = "variables.msgpack", "model.json", "model.py"
+from dtx.run.exportdir import MODEL_FILE, SOURCE_FILE, VARIABLES_FILE  # noqa: E402
 
 
 class RunError(ValueError):
@@ -99,16 +99,12 @@ def evaluate_run(workdir: str | os.PathLike, *, step: int | None = None, **given
 def export_run(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, **given) -> dict:
     """Write checkpoint ``step``'s evaluated parameters and model state to ``out`` for plain flax.
 
-    Returns what ``model.json`` holds. Refuses an ``out`` that already holds an export
-    (dtx never overwrites) or is a file.
+    Returns what ``model.json`` holds. The folder appears whole or not at all (:mod:`dtx.run.exportdir`):
+    refuses an ``out`` that already holds a complete export (dtx never overwrites), other files, or is a
+    file; replaces an incomplete export, saying so.
     """
     out = os.fspath(out)
-    for name in (VARIABLES_FILE, MODEL_FILE):
-        if os.path.exists(os.path.join(out, name)):
-            raise FileExistsError(f"--out {out!r} already holds {name}; choose an empty or new directory "
-                                  "(dtx never overwrites an export)")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise RunError(f"--out {out!r} is a file; name a directory (it is created if missing)")
+    replacing = exportdir.check_free(out)  # before any work
     run = restore(workdir, step=step, **given)
     variables = _evaluated_variables(run)
     variables = jax.tree.map(np.asarray, jax.device_get(variables))
@@ -128,15 +124,12 @@ def export_run(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int 
         "apply": "model.apply(variables, inputs, train=False) -> logits",
     }
     source = _self_contained_source(type(net))
-    os.makedirs(out, exist_ok=True)
+    files = {VARIABLES_FILE: payload}
     if source is not None:
-        with open(os.path.join(out, SOURCE_FILE), "w", encoding="utf-8") as f:
-            f.write(source)
+        files[SOURCE_FILE] = source.encode("utf-8")
         described["source"] = SOURCE_FILE
-    with open(os.path.join(out, VARIABLES_FILE), "wb") as f:
-        f.write(payload)
-    with open(os.path.join(out, MODEL_FILE), "w", encoding="utf-8") as f:
-        json.dump(described, f, indent=2)
+    files[MODEL_FILE] = json.dumps(described, indent=2).encode("utf-8")
+    exportdir.write(out, files, replacing)
     return described
 
 

@@ -29,6 +29,12 @@ def check_paths(workdir: str, checkpoint_dir: str) -> None:
         if os.path.exists(path) and not os.path.isdir(path):
             raise config_lib.ConfigError(f"{what} {path!r} is a file, not a directory; name a directory "
                                          "(it is created if missing)")
+        above = os.path.dirname(os.path.abspath(path))  # the folders that would be created: under a file?
+        while not os.path.exists(above) and os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise config_lib.ConfigError(f"{what} {path!r} cannot be created: {above!r} is a file, not a "
+                                         "directory; name a directory")
 
 
 def prepare(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool) -> tuple[bool, bytes | None]:
@@ -90,12 +96,17 @@ def _interrupted_before_first_commit(checkpoint_dir: str, workdir: str) -> bool:
 
     Its checkpoint directory exists (created before training starts) but holds no committed step. Nothing of
     it can be resumed, so the run starts over; its records are moved into ``WORKDIR/interrupted-<n>/``,
-    never deleted. A workdir whose run never checkpointed is still refused (that run may have finished).
+    never deleted. So does a run without checkpoints whose last record says SIGTERM stopped it; any
+    other workdir whose run never checkpointed is still refused (that run may have finished).
     """
     records = os.path.join(workdir, metrics_lib.METRICS_FILE)
-    if not (os.path.exists(records) and os.path.isdir(checkpoint_dir)):
+    if not os.path.exists(records):
         return False
-    if any(n.isdigit() for n in os.listdir(checkpoint_dir)):
+    if os.path.isdir(checkpoint_dir) and any(n.isdigit() for n in os.listdir(checkpoint_dir)):
+        return False
+    # A run without checkpoints that SIGTERM stopped said "run the same command to start again": so it does.
+    preempted = not os.path.isdir(checkpoint_dir) and _ends_preempted(records)
+    if not (os.path.isdir(checkpoint_dir) or preempted):
         return False
     if jax.process_index() == 0:
         n = 1 + sum(1 for name in os.listdir(workdir) if name.startswith("interrupted-"))
@@ -104,9 +115,20 @@ def _interrupted_before_first_commit(checkpoint_dir: str, workdir: str) -> bool:
         for name in os.listdir(workdir):
             if name == metrics_lib.METRICS_FILE or name == "config.json" or name.startswith("events.out.tfevents"):
                 os.replace(os.path.join(workdir, name), os.path.join(aside, name))
-        print(f"dtx: {workdir} holds a run interrupted before its first checkpoint committed; starting over "
-              f"(its records are in {aside})", file=sys.stderr)
+        why = "preempted before anything was saved" if preempted else "interrupted before its first checkpoint committed"
+        print(f"dtx: {workdir} holds a run {why}; starting over (its records are in {aside})", file=sys.stderr)
     return True
+
+
+def _ends_preempted(records: str) -> bool:
+    """Whether a run's last record is the ``preempted`` mark a SIGTERM leaves."""
+    with open(records, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+        lines = f.read().splitlines()
+    try:
+        return bool(lines) and json.loads(lines[-1]).get("preempted") == 1
+    except ValueError:  # a torn last line: the run was killed, not preempted
+        return False
 
 
 def hmac_key(variable: str) -> bytes | None:
@@ -156,8 +178,8 @@ def check_shared_directory(directory: str) -> None:
 
 # Keys a resumed run may change: run length, logging, checkpointing and how (not what) it computes.
 RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
-                      "eval_batch_size", "watchdog_seconds", "emulate_cpu_devices", "mesh", "driver",
-                      "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
+                      "eval_batch_size", "watchdog_seconds", "heartbeat_seconds", "emulate_cpu_devices", "mesh",
+                      "driver", "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
                       "log_grad_norm", "compilation_cache", "wandb", "dataset.workers")
 
 

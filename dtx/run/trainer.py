@@ -48,6 +48,7 @@ from dtx.step.state import TrainState, num_params
 from dtx.step import EvalStep, get_driver, make_train_step
 from dtx.step import body as step_body
 from dtx.ckpt.preemption import PreemptionWatcher
+from dtx.run.lock import WorkdirLock
 from dtx.run.watchdog import StepWatchdog
 
 
@@ -85,7 +86,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
         memory-mapped (:mod:`dtx.data.userdata`); without a test split nothing is evaluated.
 
     Raises before any compilation on bad input (unknown names, batch sizes that do
-    not split over the mesh, missing dataset files, a workdir that already holds a run).
+    not split over the mesh, missing dataset files, a workdir that already holds a run);
+    :class:`dtx.run.lock.WorkdirInUse` (a ``FileExistsError``) when another live run holds ``workdir``.
     """
     config_lib.validate(config)
     run_start = time.perf_counter()
@@ -95,12 +97,14 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
     xla_cache.enable(config.compilation_cache)  # a second launch loads its programs instead of compiling
-    multi_process = mesh_lib.initialize_distributed(config.distributed)
+    multi_process = mesh_lib.initialize_distributed(config.distributed, config.heartbeat_seconds)
     # SIGTERM from here on -- start-up included, where loading and compiling take seconds --
     # stops the run at a step boundary instead of killing it. Several processes agree on the
     # step through JAX's preemption sync point, which needs checkpoints to be worth it.
     watch = not multi_process or bool(config.checkpoint.every_steps) or config.checkpoint.resume != "never"
-    with PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
+    # One run per workdir (dtx.run.lock): a second one is refused here, before it writes anything.
+    with WorkdirLock(workdir, enabled=not multi_process or jax.process_index() == 0), \
+            PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
         return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
                       model=model, optimizer=optimizer, optimizer_description=optimizer_description,
                       task=task, data=data)

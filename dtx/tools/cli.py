@@ -59,7 +59,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in rest if not a.startswith("--config.")]
     if unknown:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
-    return _train(args.experiment, args.workdir, overrides)
+    return _unless_a_save_is_stuck(_train(args.experiment, args.workdir, overrides))
+
+
+def _unless_a_save_is_stuck(code: int) -> int:
+    """``code``; but where a checkpoint save stalled (dtx.ckpt.checkpoint.stalled), exit now: the interpreter
+    would wait for orbax's stuck thread forever. What that save wrote was never committed."""
+    checkpoint = sys.modules.get("dtx.ckpt.checkpoint")
+    if checkpoint is not None and checkpoint.stalled():
+        print("dtx: a checkpoint save is stuck; exiting without it (it was never committed)", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 4)
+    return code
 
 
 def _groups() -> set[str]:

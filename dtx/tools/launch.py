@@ -27,7 +27,10 @@ import sys
 import threading
 import time
 
+from dtx import _sigterm
 from dtx import mesh as mesh_lib
+from dtx.run import lock as lock_lib
+from dtx.run.lock import WorkdirInUse, WorkdirLock
 
 GRACE_SECONDS = 10  # after a failure, how long the survivors get before being killed
 
@@ -46,34 +49,54 @@ def launch_main(argv: list[str]) -> int:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
     workdir = args.workdir or os.path.join(
         "runs", f"{os.path.splitext(os.path.basename(args.experiment))[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # One run per workdir: the launcher holds the lock for its ranks (dtx.run.lock), refusing at once.
+    try:
+        lock = WorkdirLock(workdir).acquire()
+    except WorkdirInUse as e:
+        print(f"dtx launch: error: {e}", file=sys.stderr)
+        return 2
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     port = free_port()
     command = [sys.executable, "-m", "dtx.tools.cli", "train", args.experiment, "--workdir", workdir, *rest,
                f"--config.emulate_cpu_devices={args.devices_per_process}"]
-    processes = []
-    for rank in range(args.processes):
-        env = {**os.environ, mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{port}",
-               mesh_lib.ENV_NUM_PROCESSES: str(args.processes), mesh_lib.ENV_PROCESS_ID: str(rank)}
-        log = open(os.path.join(logs, f"process_{rank}.log"), "w")
-        processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                           preexec_fn=_die_with(os.getpid())), log))
-    print(f"launched {args.processes} processes x {args.devices_per_process} devices; logs in {logs}", flush=True)
+    processes, terminated = [], []
 
     def forward(signum, _frame):
+        terminated.append(signum)
         for process, _ in processes:
             if process.poll() is None:
                 process.send_signal(signum)
 
+    # Before any rank starts: a SIGTERM from now on (or noted while dtx imported: dtx._sigterm) reaches every rank.
     previous = signal.signal(signal.SIGTERM, forward)
+    if _sigterm.take():
+        terminated.append(signal.SIGTERM)
+    starting = []
     try:
+        for rank in range(args.processes if not terminated else 0):
+            env = {**os.environ, mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{port}", lock_lib.ENV_HELD: lock.token(),
+                   mesh_lib.ENV_NUM_PROCESSES: str(args.processes), mesh_lib.ENV_PROCESS_ID: str(rank)}
+            log = open(os.path.join(logs, f"process_{rank}.log"), "w")
+            starting.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              preexec_fn=_die_with(os.getpid())), log))
+        processes.extend(starting)
+        if terminated:  # before every rank had started: none has got past its imports, none has run a step
+            for process, _ in starting:
+                process.kill()
+                process.wait()
+            print("dtx launch: preempted before the processes started; run the same command to start", flush=True)
+            return 0
+        print(f"launched {args.processes} processes x {args.devices_per_process} devices; logs in {logs}",
+              flush=True)
         return _supervise(processes, logs)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for process, log in processes:
+        for process, log in starting:
             if process.poll() is None:
                 process.kill()
             log.close()
+        lock.release()
 
 
 # JAX's coordination service, in the log of the process that noticed, e.g. "The following tasks are

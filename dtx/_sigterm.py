@@ -1,0 +1,65 @@
+"""SIGTERM noted from the ``dtx train`` / ``dtx launch`` command's first moment, before its imports.
+
+Importing dtx takes seconds (jax, flax, orbax); a scheduler may preempt a job in that window, and
+Python's default action would kill it with signal 15. When the process *is* the dtx command (not
+your program importing dtx), :func:`install` sets a handler that only notes the signal; the run's
+:class:`dtx.ckpt.preemption.PreemptionWatcher` (or the launcher) then takes the signal over and
+asks :func:`take` whether one came before it did. Standard library only: it runs first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+_COMMANDS = ("train", "launch")  # the commands that stop cleanly on SIGTERM
+_received = False
+
+
+def _note(signum, frame) -> None:
+    global _received
+    _received = True
+
+
+def _is_dtx_command(argv: list[str]) -> bool:
+    """``dtx train ...`` (the console script) or ``python -m dtx.tools.cli train ...`` (``dtx launch``'s ranks)."""
+    for i, word in enumerate(argv[:-1]):
+        if (os.path.basename(word) == "dtx" or (word == "dtx.tools.cli" and argv[i - 1:i] == ["-m"])) and \
+                argv[i + 1] in _COMMANDS:
+            return True
+    return False
+
+
+def install() -> bool:
+    """Note SIGTERM from now on if this process is the dtx command and nothing else handles it yet."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if not _is_dtx_command(argv) or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _note)
+    return True
+
+
+def installed() -> bool:
+    """Whether the early handler is SIGTERM's handler now."""
+    return signal.getsignal(signal.SIGTERM) is _note
+
+
+def take() -> bool:
+    """Whether a SIGTERM came while the early handler was SIGTERM's handler (once: the note is cleared)."""
+    global _received
+    noted, _received = _received, False
+    return noted
+
+
+def hand_back(restore_default: bool = True) -> None:
+    """Give SIGTERM its default action again (``restore_default``); a signal noted meanwhile is delivered
+    now, to whatever handles it then: the default kills the process, as if it had never been caught.
+
+    ``restore_default=False`` where something below Python took SIGTERM over since (JAX's preemption
+    notifier in a multi-process job): setting a Python handler now would silently disable it.
+    """
+    if restore_default and installed():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if take():
+        os.kill(os.getpid(), signal.SIGTERM)
