@@ -134,9 +134,9 @@ def _rank_pids(tmp_path, launcher_pid):
     return ranks
 
 
-def _start_training_launch(tmp_path):
+def _start_training_launch(tmp_path, *extra):
     command = _dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT, "--workdir",
-                   str(tmp_path), *TINY, "--config.num_steps=100000", "--config.checkpoint.every_steps=0")
+                   str(tmp_path), *TINY, "--config.num_steps=100000", "--config.checkpoint.every_steps=0", *extra)
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.time() + 180
     while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) > 5):
@@ -149,9 +149,11 @@ def _start_training_launch(tmp_path):
 
 def test_a_stuck_rank_is_named_not_the_rank_that_noticed(tmp_path):
     """SIGSTOP rank 1: rank 0 aborts when rank 1's heartbeats stop. The launcher blames rank 1, the stuck
-    one (the probe found it blaming rank 0, the healthy detector)."""
-    launcher, ranks = _start_training_launch(tmp_path)
+    one (the probe found it blaming rank 0, the healthy detector). `heartbeat_seconds` bounds the wait: the
+    job stops within it (plus start-up of the abort), not after the 30 s default."""
+    launcher, ranks = _start_training_launch(tmp_path, "--config.heartbeat_seconds=10")
     os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.time()
     try:
         _, stderr = launcher.communicate(timeout=150)
     finally:
@@ -160,6 +162,7 @@ def test_a_stuck_rank_is_named_not_the_rank_that_noticed(tmp_path):
     assert launcher.returncode != 0
     assert "rank 1 is stuck" in stderr, stderr
     assert "first failed rank: 0" not in stderr
+    assert time.time() - stopped_at < 30 + 15, "the job must stop once heartbeat_seconds=10 has passed, not after 30 s"
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):

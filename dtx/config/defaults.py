@@ -347,8 +347,9 @@ def _plain(value):
 
 # Hyper-parameters that must be positive / non-negative, and fractions in [0, 1): a sign error or a
 # NaN here would silently train nonsense, so it is refused before anything runs.
-_POSITIVE = ("heartbeat_seconds", "optimizer.trust_coefficient", "optimizer.decay_power", "optimizer.step_factor",
-             "optimizer.base_batch_size", "loss_scale.initial", "loss_scale.min_scale", "loss_scale.growth_interval")
+_POSITIVE = ("heartbeat_seconds", "optimizer.trust_coefficient", "optimizer.decay_power",
+             "optimizer.step_factor", "optimizer.base_batch_size", "loss_scale.initial", "loss_scale.min_scale",
+             "loss_scale.growth_interval")
 _NON_NEGATIVE = ("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.warmup_steps",
                  "optimizer.warmup_epochs", "watchdog_seconds", "num_epochs", "seed", "memory_limit")
 _FRACTIONS = ("optimizer.momentum", "loss_scale.backoff")
