@@ -24,6 +24,10 @@ class MLP(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def pipeline_layers(self) -> list[str]:
+        """The Dense layers in order, for pipeline stages (:mod:`dtx.parallel.stages`)."""
+        return [f"Dense_{i}" for i in range(len(self.features) + 1)]
+
     @nn.compact
     def __call__(self, x, train: bool = False):
         del train  # no dropout or normalisation: train and eval are the same function

@@ -39,6 +39,10 @@ class SpeechDNN(nn.Module):
 
     default_input_shape = (440,)
 
+    def pipeline_layers(self) -> list[str]:
+        """The Dense layers in order, for pipeline stages (:mod:`dtx.parallel.stages`)."""
+        return [f"fc{i + 1}" for i in range(len(self.hidden) + 1)]
+
     @nn.compact
     def __call__(self, x, train: bool = False):
         del train  # no dropout or normalisation

@@ -1,0 +1,213 @@
+"""The pipeline-parallel train step under ``shard_map``: stages on the ``stage`` axis, data on the others.
+
+Pipeline parallelism (GPipe: Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDream-Flush, Narayanan et al.
+2021, arXiv 2006.09503, and Narayanan et al. 2021, "Efficient large-scale language model training on GPU
+clusters using Megatron-LM", arXiv 2104.04473). Each device of the ``stage`` axis holds one stage's
+parameter row (:mod:`dtx.parallel.stages`) and its optimizer state; the other mesh axes split the batch
+as data parallelism does. A step splits each data shard into ``M`` micro-batches and runs a schedule's
+ticks (:mod:`dtx.parallel.pipeline_schedules`):
+
+* forward slot: stage 0 reads its micro-batch, the others the activation received in the previous tick's
+  forward slot, which they also keep (GPipe §2.3's re-materialisation: a stage stores only its *input*,
+  one ``(micro, width)`` buffer entry per micro-batch in flight); the last stage scores the logits;
+  then one ``ppermute`` sends every stage's output to the next stage;
+* backward slot: a stage re-runs its forward pass on the kept input and pulls back the gradient
+  received in the previous tick's backward slot (the last stage: the loss's), adds the parameters'
+  gradient to its accumulator, then one ``ppermute`` sends the input's gradient to the previous stage.
+
+Which stage runs which micro-batch is the schedule's table, indexed by the stage's ``axis_index``; a
+stage with nothing to run in a slot skips the work (``lax.cond``) but still takes part in the slot's
+``ppermute``. After the last tick the accumulated gradient (the mean over the ``M`` micro-batches) is
+all-reduced over the data axes — once per step, as gradient accumulation does — and each stage applies
+the optimizer to its own row. The loss and the task's metrics come from the last stage (``psum`` over
+``stage``, where the others add zeros) averaged over the data axes.
+
+Every message is this module's ``ppermute``, so the compiled program (:mod:`dtx.comm.hlo`) shows each
+slot's ``collective-permute`` inside its phase's loop, once per tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dtx.data import tasks as task_lib
+from dtx.parallel.pipeline_schedules import Schedule
+from dtx.parallel.stages import STAGE_AXIS, StagePlan
+from dtx.step.spec import StepError
+from dtx.step.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """What a pipeline step is built from: the stage plan, the schedule (its ``micro`` is ``M``) and the
+    task (default classification)."""
+
+    plan: StagePlan
+    schedule: Schedule
+    task: task_lib.Task | None = None
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes that split the batch under a pipeline: every axis but ``stage``."""
+    return tuple(name for name in mesh.axis_names if name != STAGE_AXIS)
+
+
+def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
+    """The mesh's ``stage`` axis has one device per stage."""
+    if STAGE_AXIS not in mesh.axis_names or mesh.shape[STAGE_AXIS] != pipeline.plan.num_stages:
+        raise StepError(f"a {pipeline.plan.num_stages}-stage pipeline needs a {STAGE_AXIS!r} mesh axis of that size, "
+                        f"e.g. --config.mesh='((\"{STAGE_AXIS}\", {pipeline.plan.num_stages}), (\"data\", -1))'; "
+                        f"the mesh is {dict(mesh.shape)}")
+
+
+def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan) -> TrainState:
+    """Every leaf shaped like the ``(P, row)`` parameter rows split over ``stage``; the rest replicated."""
+    rows = (plan.num_stages, plan.row)
+    split, whole = NamedSharding(mesh, PartitionSpec(STAGE_AXIS)), NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
+
+
+def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: int, mesh: Mesh,
+               plan: StagePlan) -> TrainState:
+    """The train state with the parameters as the plan's rows, each stage's row (and its optimizer state) on
+    that stage's devices. The parameters are the model's own initialisation (the same as one device's)."""
+
+    def init(seed):
+        init_rng, state_rng = jax.random.split(jax.random.key(seed))
+        dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
+        rows = plan.pack(model.init({"params": init_rng}, dummy, train=False)["params"])
+        from dtx.precision import LossScaler  # the pipeline runs without loss scaling (its state stays inert)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=rows, model_state={}, opt_state=tx.init(rows),
+                          rng=jax.random.key_data(state_rng), loss_scale=LossScaler().init())
+
+    shardings = state_shardings(jax.eval_shape(init, seed), mesh, plan)
+    return jax.jit(init, out_shardings=shardings)(seed)
+
+
+def _stage_fn(plan: StagePlan, task: task_lib.Task, metric_names):
+    """``(stage, row, x0, received, labels) -> (output buffer, loss, metrics)``: a ``lax.switch`` over the
+    stages, each branch its own layers at its own widths (stage 0 reads ``x0``, the others the first
+    ``in_width`` columns of the received buffer; outputs padded to the buffer's width)."""
+    width, last = plan.width, plan.num_stages - 1
+
+    def branch(s):
+        def run(row, x0, received, labels):
+            x = x0 if s == 0 else received[:, :plan.stage_layers(s)[0].in_width]
+            y = plan.apply_stage(s, row, x)
+            if s < last:
+                zero = jnp.zeros((), jnp.float32)
+                return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in metric_names}
+            loss, values = task_lib.batch_mean_terms(task, y, labels, None)
+            values = {n: lax.stop_gradient(v).astype(jnp.float32) for n, v in values.items()}
+            return jnp.zeros((y.shape[0], width), y.dtype), loss.astype(jnp.float32), values
+        return run
+
+    branches = [branch(s) for s in range(plan.num_stages)]
+    return lambda stage, row, x0, received, labels: lax.switch(stage, branches, row, x0, received, labels)
+
+
+def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, donate: bool = True):
+    """The jitted ``(state, batch) -> (state, metrics)`` pipeline step (module docstring); metrics ``loss`` and
+    the task's, averaged over the global batch."""
+    check_mesh(mesh, pipeline)
+    plan, schedule = pipeline.plan, pipeline.schedule
+    task = pipeline.task or task_lib.classification()
+    axes = data_axes(mesh)
+    p, m_count, width, slots = plan.num_stages, schedule.micro, plan.width, schedule.slots
+    forward_pairs = [(s, s + 1) for s in range(p - 1)]
+    backward_pairs = [(s + 1, s) for s in range(p - 1)]
+    probe = jnp.zeros((1, plan.layers[-1].out_width), jnp.float32)
+    metric_names = tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(
+        task, probe, jnp.zeros((1,), jnp.int32), None)[1]))
+    stage_fn = _stage_fn(plan, task, metric_names)
+
+    def per_device(state: TrainState, batch):
+        stage = lax.axis_index(STAGE_AXIS)
+        row = state.params[0]
+        inputs, labels = batch["inputs"], batch["labels"]
+        if inputs.shape[0] % m_count:
+            raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
+                            "(grad_accum_steps); see dtx.step.check_accumulation")
+        micro = inputs.shape[0] // m_count
+        x0s = inputs.reshape((m_count, micro, -1)).astype(jnp.float32)
+        ys = labels.reshape((m_count, micro) + labels.shape[1:])
+        zeros_buffer = jnp.zeros((micro, width), jnp.float32)
+
+        def forward_slot(carry, m, send):
+            kept, received, grad_in, grads, loss, values = carry
+            index = jnp.maximum(m, 0)
+            kept = lax.cond(m >= 0, lambda: lax.dynamic_update_index_in_dim(kept, received, index % slots, 0),
+                            lambda: kept)
+            y, l, v = lax.cond(m >= 0, lambda: stage_fn(stage, row, x0s[index], received, ys[index]),
+                               lambda: (zeros_buffer, jnp.zeros((), jnp.float32),
+                                        {n: jnp.zeros((), jnp.float32) for n in metric_names}))
+            received = lax.ppermute(y, STAGE_AXIS, forward_pairs) if send else y
+            values = {n: values[n] + v[n] for n in metric_names}
+            return kept, received, grad_in, grads, loss + l, values
+
+        def backward_slot(carry, m, send):
+            kept, received, grad_in, grads, loss, values = carry
+            index = jnp.maximum(m, 0)
+
+            def pull_back():
+                x_in = kept[index % slots]
+                run = lambda r, x: stage_fn(stage, r, x0s[index], x, ys[index])  # noqa: E731
+                _, vjp = jax.vjp(run, row, x_in)
+                zero_values = {n: jnp.zeros((), jnp.float32) for n in metric_names}
+                # d(step loss)/d(micro-batch loss) = 1/M: the step's loss is the micro-batches' mean.
+                return vjp((grad_in, jnp.asarray(1.0 / m_count, jnp.float32), zero_values))
+
+            d_row, d_x = lax.cond(m >= 0, pull_back, lambda: (jnp.zeros_like(row), zeros_buffer))
+            grad_in = lax.ppermute(d_x, STAGE_AXIS, backward_pairs) if send else d_x
+            return kept, received, grad_in, grads + d_row, loss, values
+
+        def tick(phase):
+            def run(carry, mbs):
+                f, b = mbs
+                if phase.forward is not None:
+                    carry = forward_slot(carry, f[stage], phase.send_forward)
+                if phase.backward is not None:
+                    carry = backward_slot(carry, b[stage], phase.send_backward)
+                return carry, None
+            return run
+
+        zero = jnp.zeros((), jnp.float32)
+        carry = (jnp.zeros((slots, micro, width), jnp.float32), zeros_buffer, zeros_buffer, jnp.zeros_like(row),
+                 zero, {n: zero for n in metric_names})
+        for phase in schedule.phases:
+            dummy = jnp.zeros((phase.ticks, p), jnp.int32)
+            tables = tuple(jnp.asarray(t) if t is not None else dummy for t in (phase.forward, phase.backward))
+            carry, _ = lax.scan(tick(phase), carry, tables)
+        _, _, _, grads, loss, values = carry
+        if axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
+            grads = lax.pmean(grads, axes)
+        # The last stage alone scored the micro-batches; the others add zeros.
+        scalars = lax.psum(jnp.stack([loss, *(values[n] for n in metric_names)]) / m_count, STAGE_AXIS)
+        if axes:
+            scalars = lax.pmean(scalars, axes)
+        updates, opt_state = tx.update(grads[None], state.opt_state, state.params)
+        rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
+        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state, rng=jax.random.key_data(rng))
+        return new_state, {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(metric_names)}}
+
+    def specs(state):
+        return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan))
+
+    def step(state, batch):
+        body = jax.shard_map(per_device, mesh=mesh, in_specs=(specs(state), PartitionSpec(axes)),
+                             out_specs=(specs(state), PartitionSpec()), check_vma=False)
+        return body(state, batch)
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def gather_params(state: TrainState, plan: StagePlan):
+    """The model's parameter tree from a pipeline state's rows (for evaluation, export and comparisons)."""
+    return plan.unpack(state.params)

@@ -1,0 +1,218 @@
+"""Pipeline parallelism (dtx.step.pipeline, dtx.parallel.stages, dtx.parallel.pipeline_schedules).
+
+GPipe and 1F1B on a ``stage`` axis combined with ``data`` compute what one device computes with the
+same global batch (the MLP with Adam on 4 stages x 2, the speech DNN with SGD on 2 stages x 4, each over
+5 steps of M micro-batches), and the compiled programs show what the schedules say: the
+collective-permutes' bytes with their loops' trip counts, one gradient all-reduce per step, and stage
+inputs kept for M micro-batches under GPipe but for at most 2P - 1 under 1F1B (memory_analysis).
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dtx import mesh as mesh_lib
+from dtx import models, optim
+from dtx.comm import hlo
+from dtx.data import TrainLoader, datasets
+from dtx.parallel.pipeline_schedules import IDLE, ScheduleError, diagram, make_schedule
+from dtx.parallel.stages import PipelineError, balance, make_plan
+from dtx.step import StepError, StepSpec, make_train_step
+from dtx.step import pipeline as pp
+from dtx.step.state import init_train_state
+
+STEPS = 5
+MLP = dict(features=(32, 24, 16), num_classes=10)  # 4 layers: one per stage on 4 stages
+SPEECH = dict(hidden=(32, 16, 24), num_classes=10)
+
+
+def _digits():
+    digits = datasets.load_dataset("digits")
+    return digits, jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+
+
+def _batch(loader, step, mesh):
+    """The loader's batch placed over the data axes only (the stages of a data shard share its examples)."""
+    return jax.device_put(loader.batch(step), NamedSharding(mesh, PartitionSpec(pp.data_axes(mesh))))
+
+
+def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=()):
+    digits, example = _digits()
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), digits.train.inputs[:1])["params"])
+    plan = make_plan(model, abstract, stages, boundaries)
+    state = pp.init_state(model, tx, example, 0, mesh, plan)
+    step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule))
+    loader = TrainLoader(digits.train, batch_size, mesh, seed=0)
+    compiled = step.lower(state, _batch(loader, 0, mesh)).compile()
+    losses = []
+    for s in range(STEPS):
+        state, metrics = step(state, _batch(loader, s, mesh))
+        losses.append(float(jax.block_until_ready(metrics)["loss"]))
+    return dict(params=jax.device_get(pp.gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
+                schedule=schedule)
+
+
+def _one_device(model, tx, batch_size):
+    digits, example = _digits()
+    mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
+    state = init_train_state(model, tx, example, 0, mesh)
+    step = make_train_step(model, tx, mesh, StepSpec())
+    loader = TrainLoader(digits.train, batch_size, mesh, seed=0)
+    losses = []
+    for s in range(STEPS):
+        state, metrics = step(state, loader.batch(s))
+        losses.append(float(jax.block_until_ready(metrics)["loss"]))
+    return dict(params=jax.device_get(state.params), losses=losses)
+
+
+@pytest.fixture(scope="module")
+def mlp_runs():
+    """The MLP on 4 stages x 2 data shards, M = 4 micro-batches of 4, Adam; and one device."""
+    model, tx = models.build_model("mlp", **MLP), optim.make_optimizer("adam", 1e-2)
+    mesh = mesh_lib.make_mesh([("stage", 4), ("data", 2)])
+    runs = {name: _run(model, tx, mesh, make_schedule(name, 4, 4), 32, 4) for name in ("gpipe", "1f1b")}
+    runs["one"] = _one_device(model, tx, 32)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def speech_runs():
+    """The speech DNN on 2 stages x 4 data shards at given boundaries, SGD, M = 8 (trained) and M = 16 (compiled
+    only, for memory): micro-batches of 2 either way."""
+    model, tx = models.build_model("speech_dnn", **SPEECH), optim.make_optimizer("sgd", 0.1)
+    mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
+    runs = {(name, 8): _run(model, tx, mesh, make_schedule(name, 2, 8), 64, 2, boundaries=(2,))
+            for name in ("gpipe", "1f1b")}
+    runs["one"] = _one_device(model, tx, 64)
+    digits, example = _digits()
+    plan = runs["gpipe", 8]["plan"]
+    state = pp.init_state(model, tx, example, 0, mesh, plan)
+    spec = NamedSharding(mesh, PartitionSpec("data"))
+    batch = {"inputs": jax.ShapeDtypeStruct((128, 64), np.float32, sharding=spec),
+             "labels": jax.ShapeDtypeStruct((128,), np.int32, sharding=spec)}
+    for name in ("gpipe", "1f1b"):
+        step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, make_schedule(name, 2, 16)))
+        runs[name, 16] = dict(compiled=step.lower(state, batch).compile())
+    return runs
+
+
+def _close(got, want, atol):
+    for key in want:
+        for leaf in want[key]:
+            np.testing.assert_allclose(got[key][leaf], want[key][leaf], rtol=0, atol=atol, err_msg=f"{key}/{leaf}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_mlp_pipeline_with_adam_equals_one_device(mlp_runs, schedule):
+    """4 stages x 2 data shards, 4 micro-batches, 5 Adam steps == one device with the global batch. Held to 1e-6
+    (measured 6e-8: the micro-batch means summed in another order than the whole batch's mean)."""
+    run, one = mlp_runs[schedule], mlp_runs["one"]
+    _close(run["params"], one["params"], 1e-6)
+    np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-6)
+
+
+def test_schedules_compute_the_same_step(mlp_runs):
+    """GPipe and 1F1B run the same micro-batches through the same stages and sum the gradients in the same order."""
+    _close(mlp_runs["1f1b"]["params"], mlp_runs["gpipe"]["params"], 1e-7)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_speech_dnn_pipeline_with_sgd_equals_one_device(speech_runs, schedule):
+    """The speech DNN cut at layer 2 (16 wide activations cross), 8 micro-batches, 5 SGD steps == one device.
+    Held to 1e-6."""
+    run, one = speech_runs[schedule, 8], speech_runs["one"]
+    assert run["plan"].bounds == (0, 2, 4) and run["plan"].boundary_widths == (16,) and run["plan"].width == 16
+    _close(run["params"], one["params"], 1e-6)
+    np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-6)
+
+
+def _permute_bytes(compiled):
+    return sum(c.bytes_sent * c.trips for c in hlo.collectives(compiled) if c.kind == "collective-permute")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_send_2M_boundary_activations_per_step(speech_runs, schedule):
+    """Read from the compiled program, trip counts included: each stage sends 2·M messages of one micro-batch's
+    boundary buffer (M activations forward, M gradients back), and the data shards all-reduce the gradients once."""
+    for m in (8, 16):
+        compiled, plan = speech_runs[schedule, m]["compiled"], speech_runs["gpipe", 8]["plan"]
+        assert _permute_bytes(compiled) == 2 * m * plan.message_bytes(micro=2) == 2 * m * 2 * 16 * 4
+        kinds = [c.kind for c in hlo.collectives(compiled) if c.kind != "collective-permute"]
+        assert set(kinds) == {"all-reduce"}  # the batch arrives split over data: no gather
+        assert all(c.trips == 1 for c in hlo.collectives(compiled) if c.kind == "all-reduce")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_four_stages_send_the_bubble_too(mlp_runs, schedule):
+    """With P = 4 the lock-step ticks that only carry the bubble send too: 2(M + P - 2) messages per step,
+    the schedule's count, each of one micro-batch's buffer, 32 wide: the 24- and 16-wide boundaries padded to
+    the widest."""
+    run = mlp_runs[schedule]
+    assert run["schedule"].messages == 2 * (4 + 4 - 2)
+    assert run["plan"].boundary_widths == (32, 24, 16) and run["plan"].width == 32
+    assert _permute_bytes(run["compiled"]) == run["schedule"].messages * run["plan"].message_bytes(micro=4)
+
+
+def test_1f1b_keeps_activations_for_P_not_M(speech_runs):
+    """memory_analysis: from M = 8 to 16 micro-batches GPipe's temporaries grow by the 8 more kept stage inputs
+    (8 x 2 x 16 float32), 1F1B's not at all (it keeps at most 2P - 1 = 3)."""
+    temp = {key: speech_runs[key]["compiled"].memory_analysis().temp_size_in_bytes
+            for key in [("gpipe", 8), ("gpipe", 16), ("1f1b", 8), ("1f1b", 16)]}
+    assert temp["gpipe", 16] - temp["gpipe", 8] == 8 * 2 * 16 * 4
+    assert temp["1f1b", 16] == temp["1f1b", 8]
+    assert make_schedule("1f1b", 2, 16).slots == 3 and make_schedule("gpipe", 2, 16).slots == 16
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(1, 3), (2, 1), (3, 5), (4, 8)])
+def test_schedule_tables_run_each_micro_batch_once_in_order(name, stages, micro):
+    """Every stage runs every micro-batch forward and backward once; a forward follows the previous stage's by a
+    tick, a backward the next stage's; the bubble is (P - 1)/(M + P - 1) of the slots."""
+    schedule = make_schedule(name, stages, micro)
+    forward, backward = schedule.timeline("forward"), schedule.timeline("backward")
+    for s in range(stages):
+        for table in (forward, backward):
+            assert sorted(m for m in table[:, s] if m != IDLE) == list(range(micro))
+    tick = lambda table, s, m: int(np.argwhere(table[:, s] == m)[0, 0])  # noqa: E731
+    for m in range(micro):
+        for s in range(1, stages):
+            assert tick(forward, s, m) == tick(forward, s - 1, m) + 1
+            assert tick(backward, s - 1, m) == tick(backward, s, m) + 1
+        assert tick(backward, stages - 1, m) >= tick(forward, stages - 1, m)
+    assert schedule.bubble == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert len(diagram(schedule).splitlines()) == stages
+
+
+def test_balanced_cut_and_given_boundaries():
+    """Balanced by forward FLOPs: the contiguous split whose costliest stage is cheapest."""
+    assert balance([1, 1, 1, 1], 2) == (2,)
+    assert balance([8, 1, 1, 1, 1], 2) == (1,)
+    assert balance([1, 2, 3, 4, 5], 3) == (3, 4)
+    model = models.build_model("speech_dnn", **SPEECH)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 64), np.float32))["params"])
+    plan = make_plan(model, params, 2)
+    assert plan.bounds == (0, 1, 4)  # 64·32 against 32·16 + 16·24 + 24·10
+    rows = plan.pack(jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape), params))
+    assert rows.shape == (2, plan.row) and plan.row == max(plan.stage_sizes)
+    _close(plan.unpack(rows), jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape),
+                                           params), 0)
+
+
+def test_refusals_name_the_fix():
+    lenet = models.build_model("lenet")
+    params = jax.eval_shape(lambda: lenet.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"])
+    with pytest.raises(PipelineError, match="pipeline_layers"):
+        make_plan(lenet, params, 2)
+    mlp = models.build_model("mlp", **MLP)
+    params = jax.eval_shape(lambda: mlp.init(jax.random.key(0), np.zeros((1, 64), np.float32))["params"])
+    with pytest.raises(PipelineError, match=r"parallel.boundaries=\(3, 1\) must be 2 increasing"):
+        make_plan(mlp, params, 3, (3, 1))
+    with pytest.raises(PipelineError, match="smaller 'stage' mesh axis"):
+        make_plan(mlp, params, 5)
+    with pytest.raises(ScheduleError, match="choose one of"):
+        make_schedule("zigzag", 2, 4)
+    plan = make_plan(mlp, params, 2)
+    with pytest.raises(StepError, match="'stage' mesh axis"):
+        pp.make_pipeline_step(optim.make_optimizer("sgd", 0.1), mesh_lib.make_mesh([("data", -1)]),
+                              pp.Pipeline(plan, make_schedule("gpipe", 2, 2)))
