@@ -20,6 +20,7 @@ from dtx.parallel.pipeline_schedules import IDLE, ScheduleError, diagram, make_s
 from dtx.parallel.stages import PipelineError, balance, make_plan
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step import pipeline as pp
+from dtx.step.pipeline_check import check_settings
 from dtx.step.state import init_train_state
 
 STEPS = 5
@@ -216,3 +217,39 @@ def test_refusals_name_the_fix():
     with pytest.raises(StepError, match="'stage' mesh axis"):
         pp.make_pipeline_step(optim.make_optimizer("sgd", 0.1), mesh_lib.make_mesh([("data", -1)]),
                               pp.Pipeline(plan, make_schedule("gpipe", 2, 2)))
+
+
+GOOD = dict(mesh_shape={"stage": 2, "data": 4}, num_layers=4, global_batch_size=64, grad_accum_steps=4)
+
+
+def test_settings_a_pipeline_takes_pass():
+    check_settings(**GOOD)
+    check_settings(**{**GOOD, "schedule": "1f1b", "boundaries": (1,), "optimizer": "sgd", "precision": "p=f32,c=f32"})
+
+
+@pytest.mark.parametrize("change,says", [
+    (dict(mesh_shape={"data": 8}), "no 'stage' axis.*--config.mesh="),
+    (dict(mesh_shape={"stage": 8}), "8 devices but the model has 4 layers"),
+    (dict(schedule="zigzag"), r"parallel.schedule='zigzag' is unknown: choose one of \['gpipe', '1f1b'\]"),
+    (dict(boundaries=(1, 2)), r"parallel.boundaries=\(1, 2\) must be 1 increasing"),
+    (dict(driver="jit"), "--config.driver=shard_map"),
+    (dict(optimizer="lamb"), "optimizer.name='lamb'.*entry by entry"),
+    (dict(weight_decay=1e-4), "weight_decay=0"),
+    (dict(strategy="local_sgd"), "--config.strategy.name=sync"),
+    (dict(compression="topk"), "--config.compression.name=none"),
+    (dict(allreduce="ring"), "--config.allreduce=psum"),
+    (dict(precision="p=f32,c=bf16"), "float32 for now"),
+    (dict(global_batch_size=60), "global_batch_size=60 must split over the 4 data shards"),
+    (dict(grad_accum_steps=3), "grad_accum_steps=3 micro-batches"),
+    (dict(grad_accum_steps=1), "idle 50% of the step.*at least 2"),
+])
+def test_settings_a_pipeline_refuses_name_the_key_and_fix(change, says):
+    """Each refusal before compiling names the key and the fix (and all of them come in one error)."""
+    with pytest.raises(StepError, match=says):
+        check_settings(**{**GOOD, **change})
+
+
+def test_every_refusal_in_one_error():
+    with pytest.raises(StepError) as error:
+        check_settings(**{**GOOD, "driver": "jit", "optimizer": "lars", "schedule": "x"})
+    assert all(key in str(error.value) for key in ("parallel.schedule='x'", "driver='jit'", "optimizer.name='lars'"))

@@ -1,0 +1,79 @@
+"""What a pipeline-parallel run refuses, before anything is compiled, each refusal naming the key and the fix.
+
+The pipeline step (:mod:`dtx.step.pipeline`; GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021)
+places its own collectives — ``ppermute`` between stages, one gradient all-reduce over the data axes —
+and keeps each stage's parameters as one flattened row (:mod:`dtx.parallel.stages`). So it runs under
+the ``shard_map`` driver only, with synchronous SGD and no compression or custom allreduce, and with
+optimizers that act entry by entry (a per-tensor norm, as LARS/LAMB take, or a weight-decay mask by
+parameter name cannot see tensors in a row). Its micro-batches are the run's ``grad_accum_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtx.parallel.pipeline_schedules import SCHEDULES
+from dtx.precision import parse_policy
+from dtx.parallel.stages import STAGE_AXIS
+from dtx.step.spec import StepError
+
+ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+
+
+def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Sequence[int] = (), num_layers: int,
+                   global_batch_size: int, grad_accum_steps: int = 1, driver: str = "shard_map",
+                   optimizer: str = "adam", weight_decay: float = 0.0, strategy: str = "sync",
+                   compression: str = "none", allreduce: str = "psum", bucket_bytes: int = 0,
+                   precision: str = "", loss_scale: str = "auto") -> None:
+    """Raise :class:`~dtx.step.spec.StepError` listing every setting a pipeline run cannot take, each with
+    its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size."""
+    problems = []
+    stages = mesh_shape.get(STAGE_AXIS)
+    if stages is None:
+        problems.append(f"the mesh has no {STAGE_AXIS!r} axis (it is {dict(mesh_shape)}): set e.g. "
+                        f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'")
+    elif stages > num_layers:
+        problems.append(f"mesh axis {STAGE_AXIS!r} has {stages} devices but the model has {num_layers} layers to "
+                        "cut: use a smaller stage axis")
+    if schedule not in SCHEDULES:
+        problems.append(f"parallel.schedule={schedule!r} is unknown: choose one of {list(SCHEDULES)}")
+    if boundaries and stages is not None:
+        cuts = list(boundaries)
+        if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or not all(0 < b < num_layers for b in cuts):
+            problems.append(f"parallel.boundaries={tuple(boundaries)} must be {stages - 1} increasing layer indices "
+                            f"in 1..{num_layers - 1} for {stages} stages; or () to balance the stages by FLOPs")
+    if driver != "shard_map":
+        problems.append(f"driver={driver!r}: the pipeline places its own ppermutes; set --config.driver=shard_map")
+    if optimizer not in ELEMENTWISE_OPTIMIZERS or weight_decay:
+        problems.append(f"optimizer.name={optimizer!r} with weight_decay={weight_decay}: a stage's parameters are one "
+                        f"row, so only optimizers acting entry by entry run ({', '.join(ELEMENTWISE_OPTIMIZERS)}, "
+                        "weight_decay=0): set --config.optimizer.name=adam --config.optimizer.weight_decay=0")
+    for key, value, plain in (("strategy.name", strategy, "sync"), ("compression.name", compression, "none"),
+                              ("allreduce", allreduce, "psum"), ("bucket_bytes", bucket_bytes, 0)):
+        if value != plain:
+            problems.append(f"{key}={value!r}: the pipeline reduces each stage's gradient once with psum over the "
+                            f"data axes; set --config.{key}={plain}")
+    if precision and any(np.dtype(d) != np.float32 for d in dataclasses.astuple(parse_policy(precision))):
+        problems.append(f"precision={precision!r}: the pipeline computes in float32 for now; leave --config.precision "
+                        "at its default")
+    if loss_scale not in ("auto", "none"):
+        problems.append(f"loss_scale.name={loss_scale!r}: no loss scaling under the pipeline; set "
+                        "--config.loss_scale.name=auto")
+    if stages:
+        data = 1
+        for name, size in mesh_shape.items():
+            data *= size if name != STAGE_AXIS else 1
+        local = global_batch_size // data if global_batch_size % data == 0 else None
+        if local is None or grad_accum_steps < 1 or local % grad_accum_steps:
+            problems.append(f"global_batch_size={global_batch_size} must split over the {data} data shards (the "
+                            f"axes but {STAGE_AXIS!r}) and each shard's batch into grad_accum_steps={grad_accum_steps} "
+                            "micro-batches: change --config.global_batch_size or --config.grad_accum_steps")
+        elif grad_accum_steps < stages:
+            problems.append(f"grad_accum_steps={grad_accum_steps} micro-batches on {stages} stages leave each stage "
+                            f"idle {(stages - 1) / (grad_accum_steps + stages - 1):.0%} of the step: set "
+                            f"--config.grad_accum_steps to at least {stages} (4×{stages} keeps the bubble under 20 %)")
+    if problems:
+        raise StepError("parallel.name='pipeline': " + "; ".join(problems))
