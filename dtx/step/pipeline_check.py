@@ -15,9 +15,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtx.comm.algorithms import get_algorithm
 from dtx.parallel.pipeline_schedules import SCHEDULES
 from dtx.precision import parse_policy
 from dtx.parallel.stages import STAGE_AXIS
+from dtx.step.drivers import get_driver
 from dtx.step.spec import StepError
 
 ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
@@ -45,17 +47,20 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or not all(0 < b < num_layers for b in cuts):
             problems.append(f"parallel.boundaries={tuple(boundaries)} must be {stages - 1} increasing layer indices "
                             f"in 1..{num_layers - 1} for {stages} stages; or () to balance the stages by FLOPs")
-    if driver != "shard_map":
-        problems.append(f"driver={driver!r}: the pipeline places its own ppermutes; set --config.driver=shard_map")
+    if not get_driver(driver).explicit:
+        problems.append(f"driver={driver!r}: the pipeline places its own ppermutes, so it runs under a driver that "
+                        "leaves the collectives to the step: set --config.driver=shard_map")
     if optimizer not in ELEMENTWISE_OPTIMIZERS or weight_decay:
         problems.append(f"optimizer.name={optimizer!r} with weight_decay={weight_decay}: a stage's parameters are one "
                         f"row, so only optimizers acting entry by entry run ({', '.join(ELEMENTWISE_OPTIMIZERS)}, "
                         "weight_decay=0): set --config.optimizer.name=adam --config.optimizer.weight_decay=0")
-    for key, value, plain in (("strategy.name", strategy, "sync"), ("compression.name", compression, "none"),
-                              ("allreduce", allreduce, "psum"), ("bucket_bytes", bucket_bytes, 0)):
-        if value != plain:
+    for key, value, plain, fine in (("strategy.name", strategy, "sync", strategy == "sync"),
+                                    ("compression.name", compression, "none", compression == "none"),
+                                    ("allreduce", allreduce, "psum", get_algorithm(allreduce).native),
+                                    ("bucket_bytes", bucket_bytes, 0, not bucket_bytes)):
+        if not fine:
             problems.append(f"{key}={value!r}: the pipeline reduces each stage's gradient once with psum over the "
-                            f"data axes; set --config.{key}={plain}")
+                            f"data axes: set --config.{key}={plain}")
     if precision and any(np.dtype(d) != np.float32 for d in dataclasses.astuple(parse_policy(precision))):
         problems.append(f"precision={precision!r}: the pipeline computes in float32 for now; leave --config.precision "
                         "at its default")
