@@ -7,11 +7,14 @@ collective-permutes' bytes with their loops' trip counts, one gradient all-reduc
 inputs kept for M micro-batches under GPipe but for at most 2P - 1 under 1F1B (memory_analysis).
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx import models, optim
 from dtx.comm import hlo
@@ -21,6 +24,8 @@ from dtx.parallel.stages import PipelineError, balance, make_plan
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step import pipeline as pp
 from dtx.step.pipeline_check import check_settings
+from dtx.run import metrics
+from dtx.run.trainer import train
 from dtx.step.state import init_train_state
 
 STEPS = 5
@@ -51,7 +56,7 @@ def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=()):
         state, metrics = step(state, _batch(loader, s, mesh))
         losses.append(float(jax.block_until_ready(metrics)["loss"]))
     return dict(params=jax.device_get(pp.gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
-                schedule=schedule)
+                schedule=schedule, metrics=jax.device_get(metrics))
 
 
 def _one_device(model, tx, batch_size):
@@ -155,6 +160,14 @@ def test_four_stages_send_the_bubble_too(mlp_runs, schedule):
     assert _permute_bytes(run["compiled"]) == run["schedule"].messages * run["plan"].message_bytes(micro=4)
 
 
+@pytest.mark.parametrize("run", [("mlp", "gpipe"), ("mlp", "1f1b"), ("speech", ("gpipe", 8)), ("speech", ("1f1b", 8))])
+def test_the_accountant_counts_what_the_program_sends(mlp_runs, speech_runs, run):
+    """The step's comm_bytes (dtx.step.pipeline.traffic: permutes, the gradient row's all-reduce, the records')
+    equal the compiled program's bytes, trip counts included."""
+    runs, key = (mlp_runs if run[0] == "mlp" else speech_runs), run[1]
+    assert runs[key]["metrics"]["comm_bytes"] == hlo.total(runs[key]["compiled"]).bytes_sent
+
+
 def test_1f1b_keeps_activations_for_P_not_M(speech_runs):
     """memory_analysis: from M = 8 to 16 micro-batches GPipe's temporaries grow by the 8 more kept stage inputs
     (8 x 2 x 16 float32), 1F1B's not at all (it keeps at most 2P - 1 = 3)."""
@@ -253,3 +266,43 @@ def test_every_refusal_in_one_error():
     with pytest.raises(StepError) as error:
         check_settings(**{**GOOD, "driver": "jit", "optimizer": "lars", "schedule": "x"})
     assert all(key in str(error.value) for key in ("parallel.schedule='x'", "driver='jit'", "optimizer.name='lars'"))
+
+
+# ---- parallel.name=pipeline through the config and dtx.train --------------------------------------------------
+
+DIGITS_MLP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "digits_mlp.py")
+TRAIN = ("--config.num_steps=6", "--config.model.features=(32, 16)", "--config.global_batch_size=64",
+         "--config.grad_accum_steps=4", "--config.log_every=2", "--config.progress=False")
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *_, **__: _COMPILES.append(name) if name.endswith("backend_compile_duration") else None)
+PIPELINE = ("--config.parallel.name=pipeline", "--config.mesh=((\"stage\", 2), (\"data\", 4))")
+
+
+def test_dtx_train_runs_the_pipeline_like_one_device(tmp_path, mlp_runs):
+    """dtx.train with parallel.name=pipeline (1F1B on 4 stages x 2) records, step by step, the losses of one device
+    training the same MLP on the same batches (mlp_runs["one"]), held to 1e-6 as the step itself is."""
+    overrides = ("--config.num_steps=5", "--config.model.features=(32, 24, 16)", "--config.global_batch_size=32",
+                 "--config.optimizer.learning_rate=0.01", "--config.grad_accum_steps=4", "--config.log_every=1",
+                 "--config.progress=False", "--config.parallel.name=pipeline", "--config.parallel.schedule=1f1b",
+                 "--config.mesh=((\"stage\", 4), (\"data\", 2))")
+    result = train(config_lib.load(DIGITS_MLP, overrides), tmp_path)
+    losses = [r["loss"] for r in metrics.read_metrics(tmp_path) if "loss" in r]
+    np.testing.assert_allclose(losses, mlp_runs["one"]["losses"], rtol=1e-6)
+    assert result.state.params.shape[0] == 4 and result.metrics["test_examples"] == 360  # the stages' rows, evaluated
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (("--config.parallel.schedule=1f1b",), "parallel.schedule.*parallel.name"),
+    (PIPELINE[:1], "'stage' axis"),
+    (PIPELINE + ("--config.model.name=lenet",), "pipeline_layers"),
+    (PIPELINE + ("--config.optimizer.name=lamb", "--config.driver=jit"), "driver='jit'.*shard_map; optimizer.name='lamb'"),
+    (PIPELINE + ("--config.parallel.boundaries=(5,)",), r"parallel.boundaries=\(5,\)"),
+])
+def test_a_pipeline_config_is_refused_before_compiling(tmp_path, overrides, says):
+    """Each refusal names the key and the fix, and comes from the config or the set-up, before any compiling."""
+    base = tuple(o for o in TRAIN if "model.features" not in o or "--config.model.name=lenet" not in overrides)
+    before = len(_COMPILES)
+    with pytest.raises(config_lib.ConfigError, match=says):
+        train(config_lib.load(DIGITS_MLP, base + overrides), tmp_path)
+    assert len(_COMPILES) == before

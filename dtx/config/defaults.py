@@ -86,6 +86,10 @@ def base_config() -> ConfigDict:
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
+    # for name=pipeline (a "stage" mesh axis; grad_accum_steps micro-batches): gpipe | 1f1b, and the layer indices
+    # where stages 1.. start (() balances the stages by FLOPs)
+    c.parallel.schedule = "gpipe"
+    c.parallel.boundaries = ()
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

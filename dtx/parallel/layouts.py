@@ -24,6 +24,10 @@ the layout and never compare its name. A new layout is one declaration and one l
   along its largest divisible dimension; gathered for use, reduce-scattered for the update.
 * ``rules`` — the user's own rules (``parallel.rules``), e.g. a per-layer plan of
   :mod:`dtx.perf.model`.
+* ``pipeline`` — pipeline parallelism (GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021): the
+  model's layer stack cut into stages along the ``stage`` axis, each stage's parameters one row
+  (:mod:`dtx.parallel.stages`), run by :mod:`dtx.step.pipeline` with ``parallel.schedule`` and
+  ``parallel.boundaries``.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
 from dtx.config import check_block, register_check
 from dtx.parallel import rules as rules_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
 from dtx.parallel.rules import PartitionError
+from dtx.parallel.stages import STAGE_AXIS
 
 KERNEL_SPLITS = ("none", "all", "dense", "explicit")
 
@@ -51,6 +56,7 @@ class Placement(NamedTuple):
     state: Any  # a NamedSharding per leaf of the TrainState
     gradients: Any  # ZeRO 1/2: where the reduced gradients live (split like the optimizer state), else None
     activations: ActivationLayout | None  # where model-parallel layers' activations live, else None
+    pipeline: Any = None  # a staged layout's stages and schedule (dtx.step.pipeline.Pipeline), else None
 
     @property
     def whole_gradients(self) -> bool:
@@ -79,6 +85,9 @@ class Layout:
       cost_rank: its place by communication per step, cheapest first (which layout to suggest
         when a run does not fit).
       settings: the ``parallel.*`` keys it takes besides ``name``.
+      stages: whether it cuts the model into pipeline stages along the ``stage`` axis: the state is the
+        stages' parameter rows (:mod:`dtx.parallel.stages`), placed by :meth:`place` from an abstract state
+        already in rows.
     """
 
     name: str
@@ -87,6 +96,7 @@ class Layout:
     drivers: tuple[str, ...] = ("shard_map", "jit")
     cost_rank: int = 0
     settings: tuple[str, ...] = ()
+    stages: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
@@ -101,10 +111,14 @@ class Layout:
     def replicated(self) -> bool:
         """Whether every device holds the whole state (data parallelism): the one layout whose gradient
         all-reduce strategies and compressors can replace."""
-        return self.kernels == "none" and self.zero_stage == 0
+        return self.kernels == "none" and self.zero_stage == 0 and not self.stages
 
     def check(self, mesh: Mesh) -> None:
         """Refuse a mesh this layout cannot run on, naming the fix."""
+        if self.stages and STAGE_AXIS not in mesh.axis_names:
+            raise PartitionError(
+                f"parallel.name={self.name!r} needs a {STAGE_AXIS!r} mesh axis (one device per stage), e.g. "
+                f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh has axes {mesh.axis_names}")
         if self.needs_model_axis and mesh_lib.MODEL_AXIS not in mesh.axis_names:
             raise PartitionError(
                 f"parallel.name={self.name!r} needs a {mesh_lib.MODEL_AXIS!r} mesh axis (the model-parallel group), "
@@ -134,7 +148,15 @@ class Layout:
         return self.param_rules(mesh, abstract_params, explicit)
 
     def place(self, abstract_state: Any, mesh: Mesh, explicit: Sequence = ()) -> Placement:
-        """Shardings of the whole state, of the reduced gradients (ZeRO 1/2) and the activation layout."""
+        """Shardings of the whole state, of the reduced gradients (ZeRO 1/2) and the activation layout. A staged
+        layout takes the state in rows (``params`` one ``(P, row)`` array): every leaf of that shape split over
+        ``stage``, the rest replicated."""
+        if self.stages:
+            self.check(mesh)
+            rows = tuple(abstract_state.params.shape)
+            split, whole = NamedSharding(mesh, PartitionSpec(STAGE_AXIS)), NamedSharding(mesh, PartitionSpec())
+            return Placement(self, jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state),
+                             None, None)
         params = self.param_rules(mesh, abstract_state.params, explicit)
         optimizer = self.optimizer_rules(mesh, abstract_state.params, explicit)
         state = rules_lib.state_shardings(abstract_state, params, mesh, optimizer)
@@ -152,6 +174,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("model", kernels="all", drivers=("jit",), cost_rank=4),
     Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5),
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
+    Layout("pipeline", drivers=("shard_map",), cost_rank=7, settings=("schedule", "boundaries"), stages=True),
 )}
 
 

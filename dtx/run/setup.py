@@ -35,6 +35,9 @@ from dtx.paths import named_leaves
 from dtx.strategies.stragglers import Stragglers
 from dtx.step.state import TrainState, abstract_train_state, init_train_state
 from dtx.step import StepSpec, get_driver, check_accumulation, check_combination, make_eval_step, make_train_step
+from dtx.step import pipeline as step_pipeline
+from dtx.step import pipeline_check
+from dtx.parallel import stages as stages_lib
 
 
 def make_mesh(config: ConfigDict):
@@ -145,7 +148,10 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
             "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
             "use compute=bfloat16 (no loss scaling), or an unbiased compressor without it (compression.name=terngrad "
             "or qsgd, or randomk with compression.error_feedback=False)")
-    placement = parallel.get_layout(config.parallel.name).place(abstract_state, mesh, config.parallel.rules)
+    chosen, pipeline = parallel.get_layout(config.parallel.name), None
+    if chosen.stages:  # the model's layers cut into stages; the state is their parameter rows
+        pipeline, abstract_state = _pipeline(config, model, tx, example, abstract_state.params, mesh)
+    placement = chosen.place(abstract_state, mesh, config.parallel.rules)._replace(pipeline=pipeline)
     layout = placement.activations
     if config.driver not in placement.layout.drivers:
         raise config_lib.ConfigError(
@@ -159,6 +165,26 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
                  task or config_task(config))
 
 
+def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params, mesh):
+    """``parallel.name=pipeline``: every setting it cannot take refused by key (:mod:`dtx.step.pipeline_check`),
+    then the stages, the schedule and the abstract state in rows."""
+    try:
+        layers = stages_lib.model_layers(model, abstract_params)
+        opt = config.optimizer
+        pipeline_check.check_settings(
+            mesh_shape=dict(mesh.shape), schedule=config.parallel.schedule, boundaries=config.parallel.boundaries,
+            num_layers=len(layers), global_batch_size=config.global_batch_size,
+            grad_accum_steps=config.grad_accum_steps, driver=config.driver, optimizer=opt.name,
+            weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
+            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
+            loss_scale=config.loss_scale.name)
+        pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=config.parallel.schedule,
+                                               boundaries=config.parallel.boundaries, micro=config.grad_accum_steps)
+    except ValueError as error:  # PipelineError, StepError: the config's fault here
+        raise config_lib.ConfigError(str(error)) from None
+    return pipeline, step_pipeline.abstract_state(model, tx, example, pipeline.plan)
+
+
 def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, layout) -> None:
     """Refuse, before compiling, a run whose estimated per-device peak (:mod:`dtx.perf.memory`) exceeds the device's
     memory (``memory_limit``, or what an accelerator reports), naming the biggest consumers and the cheapest
@@ -169,6 +195,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     if not capacity:
         return
     chosen = parallel.get_layout(config.parallel.name)
+    if chosen.stages:  # dtx.perf.memory does not model pipeline stages yet: nothing to refuse on
+        return
     sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
@@ -193,7 +221,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     biggest = ", ".join(f"{what} {_gib(value)}" for value, what in parts[:3])
     fits = []
     for other in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank):
-        if other is chosen or other.kernels == "explicit" or (other.needs_model_axis and group == 1):
+        if other is chosen or other.kernels == "explicit" or other.stages or (other.needs_model_axis and group == 1):
             continue
         try:
             alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **{
@@ -281,6 +309,9 @@ def make_eval(config: ConfigDict, parts: Parts, mesh):
 
 def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
     """A fresh state of ``parts``, seeded by ``config.seed``, laid out on ``mesh``."""
+    if parts.placement.pipeline is not None:
+        return step_pipeline.init_state(parts.model, parts.tx, parts.example, config.seed, mesh,
+                                        parts.placement.pipeline.plan, parts.placement.state)
     return init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
                             parts.placement.state, parts.strategy, parts.compressor)
 

@@ -29,6 +29,7 @@ slot's ``collective-permute`` inside its phase's loop, once per tick.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +37,13 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dtx.comm import context as comm_lib
+from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
-from dtx.parallel.pipeline_schedules import Schedule
-from dtx.parallel.stages import STAGE_AXIS, StagePlan
+from dtx.parallel.pipeline_schedules import Schedule, make_schedule
+from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan
 from dtx.step.spec import StepError
+from dtx.precision import LossScaler
 from dtx.step.state import TrainState
 
 
@@ -73,21 +77,41 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan) -> 
     return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
 
 
-def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: int, mesh: Mesh,
-               plan: StagePlan) -> TrainState:
-    """The train state with the parameters as the plan's rows, each stage's row (and its optimizer state) on
-    that stage's devices. The parameters are the model's own initialisation (the same as one device's)."""
-
+def _init_fn(model, tx, example_inputs, plan: StagePlan):
     def init(seed):
         init_rng, state_rng = jax.random.split(jax.random.key(seed))
         dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
         rows = plan.pack(model.init({"params": init_rng}, dummy, train=False)["params"])
-        from dtx.precision import LossScaler  # the pipeline runs without loss scaling (its state stays inert)
         return TrainState(step=jnp.zeros((), jnp.int32), params=rows, model_state={}, opt_state=tx.init(rows),
                           rng=jax.random.key_data(state_rng), loss_scale=LossScaler().init())
+    return init
 
-    shardings = state_shardings(jax.eval_shape(init, seed), mesh, plan)
+
+def abstract_state(model, tx: optax.GradientTransformation, example_inputs, plan: StagePlan) -> TrainState:
+    """The pipeline state's shapes, computed without allocating it: ``params`` the ``(P, row)`` rows."""
+    return jax.eval_shape(_init_fn(model, tx, example_inputs, plan), 0)
+
+
+def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: int, mesh: Mesh,
+               plan: StagePlan, shardings: TrainState | None = None) -> TrainState:
+    """The train state with the parameters as the plan's rows, each stage's row (and its optimizer state) on
+    that stage's devices. The parameters are the model's own initialisation (the same as one device's)."""
+    init = _init_fn(model, tx, example_inputs, plan)
+    shardings = shardings or state_shardings(jax.eval_shape(init, seed), mesh, plan)
     return jax.jit(init, out_shardings=shardings)(seed)
+
+
+def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records: int) -> costmodel.Traffic:
+    """What one device sends per step, the accountant's count (:mod:`dtx.comm.costmodel`): the schedule's
+    ``ppermute`` messages of one micro-batch's buffer, the gradient row's all-reduce over the data axes, and the
+    ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
+    data = math.prod(mesh.shape[a] for a in data_axes(mesh))
+    sent = costmodel.Traffic(schedule.messages, schedule.messages * plan.message_bytes(micro))
+    row = jax.ShapeDtypeStruct((plan.row,), jnp.float32)
+    scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
+    for tree, p in ((row, data), (scalars, plan.num_stages), (scalars, data)):
+        sent = costmodel.add_traffic(sent, comm_lib.pmean_traffic(tree, p))
+    return sent
 
 
 def _stage_fn(plan: StagePlan, task: task_lib.Task, metric_names):
@@ -195,7 +219,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
-        return new_state, {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(metric_names)}}
+        metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(metric_names)}}
+        sent = traffic(plan, schedule, micro, mesh, 1 + len(metric_names))
+        return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
         return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan))
@@ -211,3 +237,39 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 def gather_params(state: TrainState, plan: StagePlan):
     """The model's parameter tree from a pipeline state's rows (for evaluation, export and comparisons)."""
     return plan.unpack(state.params)
+
+
+def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
+                  task: task_lib.Task | None = None) -> Pipeline:
+    """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) and
+    the schedule ``schedule`` of ``micro`` micro-batches."""
+    stages = mesh.shape.get(STAGE_AXIS, 0)
+    if not stages:
+        raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
+                        f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
+    plan = make_plan(model, abstract_params, stages, boundaries)
+    return Pipeline(plan, make_schedule(schedule, stages, micro), task)
+
+
+def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):
+    """The pipeline step a driver builds for a :class:`~dtx.step.spec.StepSpec` whose placement carries a
+    pipeline; the spec's settings the pipeline does not take are refused (:mod:`dtx.step.pipeline_check` refuses
+    them by config key before this)."""
+    problems = [what for what, bad in (
+        (f"accum_steps={spec.accum_steps} must be the schedule's {pipeline.schedule.micro} micro-batches",
+         spec.accum_steps != pipeline.schedule.micro),
+        ("a float32 policy", any(jnp.dtype(d) != jnp.float32 for d in dataclasses.astuple(spec.policy))),
+        ("no loss scaling", spec.loss_scaler.enabled),
+        ("synchronous SGD without compression", not ((spec.strategy is None or spec.strategy.caps.identity)
+                                                     and (spec.compressor is None or spec.compressor.caps.identity))),
+        ("no grad_norm", spec.grad_norm), ("communicate=True", not spec.communicate)) if bad]
+    if problems:
+        raise StepError("the pipeline step takes " + ", ".join(problems))
+    return make_pipeline_step(tx, mesh, dataclasses.replace(pipeline, task=pipeline.task or spec.task), spec.donate)
+
+
+def eval_step(evaluate, plan: StagePlan):
+    """``evaluate`` (a data-parallel eval step over replicated parameters) on a pipeline state: the rows unpacked
+    into the model's tree first (XLA gathers each stage's row to every device; evaluation is not pipelined)."""
+    return jax.jit(lambda state, batch: evaluate(state.replace(params=plan.unpack(state.params), opt_state=()),
+                                                 batch))

@@ -7,7 +7,7 @@ data-parallel SGD of Das et al. (arXiv 1602.06709, §2) and the Hitchhiker's Gui
 §3.1), average the workers' gradients, then every replica applies the same update. Every message is
 the plug-ins' own, so every byte is counted while tracing (:mod:`dtx.comm.costmodel`'s accountant).
 Under ZeRO 1/2 the reduce-scatter and all-gather are :mod:`dtx.parallel.zero`'s
-(:mod:`dtx.step.zero_step`).
+(:mod:`dtx.step.zero_step`); a pipeline's stages run :mod:`dtx.step.pipeline`'s step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dtx.comm import collectives
 from dtx.comm import context as comm_lib
 from dtx.comm.algorithms import get_algorithm
 from dtx.data import tasks as task_lib
-from dtx.step import batchnorm, body, zero_step
+from dtx.step import batchnorm, body, pipeline, zero_step
 from dtx.step.spec import StepError, StepSpec
 from dtx.step.state import TrainState
 
@@ -49,6 +49,8 @@ class ShardMapDriver:
     def train_step(self, model, tx, mesh: Mesh, spec: StepSpec):
         strategy, compressor = spec.strategy or strategies.sync(), spec.compressor or compress.none()
         placement = spec.placement
+        if placement is not None and placement.pipeline is not None:  # stages on the 'stage' axis: its own step
+            return pipeline.train_step(tx, mesh, placement.pipeline, spec)
         if placement is not None and placement.gradients is not None:  # ZeRO 1/2: its own collectives
             if not (strategy.caps.identity and compressor.caps.identity) or not get_algorithm(spec.allreduce).native \
                     or spec.bucket_bytes or not spec.communicate:
@@ -83,6 +85,9 @@ class ShardMapDriver:
         return jax.jit(per_device, donate_argnums=(0,) if spec.donate else ())
 
     def eval_step(self, model, mesh: Mesh, spec: StepSpec):
+        if spec.placement is not None and spec.placement.pipeline is not None:
+            return pipeline.eval_step(self.eval_step(model, mesh, spec.replace(placement=None)),
+                                      spec.placement.pipeline.plan)
         strategy = spec.strategy or strategies.sync()
         axes = mesh_lib.batch_axes(mesh)
         comm = comm_lib.CommContext(axes, mesh_lib.data_parallel_size(mesh), functools.partial(lax.pmean, axis_name=axes))
