@@ -41,6 +41,8 @@ BENCHMARKS = {
                           "compressors: bytes sent vs accuracy (docs/compression.md)"),
     "perfmodel_verify": (["perfmodel_verify.py"], "perfmodel_verify", 2,
                          "dtx simulate --verify: predicted vs compiled FLOPs and bytes of the planner's plans"),
+    "plans_at_scale": (["plans_at_scale.py"], "plans_at_scale", 8,
+                       "dtx simulate --verify --devices 64: 64-node plans compiled, FLOPs/bytes/memory, compile time, RSS"),
     "calibration": (["calibration.py"], "calibration", 1,
                     "the perf model fed measured per-layer times vs the measured step (Das et al. §2)"),
     "memory_model": (["memory_model.py"], "memory_model", 8,

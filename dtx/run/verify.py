@@ -186,11 +186,24 @@ def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionS
 
 
 def verify_step(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.Plan, cluster: Cluster, *,
-                devices: Sequence[jax.Device] | None = None) -> Check:
-    """The whole training step of ``plan`` (``jit`` driver, SGD): per-device FLOPs and bytes against the sums."""
-    compiled = compile_layout_step(model, input_shape, "rules", plan.mesh_spec, plan.global_batch, optimizer="sgd",
-                                   rules=plan.rules(), devices=list(plan_mesh(plan, devices).devices.flat),
-                                   dtype=_dtype(cluster))
+                devices: Sequence[jax.Device] | None = None, optimizer: str = "sgd") -> Check:
+    """The whole training step of ``plan`` (``jit`` driver, ``optimizer``): per-device FLOPs and bytes against the
+    sums of the layers' predictions."""
+    return step_check(compile_plan_step(model, input_shape, plan, cluster, devices=devices, optimizer=optimizer),
+                      plan, cluster)
+
+
+def compile_plan_step(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.Plan, cluster: Cluster, *,
+                      devices: Sequence[jax.Device] | None = None, optimizer: str = "sgd") -> Any:
+    """The compiled training step of ``plan`` on its first ``plan.nodes`` devices (the plan's rules, state
+    donated): what :func:`step_check` reads and :func:`dtx.perf.memory.compiled_peak` measures."""
+    return compile_layout_step(model, input_shape, "rules", plan.mesh_spec, plan.global_batch, optimizer=optimizer,
+                               rules=plan.rules(), devices=list(plan_mesh(plan, devices).devices.flat),
+                               dtype=_dtype(cluster))
+
+
+def step_check(compiled: Any, plan: perfmodel.Plan, cluster: Cluster) -> Check:
+    """Predicted against compiled FLOPs and bytes of a plan's whole step (:func:`compile_plan_step`)."""
     predicted = sum(sum(perfmodel.layer_bytes(layer, plan.nodes, plan.global_batch, plan.group_size,
                                               layer.name in plan.sharded, cluster.bytes_per_element,
                                               last=layer is plan.layers[-1]))
@@ -213,13 +226,16 @@ def group_totals(checks: Sequence[Check]) -> list[Check]:
 def compile_layout_step(model: Any, input_shape: Sequence[int], layout: str | parallel.Layout,
                         mesh_spec: Sequence[tuple[str, int]], global_batch: int, *, optimizer: str = "adam",
                         policy: Policy = Policy(), accum_steps: int = 1, rules: Sequence = (),
-                        devices: Sequence[Any] | None = None, dtype: Any = jnp.float32) -> Any:
+                        devices: Sequence[Any] | None = None, dtype: Any = jnp.float32, task: Any = None,
+                        labels_shape: Sequence[int] = ()) -> Any:
     """The compiled ``jit`` train step of ``layout`` on ``mesh_spec``, from shapes only: the one place a step is
     built from a layout outside a run (:func:`verify_step`, the memory model's checks;
     :func:`dtx.perf.memory.compiled_peak` reads its peak).
 
     The state is donated, as ``dtx train`` runs it; ``rules``: the explicit rules of
-    layout ``rules`` (e.g. ``Plan.rules()``); ``dtype``: of the inputs and the parameters.
+    layout ``rules`` (e.g. ``Plan.rules()``); ``dtype``: of the inputs and the parameters (an integer dtype:
+    token ids, the parameters then float32); ``task``: the loss (:mod:`dtx.data.tasks`; ``None``:
+    classification) with one example's ``labels_shape`` (``(T,)`` for ``next_token``).
     """
     from dtx import optim
     from dtx.step import StepSpec, make_train_step
@@ -229,12 +245,14 @@ def compile_layout_step(model: Any, input_shape: Sequence[int], layout: str | pa
     tx = optim.make_optimizer(optimizer, 1e-3)
     example = jax.ShapeDtypeStruct((global_batch, *input_shape), dtype)
     abstract = abstract_train_state(model, tx, example)
-    abstract = abstract.replace(params=jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), abstract.params))
+    param_dtype = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+    abstract = abstract.replace(params=jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, param_dtype),
+                                                    abstract.params))
     placement = parallel.get_layout(layout).place(abstract, mesh, rules)
     step = make_train_step(model, tx, mesh, StepSpec(driver="jit", policy=policy, accum_steps=accum_steps,
-                                                     placement=placement))
+                                                     placement=placement, task=task))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, placement.state)
     split = mesh_lib.batch_sharding(mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(example.shape, dtype, sharding=split),
-             "labels": jax.ShapeDtypeStruct((global_batch,), jnp.int32, sharding=split)}
+             "labels": jax.ShapeDtypeStruct((global_batch, *labels_shape), jnp.int32, sharding=split)}
     return step.lower(state, batch).compile()

@@ -13,10 +13,11 @@ without it), named by the model, the cluster, the node list and the settings
 (:meth:`dtx.perf.report.ScalingReport.file_name`), so two commands never overwrite each other's plot.
 From Python, :func:`dtx.perf.report.simulate` returns the study, which prints as these tables. ``--json`` prints the same as
 JSON instead of tables. ``--verify`` then compiles every plan of 2 to
-``--verify-devices`` nodes on emulated CPU devices and prints, per layer, per layer
-group and for the whole training step, the predicted and the compiled per-device
-FLOPs and bytes with their ratio (:mod:`dtx.run.verify`); it exits with status 1 when
-one is more than 2 % off (the tolerance of :mod:`dtx.tools.plancheck`). ``--memory`` prints, per node count and layout (data,
+``--devices`` nodes (default 8, up to 4096) on that many emulated CPU devices, compile only, and prints, per
+layer, per layer group and for the whole training step, the predicted and the compiled per-device
+FLOPs and bytes with their ratio (:mod:`dtx.run.verify`), and the step's per-device memory, modelled
+and compiled, with fits or OOM against the node's memory; it exits with status 1 when a FLOPs
+or bytes figure is more than 2 % off (memory is reported, flagged past 15 %; :mod:`dtx.tools.plancheck`). ``--memory`` prints, per node count and layout (data,
 ZeRO-1/2, FSDP, model, hybrid and the planner's plan), the per-device bytes of
 :mod:`dtx.perf.memory` and whether they fit the node (``Cluster.device_memory``); the
 planner then picks, per node count, the fastest plan that fits (a node count where
@@ -40,6 +41,7 @@ from dtx.perf.report import plan_overrides  # noqa: F401 - documented here too
 from dtx.perf import layers as layers_lib
 from dtx.perf import memory as memory_lib
 from dtx.perf.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
+from dtx.tools import plancheck
 
 _PHYSICAL = ("node_flops", "memory_bandwidth", "bandwidth", "latency")
 
@@ -107,8 +109,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for the PNG speedup plot (default: no plot is written)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     p.add_argument("--verify", action="store_true",
-                   help="compile each printed plan of up to --verify-devices nodes on emulated CPU devices and print "
-                        "per layer the predicted and the compiled per-device FLOPs and bytes (dtx.run.verify)")
+                   help="compile each printed plan of up to --devices nodes on emulated CPU devices (nothing runs) and "
+                        "print per layer the predicted and the compiled per-device FLOPs and bytes, and the step's "
+                        "memory, modelled and compiled, with fits or OOM (dtx.run.verify, dtx.tools.plancheck)")
     p.add_argument("--memory", action="store_true",
                    help="print per-device memory (params, grads, optimizer, activations, buffers) per layout and "
                         "node count, and whether it fits the cluster's device memory (dtx.perf.memory)")
@@ -120,8 +123,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="buffers as XLA:CPU compiles the step (checked, default) or without its CPU-only copies "
                         "and with a true reduce-scatter (gpu, unchecked)")
     p.add_argument("--device-memory", type=_positive(float), help="memory per node, bytes (overrides the preset)")
-    p.add_argument("--verify-devices", type=_positive(int), default=8,
-                   help="CPU devices to emulate for --verify (default 8): plans of more nodes are not compiled")
+    p.add_argument("--devices", "--verify-devices", dest="devices", type=plancheck.device_count,
+                   help=f"CPU devices to emulate for --verify, e.g. 64 (up to {plancheck.MAX_DEVICES}); every node "
+                        f"count of --nodes must fit them (default {plancheck.DEFAULT_DEVICES}: larger plans are "
+                        "not compiled)")
     return p
 
 
@@ -245,16 +250,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if args.global_batch is None and args.per_node_batch is None:
         args.global_batch = 512
-    if args.verify:  # before anything starts JAX: the devices the plans are compiled for
-        from dtx import mesh as mesh_lib
-        from dtx import xla_cache
-
-        try:
-            mesh_lib.emulate_cpu_devices(args.verify_devices)
-            xla_cache.enable("auto")  # $DTX_COMPILATION_CACHE names the folder; set empty, it is off
-        except (mesh_lib.MeshError, xla_cache.CacheError) as e:
-            print(f"dtx simulate: error: {e}", file=sys.stderr)
-            return 2
+    try:  # before anything starts JAX: the devices the plans are compiled for
+        plancheck.start_devices(args)
+    except ValueError as e:  # VerifyError, CacheError
+        print(f"dtx simulate: error: {e}", file=sys.stderr)
+        return 2
     try:
         cluster = build_cluster(args)
         layers = _analyze(args.model, args.input_shape)
@@ -286,9 +286,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     # the settings, so two commands writing into one folder never overwrite each other's plot.
     plot = study.plot(args.out) if args.out else None
 
-    if args.verify:
-        from dtx.tools import plancheck  # compiles plans: JAX and the model zoo only when asked
-
+    if args.verify:  # compiles plans: JAX and the model zoo only when asked
         verified = plancheck.verify_plans(args, cluster, points)
     else:
         verified = []
@@ -309,8 +307,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                 print(f"refused: {message}")
         if args.verify:
             plancheck.print_checks(verified)
-    outside = [row for plan in verified for row in plan["checks"] if not row["within"]]
-    return 1 if outside else 0
+    return 1 if plancheck.outside(verified) else 0
 
 
 if __name__ == "__main__":
