@@ -84,12 +84,13 @@ def base_config() -> ConfigDict:
     c.strategy.adam_eps = 0.0  # onebit_adam / onebit_lamb: Adam's epsilon (0: optax.adam's 1e-8 / dtx lamb's 1e-6)
 
     c.parallel = ConfigDict()
-    c.parallel.name = "data"  # data | model | hybrid | fsdp | zero1 | zero2 | rules (all but data need driver=jit)
+    c.parallel.name = "data"  # data|model|hybrid|fsdp|zero1|zero2|rules|pipeline (model..rules: driver=jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
-    # for name=pipeline (a "stage" mesh axis; grad_accum_steps micro-batches): gpipe | 1f1b, and the layer indices
-    # where stages 1.. start (() balances the stages by FLOPs)
-    c.parallel.schedule = "gpipe"
+    # for name=pipeline (a "stage" mesh axis; grad_accum_steps micro-batches): the schedule, the layer indices where
+    # stages 1.. start (() balances the stages by FLOPs), the stages per device (interleaved)
+    c.parallel.schedule = "gpipe"  # gpipe | 1f1b | interleaved (virtual_stages chunks per device)
     c.parallel.boundaries = ()
+    c.parallel.virtual_stages = 1
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

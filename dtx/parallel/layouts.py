@@ -174,7 +174,8 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("model", kernels="all", drivers=("jit",), cost_rank=4),
     Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5),
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
-    Layout("pipeline", drivers=("shard_map",), cost_rank=7, settings=("schedule", "boundaries"), stages=True),
+    Layout("pipeline", drivers=("shard_map",), cost_rank=7, settings=("schedule", "boundaries", "virtual_stages"),
+           stages=True),
 )}
 
 

@@ -19,6 +19,14 @@ as many times as the phase has ticks (:mod:`dtx.comm.hlo` reads the trip counts)
   grows with ``P``, not ``M``. (In the paper's timing a forward and a backward are separate time units and
   the bound is ``P - s``; here they share a tick, so the round trip takes ``2(P - s) - 1`` ticks.)
 
+* ``interleaved`` (Narayanan et al. 2021, arXiv 2104.04473, §2.2.2): each device holds ``V`` chunks of
+  layers (virtual stages ``c·P + s``, ``parallel.virtual_stages``), and a micro-batch goes round the ring of
+  devices ``V`` times. Here in GPipe's order (every forward, then every backward; the paper interleaves
+  1F1B): in forward tick ``t`` device ``s`` runs ``i = t - s``, chunk ``(i // P) mod V`` of micro-batch
+  ``(i // PV)·P + i mod P`` — groups of ``P`` micro-batches, so ``M`` must divide by ``P``. A slot's table
+  entry is ``c·M + m``. Each tick does ``1/V`` of a stage's work, and the bubble shrinks to
+  ``(P - 1) / (VM + P - 1)``; the device keeps ``V·M`` (smaller) inputs and sends ``V`` times the messages.
+
 Both run the forward slots on ``M + P - 1`` ticks and the backward slots on ``M + P - 1`` ticks, of which
 each stage is busy on ``M``: the bubble is ``(P - 1) / (M + P - 1)`` of the step (GPipe §2.3), the same
 for both; 1F1B saves memory, not time. A slot's ``ppermute`` runs on every tick of its phase where some
@@ -66,6 +74,7 @@ class Schedule:
     stages: int
     micro: int
     phases: tuple[Phase, ...]
+    chunks: int = 1  # V: the layer chunks (virtual stages) per device; an entry is chunk·micro + micro-batch
 
     @property
     def ticks(self) -> int:
@@ -88,7 +97,7 @@ class Schedule:
     def bubble(self) -> float:
         """Fraction of a stage's slots with nothing to run: ``(P - 1) / (M + P - 1)``."""
         slots = self.slot_ticks("forward") + self.slot_ticks("backward")
-        return 1.0 - 2 * self.micro / slots
+        return 1.0 - 2 * self.micro * self.chunks / slots
 
     def timeline(self, kind: str) -> np.ndarray:
         """``(ticks, stages)`` micro-batches of every ``kind`` slot over the whole step (``IDLE`` where a phase
@@ -121,54 +130,90 @@ def _table(ticks: int, stages: int, tick_of) -> np.ndarray:
     return table
 
 
-def _phases(forward: np.ndarray, backward: np.ndarray) -> tuple[Phase, ...]:
-    """The ticks grouped into loops: consecutive ticks with the same slots and the same sends share one."""
+def _phases(forward: np.ndarray, backward: np.ndarray, send_f: np.ndarray, send_b: np.ndarray) -> tuple[Phase, ...]:
+    """The ticks grouped into loops: consecutive ticks with the same slots and the same sends share one.
+    ``send_f``/``send_b``: where a stage at work has a neighbour to send to (its table's shape)."""
     def signature(t):
-        f, b = forward[t], backward[t]
-        return ((f != IDLE).any(), (f[:-1] != IDLE).any(), (b != IDLE).any(), (b[1:] != IDLE).any())
+        return ((forward[t] != IDLE).any(), send_f[t].any(), (backward[t] != IDLE).any(), send_b[t].any())
 
     phases, start = [], 0
     for t in range(1, len(forward) + 1):
         if t == len(forward) or signature(t) != signature(start):
-            has_f, send_f, has_b, send_b = signature(start)
+            has_f, sends_f, has_b, sends_b = signature(start)
             phases.append(Phase(forward[start:t] if has_f else None, backward[start:t] if has_b else None,
-                                bool(send_f), bool(send_b)))
+                                bool(sends_f), bool(sends_b)))
             start = t
     return tuple(phases)
 
 
-def gpipe(stages: int, micro: int) -> Schedule:
+def _line_phases(forward: np.ndarray, backward: np.ndarray) -> tuple[Phase, ...]:
+    """Phases of a line of stages: the last sends nothing forward, the first nothing back."""
+    stage = np.arange(forward.shape[1])
+    return _phases(forward, backward, (forward != IDLE) & (stage < forward.shape[1] - 1),
+                   (backward != IDLE) & (stage > 0))
+
+
+def gpipe(stages: int, micro: int, chunks: int = 1) -> Schedule:
     """All forward, then all backward (module docstring)."""
     n = micro + stages - 1
     forward = _table(2 * n, stages, lambda s: [(m, s + m) for m in range(micro)])
     backward = _table(2 * n, stages, lambda s: [(m, n + stages - 1 - s + m) for m in range(micro)])
-    return Schedule("gpipe", stages, micro, _phases(forward, backward))
+    return Schedule("gpipe", stages, micro, _line_phases(forward, backward))
 
 
-def one_f_one_b(stages: int, micro: int) -> Schedule:
+def one_f_one_b(stages: int, micro: int, chunks: int = 1) -> Schedule:
     """Each micro-batch backward as soon as the last stage has run it (module docstring)."""
     p = stages
     n = micro + 2 * (p - 1)
     forward = _table(n, p, lambda s: [(m, s + m) for m in range(micro)])
     backward = _table(n, p, lambda s: [(m, 2 * (p - 1) - s + m) for m in range(micro)])
-    return Schedule("1f1b", p, micro, _phases(forward, backward))
+    return Schedule("1f1b", p, micro, _line_phases(forward, backward))
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved(stages: int, micro: int, chunks: int = 2) -> Schedule:
+    """``chunks`` virtual stages per device, micro-batches round the ring in groups of ``stages`` (module
+    docstring)."""
+    p, v = stages, chunks
+    if micro % p:
+        raise ScheduleError(f"the interleaved schedule sends micro-batches round the ring in groups of the {p} "
+                            f"stages: grad_accum_steps={micro} must be a multiple of {p}")
+    n = v * micro + p - 1
+
+    def entry(i, chunk):  # the i-th forward (backward) of a device: its table entry chunk·M + micro-batch
+        return chunk * micro + (i // (p * v)) * p + i % p
+
+    forward = _table(2 * n, p, lambda s: [(entry(i, (i // p) % v), s + i) for i in range(v * micro)])
+    backward = _table(2 * n, p, lambda s: [(entry(j, v - 1 - (j // p) % v), n + p - 1 - s + j)
+                                           for j in range(v * micro)])
+    stage = np.arange(p)
+    last = (stage == p - 1) & (forward // micro == v - 1)  # the last virtual stage sends nothing on
+    first = (stage == 0) & (backward // micro == 0) & (backward != IDLE)  # the first nothing back
+    return Schedule("interleaved", p, micro, _phases(forward, backward, (forward != IDLE) & ~last,
+                                                     (backward != IDLE) & ~first), v)
 
 
-def make_schedule(name: str, stages: int, micro: int) -> Schedule:
-    """The schedule ``name`` (:data:`SCHEDULES`) for ``stages`` stages and ``micro`` micro-batches."""
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+CHUNKED = ("interleaved",)  # the schedules that take parallel.virtual_stages > 1
+
+
+def make_schedule(name: str, stages: int, micro: int, chunks: int = 1) -> Schedule:
+    """The schedule ``name`` (:data:`SCHEDULES`) for ``stages`` stages, ``micro`` micro-batches and ``chunks``
+    virtual stages per device (``interleaved`` only)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown parallel.schedule {name!r}; choose one of {list(SCHEDULES)}")
-    if stages < 1 or micro < 1:
-        raise ScheduleError(f"a pipeline needs >= 1 stage and >= 1 micro-batch (got {stages} and {micro})")
-    return SCHEDULES[name](stages, micro)
+    if stages < 1 or micro < 1 or chunks < 1:
+        raise ScheduleError(f"a pipeline needs >= 1 stage, micro-batch and chunk (got {stages}, {micro}, {chunks})")
+    if (chunks > 1) != (name in CHUNKED):
+        raise ScheduleError(f"parallel.virtual_stages={chunks} with parallel.schedule={name!r}: the chunks per device "
+                            f"are for {' or '.join(CHUNKED)} (at least 2 there); set --config.parallel.schedule="
+                            f"{CHUNKED[0] if chunks > 1 else name} or --config.parallel.virtual_stages="
+                            f"{1 if chunks > 1 else 2}")
+    return SCHEDULES[name](stages, micro, chunks)
 
 
 def diagram(schedule: Schedule) -> str:
     """The schedule as text, one row per stage, one column per slot: ``F3`` forward of micro-batch 3,
-    ``B3`` backward, ``..`` idle; phases separated by ``|``."""
+    ``B3`` backward (interleaved: ``F3.1``, of chunk 1), ``..`` idle; phases separated by ``|``."""
     rows = []
     for s in range(schedule.stages):
         cells = []
@@ -177,7 +222,8 @@ def diagram(schedule: Schedule) -> str:
                 for kind, table in (("F", phase.forward), ("B", phase.backward)):
                     if table is not None:
                         m = table[t, s]
-                        cells.append(f"{kind}{m}" if m != IDLE else "..")
+                        label = f"{m % schedule.micro}.{m // schedule.micro}" if schedule.chunks > 1 else f"{m}"
+                        cells.append(f"{kind}{label}" if m != IDLE else ".." + ".." * (schedule.chunks > 1))
             cells.append("|")
         rows.append(f"stage {s}: " + " ".join(cells[:-1]))
     return "\n".join(rows)

@@ -108,15 +108,24 @@ class StagePlan:
 
     Attributes:
       layers: the model's layer stack.
-      bounds: ``P + 1`` layer indices: stage ``s`` runs layers ``bounds[s]:bounds[s+1]``.
+      bounds: ``S + 1`` layer indices: (virtual) stage ``v`` runs layers ``bounds[v]:bounds[v+1]``.
+      chunks: ``V``, the stages each device holds (the interleaved schedule's virtual stages): device ``s``
+        holds stages ``c·P + s``, its row the ``V`` stage rows side by side; 1: one stage per device.
     """
 
     layers: tuple[Layer, ...]
     bounds: tuple[int, ...]
+    chunks: int = 1
 
     @property
     def num_stages(self) -> int:
+        """``S = P·V``: the (virtual) stages."""
         return len(self.bounds) - 1
+
+    @property
+    def devices(self) -> int:
+        """``P``: the devices of the ``stage`` axis."""
+        return self.num_stages // self.chunks
 
     def stage_layers(self, stage: int) -> tuple[Layer, ...]:
         return self.layers[self.bounds[stage]:self.bounds[stage + 1]]
@@ -151,16 +160,21 @@ class StagePlan:
         return micro * self.width * itemsize
 
     def pack(self, params) -> jax.Array:
-        """The parameter tree as the ``(P, row)`` rows (each stage's kernels and biases flattened, zero-padded)."""
+        """The parameter tree as the ``(P, V·row)`` rows (each stage's kernels and biases flattened, zero-padded;
+        device ``s``'s row holds stages ``s, P + s, ...``)."""
         rows = []
         for s in range(self.num_stages):
-            parts = [jnp.ravel(params[layer.name][leaf]) for layer in self.stage_layers(s) for leaf in ("kernel", "bias")]
+            parts = [jnp.ravel(params[layer.name][leaf])
+                     for layer in self.stage_layers(s) for leaf in ("kernel", "bias")]
             flat = jnp.concatenate(parts)
             rows.append(jnp.pad(flat, (0, self.row - flat.shape[0])))
-        return jnp.stack(rows)
+        by_chunk = jnp.stack(rows).reshape(self.chunks, self.devices, self.row)
+        return jnp.swapaxes(by_chunk, 0, 1).reshape(self.devices, self.chunks * self.row)
 
     def unpack(self, rows) -> dict:
-        """The ``(P, row)`` rows as the model's parameter tree (the inverse of :meth:`pack`)."""
+        """The ``(P, V·row)`` rows as the model's parameter tree (the inverse of :meth:`pack`)."""
+        rows = jnp.swapaxes(jnp.reshape(rows, (self.devices, self.chunks, self.row)), 0, 1)
+        rows = rows.reshape(self.num_stages, self.row)
         params = {}
         for s in range(self.num_stages):
             params.update(self.stage_params(s, rows[s]))
@@ -186,10 +200,11 @@ class StagePlan:
         return x
 
 
-def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = ()) -> StagePlan:
-    """Cut ``model``'s layers into ``stages`` stages: at ``boundaries`` (the first layer of stages 1..P-1), or
-    balanced by forward FLOPs (:func:`balance`)."""
+def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = (), chunks: int = 1) -> StagePlan:
+    """Cut ``model``'s layers into ``stages`` stages (``stages·chunks`` virtual stages with ``chunks`` per device):
+    at ``boundaries`` (the first layer of stages 1..), or balanced by forward FLOPs (:func:`balance`)."""
     layers = model_layers(model, abstract_params)
+    stages = stages * chunks
     if boundaries:
         cuts = tuple(int(b) for b in boundaries)
         if len(cuts) != stages - 1 or list(cuts) != sorted(set(cuts)) or not all(0 < b < len(layers) for b in cuts):
@@ -199,7 +214,7 @@ def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = (
                 "layers; or leave it () to balance the stages by their FLOPs")
     else:
         cuts = balance([layer.flops for layer in layers], stages)
-    return StagePlan(layers, (0, *cuts, len(layers)))
+    return StagePlan(layers, (0, *cuts, len(layers)), chunks)
 
 
 def flops_imbalance(plan: StagePlan) -> float:

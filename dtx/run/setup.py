@@ -173,13 +173,15 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
         opt = config.optimizer
         pipeline_check.check_settings(
             mesh_shape=dict(mesh.shape), schedule=config.parallel.schedule, boundaries=config.parallel.boundaries,
+            virtual_stages=config.parallel.virtual_stages,
             num_layers=len(layers), global_batch_size=config.global_batch_size,
             grad_accum_steps=config.grad_accum_steps, driver=config.driver, optimizer=opt.name,
             weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
             allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
             loss_scale=config.loss_scale.name)
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=config.parallel.schedule,
-                                               boundaries=config.parallel.boundaries, micro=config.grad_accum_steps)
+                                               boundaries=config.parallel.boundaries, micro=config.grad_accum_steps,
+                                               chunks=config.parallel.virtual_stages)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None
     return pipeline, step_pipeline.abstract_state(model, tx, example, pipeline.plan)
@@ -221,7 +223,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     biggest = ", ".join(f"{what} {_gib(value)}" for value, what in parts[:3])
     fits = []
     for other in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank):
-        if other is chosen or other.kernels == "explicit" or other.stages or (other.needs_model_axis and group == 1):
+        if (other is chosen or other.kernels == "explicit" or other.stages
+                or (other.needs_model_axis and group == 1)):
             continue
         try:
             alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **{

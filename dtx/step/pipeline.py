@@ -64,15 +64,16 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
     """The mesh's ``stage`` axis has one device per stage."""
-    if STAGE_AXIS not in mesh.axis_names or mesh.shape[STAGE_AXIS] != pipeline.plan.num_stages:
-        raise StepError(f"a {pipeline.plan.num_stages}-stage pipeline needs a {STAGE_AXIS!r} mesh axis of that size, "
-                        f"e.g. --config.mesh='((\"{STAGE_AXIS}\", {pipeline.plan.num_stages}), (\"data\", -1))'; "
+    devices = pipeline.plan.devices
+    if STAGE_AXIS not in mesh.axis_names or mesh.shape[STAGE_AXIS] != devices:
+        raise StepError(f"a pipeline of {devices} devices needs a {STAGE_AXIS!r} mesh axis of that size, "
+                        f"e.g. --config.mesh='((\"{STAGE_AXIS}\", {devices}), (\"data\", -1))'; "
                         f"the mesh is {dict(mesh.shape)}")
 
 
 def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan) -> TrainState:
     """Every leaf shaped like the ``(P, row)`` parameter rows split over ``stage``; the rest replicated."""
-    rows = (plan.num_stages, plan.row)
+    rows = (plan.devices, plan.chunks * plan.row)
     split, whole = NamedSharding(mesh, PartitionSpec(STAGE_AXIS)), NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
 
@@ -107,9 +108,9 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
     ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
     data = math.prod(mesh.shape[a] for a in data_axes(mesh))
     sent = costmodel.Traffic(schedule.messages, schedule.messages * plan.message_bytes(micro))
-    row = jax.ShapeDtypeStruct((plan.row,), jnp.float32)
+    row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), jnp.float32)
     scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
-    for tree, p in ((row, data), (scalars, plan.num_stages), (scalars, data)):
+    for tree, p in ((row, data), (scalars, plan.devices), (scalars, data)):
         sent = costmodel.add_traffic(sent, comm_lib.pmean_traffic(tree, p))
     return sent
 
@@ -143,9 +144,13 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     plan, schedule = pipeline.plan, pipeline.schedule
     task = pipeline.task or task_lib.classification()
     axes = data_axes(mesh)
-    p, m_count, width, slots = plan.num_stages, schedule.micro, plan.width, schedule.slots
-    forward_pairs = [(s, s + 1) for s in range(p - 1)]
-    backward_pairs = [(s + 1, s) for s in range(p - 1)]
+    p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
+    if schedule.chunks != plan.chunks or schedule.stages != p:
+        raise StepError(f"schedule {schedule.name!r} is for {schedule.stages} devices x {schedule.chunks} chunks, "
+                        f"the stages for {p} x {plan.chunks}")
+    ring = [(p - 1, 0)] if plan.chunks > 1 else []  # interleaved: the last device's chunk feeds the first's next
+    forward_pairs = [(s, s + 1) for s in range(p - 1)] + ring
+    backward_pairs = [(s + 1, s) for s in range(p - 1)] + [(b, a) for a, b in ring]
     probe = jnp.zeros((1, plan.layers[-1].out_width), jnp.float32)
     metric_names = tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(
         task, probe, jnp.zeros((1,), jnp.int32), None)[1]))
@@ -153,7 +158,13 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 
     def per_device(state: TrainState, batch):
         stage = lax.axis_index(STAGE_AXIS)
-        row = state.params[0]
+        row = state.params[0]  # this device's V stage rows side by side
+
+        def locate(entry):  # a table entry -> (micro-batch, virtual stage, that stage's row)
+            index = jnp.maximum(entry, 0)
+            chunk = index // m_count
+            stage_row = lambda r: lax.dynamic_slice_in_dim(r, chunk * plan.row, plan.row)  # noqa: E731
+            return index % m_count, chunk * p + stage, stage_row
         inputs, labels = batch["inputs"], batch["labels"]
         if inputs.shape[0] % m_count:
             raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
@@ -165,10 +176,10 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 
         def forward_slot(carry, m, send):
             kept, received, grad_in, grads, loss, values = carry
-            index = jnp.maximum(m, 0)
-            kept = lax.cond(m >= 0, lambda: lax.dynamic_update_index_in_dim(kept, received, index % slots, 0),
-                            lambda: kept)
-            y, l, v = lax.cond(m >= 0, lambda: stage_fn(stage, row, x0s[index], received, ys[index]),
+            index, virtual, stage_row = locate(m)
+            kept = lax.cond(m >= 0, lambda: lax.dynamic_update_index_in_dim(kept, received, jnp.maximum(m, 0) % slots,
+                                                                            0), lambda: kept)
+            y, l, v = lax.cond(m >= 0, lambda: stage_fn(virtual, stage_row(row), x0s[index], received, ys[index]),
                                lambda: (zeros_buffer, jnp.zeros((), jnp.float32),
                                         {n: jnp.zeros((), jnp.float32) for n in metric_names}))
             received = lax.ppermute(y, STAGE_AXIS, forward_pairs) if send else y
@@ -177,11 +188,11 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 
         def backward_slot(carry, m, send):
             kept, received, grad_in, grads, loss, values = carry
-            index = jnp.maximum(m, 0)
+            index, virtual, stage_row = locate(m)
 
             def pull_back():
-                x_in = kept[index % slots]
-                run = lambda r, x: stage_fn(stage, r, x0s[index], x, ys[index])  # noqa: E731
+                x_in = kept[jnp.maximum(m, 0) % slots]
+                run = lambda r, x: stage_fn(virtual, stage_row(r), x0s[index], x, ys[index])  # noqa: E731
                 _, vjp = jax.vjp(run, row, x_in)
                 zero_values = {n: jnp.zeros((), jnp.float32) for n in metric_names}
                 # d(step loss)/d(micro-batch loss) = 1/M: the step's loss is the micro-batches' mean.
@@ -240,15 +251,15 @@ def gather_params(state: TrainState, plan: StagePlan):
 
 
 def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
-                  task: task_lib.Task | None = None) -> Pipeline:
-    """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) and
-    the schedule ``schedule`` of ``micro`` micro-batches."""
+                  chunks: int = 1, task: task_lib.Task | None = None) -> Pipeline:
+    """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
+    ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches."""
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
-    plan = make_plan(model, abstract_params, stages, boundaries)
-    return Pipeline(plan, make_schedule(schedule, stages, micro), task)
+    plan = make_plan(model, abstract_params, stages, boundaries, chunks)
+    return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task)
 
 
 def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):

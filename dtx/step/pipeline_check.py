@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dtx.comm.algorithms import get_algorithm
-from dtx.parallel.pipeline_schedules import SCHEDULES
+from dtx.parallel.pipeline_schedules import CHUNKED, SCHEDULES
 from dtx.precision import parse_policy
 from dtx.parallel.stages import STAGE_AXIS
 from dtx.step.drivers import get_driver
@@ -26,6 +26,7 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 
 
 def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Sequence[int] = (), num_layers: int,
+                   virtual_stages: int = 1,
                    global_batch_size: int, grad_accum_steps: int = 1, driver: str = "shard_map",
                    optimizer: str = "adam", weight_decay: float = 0.0, strategy: str = "sync",
                    compression: str = "none", allreduce: str = "psum", bucket_bytes: int = 0,
@@ -33,15 +34,25 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
     """Raise :class:`~dtx.step.spec.StepError` listing every setting a pipeline run cannot take, each with
     its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size."""
     problems = []
-    stages = mesh_shape.get(STAGE_AXIS)
+    devices = mesh_shape.get(STAGE_AXIS)
+    stages = None if devices is None else devices * virtual_stages  # the (virtual) stages the layers are cut into
     if stages is None:
         problems.append(f"the mesh has no {STAGE_AXIS!r} axis (it is {dict(mesh_shape)}): set e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'")
     elif stages > num_layers:
-        problems.append(f"mesh axis {STAGE_AXIS!r} has {stages} devices but the model has {num_layers} layers to "
-                        "cut: use a smaller stage axis")
+        problems.append(f"mesh axis {STAGE_AXIS!r} of {devices} devices x parallel.virtual_stages={virtual_stages} "
+                        f"makes {stages} stages but the model has {num_layers} layers to cut: use a smaller stage axis "
+                        "or fewer virtual stages")
     if schedule not in SCHEDULES:
         problems.append(f"parallel.schedule={schedule!r} is unknown: choose one of {list(SCHEDULES)}")
+    elif (virtual_stages > 1) != (schedule in CHUNKED):
+        problems.append(f"parallel.virtual_stages={virtual_stages} with parallel.schedule={schedule!r}: chunks per "
+                        f"device are for {' or '.join(CHUNKED)} (2 or more there): set --config.parallel.schedule="
+                        f"{CHUNKED[0] if virtual_stages > 1 else schedule} or --config.parallel.virtual_stages="
+                        f"{1 if virtual_stages > 1 else 2}")
+    elif schedule in CHUNKED and devices and grad_accum_steps % devices:
+        problems.append(f"grad_accum_steps={grad_accum_steps}: the interleaved schedule sends micro-batches round the "
+                        f"ring in groups of the {devices} stage devices; set it to a multiple of {devices}")
     if boundaries and stages is not None:
         cuts = list(boundaries)
         if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or not all(0 < b < num_layers for b in cuts):
@@ -76,9 +87,9 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
             problems.append(f"global_batch_size={global_batch_size} must split over the {data} data shards (the "
                             f"axes but {STAGE_AXIS!r}) and each shard's batch into grad_accum_steps={grad_accum_steps} "
                             "micro-batches: change --config.global_batch_size or --config.grad_accum_steps")
-        elif grad_accum_steps < stages:
-            problems.append(f"grad_accum_steps={grad_accum_steps} micro-batches on {stages} stages leave each stage "
-                            f"idle {(stages - 1) / (grad_accum_steps + stages - 1):.0%} of the step: set "
-                            f"--config.grad_accum_steps to at least {stages} (4×{stages} keeps the bubble under 20 %)")
+        elif grad_accum_steps < devices:
+            problems.append(f"grad_accum_steps={grad_accum_steps} micro-batches on {devices} stages leave each stage "
+                            f"idle {(devices - 1) / (grad_accum_steps * virtual_stages + devices - 1):.0%} of the "
+                            f"step: set --config.grad_accum_steps to at least {devices}")
     if problems:
         raise StepError("parallel.name='pipeline': " + "; ".join(problems))
