@@ -65,7 +65,7 @@ def main() -> int:
                 "global batch 512, `haswell_fdr`, float32. Ratios are compiled / predicted (FLOPs / bytes) for the "
                 "data-parallel layers, the model-parallel layers and the whole training step (SGD), and the largest "
                 f"per-layer deviation. Goal: every ratio within {VERIFY_TOLERANCE:.0%} (what `dtx simulate --verify` "
-                "and the tests hold); largest deviation found: {worst:.1%}.")
+                f"and the tests hold); largest deviation found: {worst:.1%}.")
     header = ("| model | nodes | plan | data layers | split layers | step GFLOP model | step GFLOP XLA "
               "| step MB model | step MB XLA | step ratios | worst layer |\n|---|---|---|---|---|---|---|---|---|---|---|")
     report.write("perfmodel_verify", preamble, header + "\n" + "\n".join(rows), update_docs=args.update_docs)
