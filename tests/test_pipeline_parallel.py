@@ -7,6 +7,7 @@ collective-permutes' bytes with their loops' trip counts, one gradient all-reduc
 inputs kept for M micro-batches under GPipe but for at most 2P - 1 under 1F1B (memory_analysis).
 """
 
+import dataclasses
 import os
 
 import jax
@@ -21,6 +22,8 @@ from dtx.comm import hlo
 from dtx.data import TrainLoader, datasets
 from dtx.parallel.pipeline_schedules import IDLE, ScheduleError, diagram, make_schedule
 from dtx.parallel.stages import PipelineError, balance, make_plan
+from dtx.perf import clusters
+from dtx.perf import pipeline as pipeline_model
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step import pipeline as pp
 from dtx.step.pipeline_check import check_settings
@@ -370,3 +373,35 @@ def test_a_pipeline_config_is_refused_before_compiling(tmp_path, overrides, says
     with pytest.raises(config_lib.ConfigError, match=says):
         train(config_lib.load(DIGITS_MLP, base + overrides), tmp_path)
     assert len(_COMPILES) == before
+
+
+# ---- the model (dtx.perf.pipeline) against the compiled programs --------------------------------------------
+
+def test_the_model_predicts_the_compiled_bytes_and_kept_memory(speech_runs, mlp_runs, interleaved_run):
+    """dtx.perf.pipeline from the stages and schedule alone: the point-to-point bytes every compiled program sends,
+    and the kept inputs by which XLA's temporaries grow from M = 8 to M = 16 (GPipe) or do not (1F1B)."""
+    plan = speech_runs["gpipe", 8]["plan"]
+    for (name, m) in [("gpipe", 8), ("gpipe", 16), ("1f1b", 8), ("1f1b", 16)]:
+        e = pipeline_model.estimate(plan, make_schedule(name, 2, m), micro=2, data=4, optimizer="sgd")
+        assert e.p2p_bytes == _permute_bytes(speech_runs[name, m]["compiled"])
+    for run, micro, data in ((mlp_runs["1f1b"], 4, 2), (interleaved_run, 2, 4)):
+        e = pipeline_model.estimate(run["plan"], run["schedule"], micro=micro, data=data)
+        assert e.p2p_bytes == _permute_bytes(run["compiled"]) and e.bubble == run["schedule"].bubble
+    temp = lambda key: speech_runs[key]["compiled"].memory_analysis().temp_size_in_bytes  # noqa: E731
+    kept = lambda name, m: pipeline_model.estimate(plan, make_schedule(name, 2, m), 2, 4, "sgd").kept_bytes  # noqa
+    for name in ("gpipe", "1f1b"):
+        assert temp((name, 16)) - temp((name, 8)) == kept(name, 16) - kept(name, 8)
+
+
+def test_the_modelled_time_follows_the_bubble():
+    """On a cluster where compute dominates, 1F1B takes GPipe's time (the same bubble) and interleaving V = 2 chunks
+    cuts the ticks from 2(M + P - 1) to 2(VM + P - 1) of half the work each: (VM + P - 1)/V/(M + P - 1) of it."""
+    model = models.build_model("speech_dnn", hidden=(256,) * 7, num_classes=10)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 64), np.float32))["params"])
+    fast_links = dataclasses.replace(clusters.get_cluster("cloud_10gbe"), latency=0.0, bandwidth=1e30)
+    time = {}
+    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        plan = make_plan(model, params, 4, chunks=chunks)
+        time[name] = pipeline_model.estimate(plan, make_schedule(name, 4, 8, chunks), 16, 1, cluster=fast_links).step_s
+    assert time["1f1b"] == pytest.approx(time["gpipe"])
+    assert time["interleaved"] / time["gpipe"] == pytest.approx((16 + 3) / 2 / (8 + 3), rel=0.02)
