@@ -63,3 +63,14 @@ def hand_back(restore_default: bool = True) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if take():
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def settle() -> None:
+    """The command's work is done and said: a SIGTERM from now until the process ends has nothing to stop.
+
+    Python restores a caught signal's default action as the interpreter shuts down (JAX's teardown takes
+    a moment), and a SIGTERM then would turn a finished run's exit status 0 into signal 15. Ignored
+    instead -- only where the early handler is SIGTERM's (the dtx command, not your program).
+    """
+    if installed():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

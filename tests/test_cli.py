@@ -39,9 +39,9 @@ def test_every_command_is_listed_and_dispatched_to_its_module(capsys):
 
 
 @pytest.mark.parametrize("features", ['("a",)', "(2.5,)", "(None,)", "(True,)", "(64, True)"])
-def test_widths_of_the_wrong_type_are_one_config_error(features, capsys):
+def test_widths_of_the_wrong_type_are_one_config_error(features, tmp_path, capsys):
     """They reached flax as a shape (a 40-line traceback), or, True, silently trained a width-1 MLP."""
-    assert main(["train", "digits_mlp", f"--config.model.features={features}"]) == 2
+    assert main(["train", "digits_mlp", "--workdir", str(tmp_path), f"--config.model.features={features}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtx: config error: model.features=") and len(err.strip().splitlines()) == 1
     assert "must be a tuple of integers (widths or sizes), e.g. --config.model.features='(256, 256)'" in err

@@ -171,7 +171,12 @@ def test_an_export_appears_whole_or_not_at_all_and_a_half_written_one_is_replace
     monkeypatch.setattr(os, "fsync", fsync)
     assert os.listdir(tmp_path) == []  # neither a half-written export nor its temporary folder
 
+    gone = subprocess.Popen([sys.executable, "-c", ""])  # a pid no process has any more: a SIGKILLed export's
+    gone.wait()
+    (tmp_path / f".exported.partial-{gone.pid}").mkdir()
+    (tmp_path / f".exported.partial-{gone.pid}" / "variables.msgpack").write_bytes(b"\x82")
     assert main(["export", str(workdir), "--out", str(out), "--step", "5"]) == 0
+    assert os.listdir(tmp_path) == ["exported"]  # the killed export's temporary is gone with it
     whole = (out / "variables.msgpack").read_bytes()
     (out / "variables.msgpack").write_bytes(whole[: len(whole) // 2])  # what a killed older export left
     assert main(["export", str(workdir), "--out", str(out), "--step", "5"]) == 0

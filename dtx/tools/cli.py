@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dtx import _sigterm
+
 
 # Commands with parsers of their own: (module, function, one-line help). Imported only when used.
 _COMMANDS = {
@@ -59,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in rest if not a.startswith("--config.")]
     if unknown:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (config overrides are --config.KEY=VALUE)")
-    return _unless_a_save_is_stuck(_train(args.experiment, args.workdir, overrides))
+    code = _train(args.experiment, args.workdir, overrides)
+    _sigterm.settle()  # the run has ended and said so: a SIGTERM while Python shuts down has nothing to stop
+    return _unless_a_save_is_stuck(code)
 
 
 def _unless_a_save_is_stuck(code: int) -> int:

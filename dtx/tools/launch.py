@@ -97,6 +97,7 @@ def launch_main(argv: list[str]) -> int:
                 process.kill()
             log.close()
         lock.release()
+        _sigterm.settle()  # the job has ended: a SIGTERM while Python shuts down has nothing to stop
 
 
 # JAX's coordination service, in the log of the process that noticed, e.g. "The following tasks are
