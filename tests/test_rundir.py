@@ -45,3 +45,22 @@ def test_a_block_the_experiment_replaced_gains_no_default_keys():
     config = config_lib.base_config()
     config.model = ConfigDict(dict(name="lenet", conv_features=(4,), dense_features=()))
     check_resumable(_saved(config), config)
+
+
+def test_a_run_without_checkpoints_stopped_by_sigterm_starts_over_and_a_finished_one_is_refused(tmp_path, capsys):
+    """SIGTERM told such a run "run the same command to start again"; that command was refused ("already holds
+    a run ... no checkpoint to resume"). Now it starts over, its records kept aside; a run that ended otherwise
+    is still never overwritten."""
+    from dtx.run.rundir import decide_resume
+
+    preempted, finished = tmp_path / "preempted", tmp_path / "finished"
+    for workdir, last in ((preempted, {"step": 3, "preempted": 1}), (finished, {"step": 3, "test_accuracy": 0.5})):
+        workdir.mkdir()
+        (workdir / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 2.3}) + "\n" + json.dumps(last) + "\n")
+    records = (preempted / "metrics.jsonl").read_text()
+    assert decide_resume("auto", str(preempted / "checkpoints"), str(preempted)) is False
+    assert "holds a run preempted before anything was saved; starting over" in capsys.readouterr().err
+    assert (preempted / "interrupted-1" / "metrics.jsonl").read_text() == records
+    assert not (preempted / "metrics.jsonl").exists()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        decide_resume("auto", str(finished / "checkpoints"), str(finished))
