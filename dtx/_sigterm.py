@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 _COMMANDS = ("train", "launch")  # the commands that stop cleanly on SIGTERM
 _received = False
@@ -34,7 +35,8 @@ def _is_dtx_command(argv: list[str]) -> bool:
 def install() -> bool:
     """Note SIGTERM from now on if this process is the dtx command and nothing else handles it yet."""
     argv = list(getattr(sys, "orig_argv", sys.argv))
-    if not _is_dtx_command(argv) or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (not _is_dtx_command(argv) or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         return False
     signal.signal(signal.SIGTERM, _note)
     return True
@@ -59,7 +61,7 @@ def hand_back(restore_default: bool = True) -> None:
     ``restore_default=False`` where something below Python took SIGTERM over since (JAX's preemption
     notifier in a multi-process job): setting a Python handler now would silently disable it.
     """
-    if restore_default and installed():
+    if restore_default and installed() and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if take():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -72,5 +74,5 @@ def settle() -> None:
     a moment), and a SIGTERM then would turn a finished run's exit status 0 into signal 15. Ignored
     instead -- only where the early handler is SIGTERM's (the dtx command, not your program).
     """
-    if installed():
+    if installed() and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -104,7 +104,8 @@ def test_a_stalled_save_ends_the_wait_with_an_error_instead_of_hanging(tmp_path,
     monkeypatch.setattr(handlers.ManifestHandler, "save", lambda self, *args: (storage.wait(60), write(self, *args)))
     saver = checkpoint.Checkpointer(tmp_path / "checkpoints", async_save=True)
     saver.save(1, {"w": jnp.arange(8.0)})
-    with pytest.raises(checkpoint.CheckpointError, match=r"did not finish within 0.5 s .* newest committed step is None"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"did not finish within 0.5 s .* newest committed step is None"):
         saver.wait(timeout_s=0.5)
     assert checkpoint.stalled()
     storage.set()  # the storage recovers: the save commits, and nothing is stuck any more

@@ -115,7 +115,8 @@ def _interrupted_before_first_commit(checkpoint_dir: str, workdir: str) -> bool:
         for name in os.listdir(workdir):
             if name == metrics_lib.METRICS_FILE or name == "config.json" or name.startswith("events.out.tfevents"):
                 os.replace(os.path.join(workdir, name), os.path.join(aside, name))
-        why = "preempted before anything was saved" if preempted else "interrupted before its first checkpoint committed"
+        why = ("preempted before anything was saved" if preempted
+               else "interrupted before its first checkpoint committed")
         print(f"dtx: {workdir} holds a run {why}; starting over (its records are in {aside})", file=sys.stderr)
     return True
 
