@@ -41,11 +41,6 @@ def _digits():
     return digits, jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
 
 
-def _batch(loader, step, mesh):
-    """The loader's batch placed over the data axes only (the stages of a data shard share its examples)."""
-    return jax.device_put(loader.batch(step), NamedSharding(mesh, PartitionSpec(pp.data_axes(mesh))))
-
-
 def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1):
     digits, example = _digits()
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), digits.train.inputs[:1])["params"])
@@ -53,10 +48,10 @@ def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1)
     state = pp.init_state(model, tx, example, 0, mesh, plan)
     step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule))
     loader = TrainLoader(digits.train, batch_size, mesh, seed=0)
-    compiled = step.lower(state, _batch(loader, 0, mesh)).compile()
+    compiled = step.lower(state, loader.batch(0)).compile()
     losses = []
     for s in range(STEPS):
-        state, metrics = step(state, _batch(loader, s, mesh))
+        state, metrics = step(state, loader.batch(s))
         losses.append(float(jax.block_until_ready(metrics)["loss"]))
     return dict(params=jax.device_get(pp.gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
                 schedule=schedule, metrics=jax.device_get(metrics))
@@ -97,7 +92,7 @@ def speech_runs():
     digits, example = _digits()
     plan = runs["gpipe", 8]["plan"]
     state = pp.init_state(model, tx, example, 0, mesh, plan)
-    spec = NamedSharding(mesh, PartitionSpec("data"))
+    spec = NamedSharding(mesh, PartitionSpec(("stage", "data")))  # as dtx's loader places a batch
     batch = {"inputs": jax.ShapeDtypeStruct((128, 64), np.float32, sharding=spec),
              "labels": jax.ShapeDtypeStruct((128,), np.int32, sharding=spec)}
     for name in ("gpipe", "1f1b"):
@@ -201,13 +196,15 @@ def _permute_bytes(compiled):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_stages_send_2M_boundary_activations_per_step(speech_runs, schedule):
     """Read from the compiled program, trip counts included: each stage sends 2·M messages of one micro-batch's
-    boundary buffer (M activations forward, M gradients back), and the data shards all-reduce the gradients once."""
+    boundary buffer (M activations forward, M gradients back), the data shards all-reduce the gradients once, and
+    the stages gather their data shard's batch once."""
     for m in (8, 16):
         compiled, plan = speech_runs[schedule, m]["compiled"], speech_runs["gpipe", 8]["plan"]
         assert _permute_bytes(compiled) == 2 * m * plan.message_bytes(micro=2) == 2 * m * 2 * 16 * 4
-        kinds = [c.kind for c in hlo.collectives(compiled) if c.kind != "collective-permute"]
-        assert set(kinds) == {"all-reduce"}  # the batch arrives split over data: no gather
-        assert all(c.trips == 1 for c in hlo.collectives(compiled) if c.kind == "all-reduce")
+        others = [c for c in hlo.collectives(compiled) if c.kind != "collective-permute"]
+        assert {c.kind for c in others} == {"all-reduce", "all-gather"} and all(c.trips == 1 for c in others)
+        # The one all-gather of the batch over the 2 stages: a device's M rows of 64 inputs and a label each.
+        assert sum(c.bytes_sent for c in others if c.kind == "all-gather") == (2 - 1) * m * (64 + 1) * 4
 
 
 @pytest.mark.parametrize("schedule", ["1f1b"])
@@ -230,12 +227,13 @@ def test_the_accountant_counts_what_the_program_sends(mlp_runs, speech_runs, run
 
 
 def test_1f1b_keeps_activations_for_P_not_M(speech_runs):
-    """memory_analysis: from M = 8 to 16 micro-batches GPipe's temporaries grow by the 8 more kept stage inputs
-    (8 x 2 x 16 float32), 1F1B's not at all (it keeps at most 2P - 1 = 3)."""
+    """memory_analysis: from M = 8 to 16 micro-batches 1F1B's temporaries grow by the batch alone (8 x 2 more
+    gathered examples of 64 inputs and a label), GPipe's also by the 8 more kept stage inputs (8 x 2 x 16 float32):
+    1F1B keeps at most 2P - 1 = 3."""
     temp = {key: speech_runs[key]["compiled"].memory_analysis().temp_size_in_bytes
             for key in [("gpipe", 8), ("gpipe", 16), ("1f1b", 8), ("1f1b", 16)]}
-    assert temp["gpipe", 16] - temp["gpipe", 8] == 8 * 2 * 16 * 4
-    assert temp["1f1b", 16] == temp["1f1b", 8]
+    assert temp["1f1b", 16] - temp["1f1b", 8] == 8 * 2 * (64 + 1) * 4
+    assert temp["gpipe", 16] - temp["gpipe", 8] == 8 * 2 * (64 + 1) * 4 + 8 * 2 * 16 * 4
     assert make_schedule("1f1b", 2, 16).slots == 3 and make_schedule("gpipe", 2, 16).slots == 16
 
 
@@ -379,7 +377,7 @@ def test_a_pipeline_config_is_refused_before_compiling(tmp_path, overrides, says
 
 def test_the_model_predicts_the_compiled_bytes_and_kept_memory(speech_runs, mlp_runs, interleaved_run):
     """dtx.perf.pipeline from the stages and schedule alone: the point-to-point bytes every compiled program sends,
-    and the kept inputs by which XLA's temporaries grow from M = 8 to M = 16 (GPipe) or do not (1F1B)."""
+    and what XLA's temporaries grow by from M = 8 to M = 16: the gathered batch, and the kept inputs (GPipe)."""
     plan = speech_runs["gpipe", 8]["plan"]
     for (name, m) in [("gpipe", 8), ("gpipe", 16), ("1f1b", 8), ("1f1b", 16)]:
         e = pipeline_model.estimate(plan, make_schedule(name, 2, m), micro=2, data=4, optimizer="sgd")
@@ -388,9 +386,12 @@ def test_the_model_predicts_the_compiled_bytes_and_kept_memory(speech_runs, mlp_
         e = pipeline_model.estimate(run["plan"], run["schedule"], micro=micro, data=data)
         assert e.p2p_bytes == _permute_bytes(run["compiled"]) and e.bubble == run["schedule"].bubble
     temp = lambda key: speech_runs[key]["compiled"].memory_analysis().temp_size_in_bytes  # noqa: E731
-    kept = lambda name, m: pipeline_model.estimate(plan, make_schedule(name, 2, m), 2, 4, "sgd").kept_bytes  # noqa
+    held = lambda name, m: pipeline_model.estimate(plan, make_schedule(name, 2, m), 2, 4, "sgd",  # noqa: E731
+                                                    example_bytes=(64 + 1) * 4)
     for name in ("gpipe", "1f1b"):
-        assert temp((name, 16)) - temp((name, 8)) == kept(name, 16) - kept(name, 8)
+        grown = [held(name, 16).kept_bytes - held(name, 8).kept_bytes,
+                 held(name, 16).batch_bytes - held(name, 8).batch_bytes]
+        assert temp((name, 16)) - temp((name, 8)) == sum(grown)
 
 
 def test_the_modelled_time_follows_the_bubble():

@@ -12,7 +12,8 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
 * **memory** — the device's parameter row and its optimizer state (``optimizer_slots`` row-sized buffers:
   0 for SGD, 1 for momentum, 2 for Adam), the gradient accumulator, and the kept stage inputs: ``slots``
   buffers of one micro-batch (``M`` under GPipe, ``min(M, 2P - 1)`` under 1F1B, ``VM`` interleaved) — the
-  term that separates the schedules (XLA's memory analysis: temporaries grow by it).
+  term that separates the schedules (XLA's memory analysis: temporaries grow by it); and the data shard's
+  batch, gathered over the stages (``M`` micro-batches of ``example_bytes`` each example).
 * **time** — each slot tick costs the slowest stage's work on one micro-batch (forward: its FLOPs; backward:
   the forward re-run and twice its FLOPs), at the cluster's node FLOP rate, plus the tick's message (α + n/β);
   then the all-reduce (ring, α-β). A modelled time, never measured on the emulated mesh.
@@ -41,17 +42,19 @@ class PipelineEstimate:
     params_bytes: int
     optimizer_bytes: int
     kept_bytes: int
+    batch_bytes: int  # the data shard's batch, gathered over the stages
     step_s: float | None  # None without a cluster
 
     @property
     def memory_bytes(self) -> int:
-        """Parameters, optimizer state, gradient accumulator and kept inputs."""
-        return 2 * self.params_bytes + self.optimizer_bytes + self.kept_bytes
+        """Parameters, optimizer state, gradient accumulator, kept inputs and the gathered batch."""
+        return 2 * self.params_bytes + self.optimizer_bytes + self.kept_bytes + self.batch_bytes
 
 
 def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimizer: str = "adam",
-             cluster: Cluster | None = None, itemsize: int = 4) -> PipelineEstimate:
-    """The estimate for ``micro`` examples per micro-batch on ``data`` data shards (module docstring)."""
+             cluster: Cluster | None = None, itemsize: int = 4, example_bytes: int = 0) -> PipelineEstimate:
+    """The estimate for ``micro`` examples per micro-batch on ``data`` data shards (module docstring);
+    ``example_bytes``: one example's inputs and labels."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"the pipeline model knows the optimizers {sorted(OPTIMIZER_SLOTS)}, not {optimizer!r}")
     row_bytes = plan.chunks * plan.row * itemsize
@@ -66,4 +69,5 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
         ring = 2 * (data - 1) * (cluster.latency + row_bytes / data / cluster.bandwidth) if data > 1 else 0.0
         step_s = schedule.slot_ticks("forward") * forward + schedule.slot_ticks("backward") * backward + ring
     return PipelineEstimate(schedule.bubble, schedule.messages, schedule.messages * message, allreduce, row_bytes,
-                            OPTIMIZER_SLOTS[optimizer] * row_bytes, schedule.slots * message, step_s)
+                            OPTIMIZER_SLOTS[optimizer] * row_bytes, schedule.slots * message,
+                            schedule.micro * micro * example_bytes, step_s)

@@ -4,8 +4,9 @@ Pipeline parallelism (GPipe: Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDrea
 2021, arXiv 2006.09503, and Narayanan et al. 2021, "Efficient large-scale language model training on GPU
 clusters using Megatron-LM", arXiv 2104.04473). Each device of the ``stage`` axis holds one stage's
 parameter row (:mod:`dtx.parallel.stages`) and its optimizer state; the other mesh axes split the batch
-as data parallelism does. A step splits each data shard into ``M`` micro-batches and runs a schedule's
-ticks (:mod:`dtx.parallel.pipeline_schedules`):
+as data parallelism does. A batch arrives split over every axis, as dtx places batches; a step first
+gathers each data shard's rows over ``stage`` (one all-gather), splits them into ``M`` micro-batches and
+runs a schedule's ticks (:mod:`dtx.parallel.pipeline_schedules`):
 
 * forward slot: stage 0 reads its micro-batch, the others the activation received in the previous tick's
   forward slot, which they also keep (GPipe §2.3's re-materialisation: a stage stores only its *input*,
@@ -37,6 +38,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
@@ -102,12 +104,16 @@ def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: in
     return jax.jit(init, out_shardings=shardings)(seed)
 
 
-def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records: int) -> costmodel.Traffic:
-    """What one device sends per step, the accountant's count (:mod:`dtx.comm.costmodel`): the schedule's
-    ``ppermute`` messages of one micro-batch's buffer, the gradient row's all-reduce over the data axes, and the
-    ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
+def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records: int,
+            batch_bytes: tuple[int, ...] = ()) -> costmodel.Traffic:
+    """What one device sends per step, the accountant's count (:mod:`dtx.comm.costmodel`): the all-gather over
+    ``stage`` of its ``batch_bytes`` (each array's local part), the schedule's ``ppermute`` messages of one
+    micro-batch's buffer, the gradient row's all-reduce over the data axes, and the ``records`` float32
+    scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
     data = math.prod(mesh.shape[a] for a in data_axes(mesh))
-    sent = costmodel.Traffic(schedule.messages, schedule.messages * plan.message_bytes(micro))
+    sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, plan.devices) for n in batch_bytes))
+    sent = costmodel.add_traffic(sent, costmodel.Traffic(schedule.messages,
+                                                         schedule.messages * plan.message_bytes(micro)))
     row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), jnp.float32)
     scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
     for tree, p in ((row, data), (scalars, plan.devices), (scalars, data)):
@@ -165,7 +171,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             chunk = index // m_count
             stage_row = lambda r: lax.dynamic_slice_in_dim(r, chunk * plan.row, plan.row)  # noqa: E731
             return index % m_count, chunk * p + stage, stage_row
-        inputs, labels = batch["inputs"], batch["labels"]
+        # Every dtx batch arrives split over all the mesh's axes; a data shard's stages share its rows.
+        batch_bytes = tuple(x.size * x.dtype.itemsize for x in (batch["inputs"], batch["labels"]))
+        inputs, labels = (lax.all_gather(batch[k], STAGE_AXIS, tiled=True) for k in ("inputs", "labels"))
         if inputs.shape[0] % m_count:
             raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
                             "(grad_accum_steps); see dtx.step.check_accumulation")
@@ -231,14 +239,15 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
         metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(metric_names)}}
-        sent = traffic(plan, schedule, micro, mesh, 1 + len(metric_names))
+        sent = traffic(plan, schedule, micro, mesh, 1 + len(metric_names), batch_bytes)
         return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
         return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan))
 
     def step(state, batch):
-        body = jax.shard_map(per_device, mesh=mesh, in_specs=(specs(state), PartitionSpec(axes)),
+        batch_spec = PartitionSpec(mesh_lib.batch_axes(mesh))  # as every dtx batch is placed (dtx.data.loader)
+        body = jax.shard_map(per_device, mesh=mesh, in_specs=(specs(state), batch_spec),
                              out_specs=(specs(state), PartitionSpec()), check_vma=False)
         return body(state, batch)
 
