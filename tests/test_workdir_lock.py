@@ -53,6 +53,11 @@ def test_a_second_train_or_launch_is_refused_naming_the_holder_before_writing(ho
     assert main(["launch", "--processes", "2", "--devices-per-process", "4", DEFAULT, "--workdir", str(workdir)]) == 2
     assert f"is in use by process {process.pid}" in capsys.readouterr().err
     assert sorted(os.listdir(workdir)) == [lock_lib.LOCK_FILE]  # neither wrote a record, a log or a checkpoint
+    # Two workdirs sharing one checkpoint.dir would write each other's steps: the folder is locked too.
+    assert main(["train", DEFAULT, "--workdir", str(workdir.parent / "other"), f"--config.checkpoint.dir={workdir}",
+                 "--config.checkpoint.every_steps=1"]) == 2
+    assert f"checkpoint.dir '{workdir}' is in use by process {process.pid}" in capsys.readouterr().err
+    assert not (workdir.parent / "other").exists()
 
 
 def test_a_killed_holder_leaves_nothing_that_blocks_the_next_run(holder):

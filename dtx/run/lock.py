@@ -34,10 +34,12 @@ class WorkdirLock:
       workdir: the run's directory (created if missing; removed again on release if it was created
         here and is still empty, e.g. after a run refused before its first record).
       enabled: ``False`` takes nothing (a multi-process job's other ranks).
+      what: how the refusal names the folder (``checkpoint.dir``: one outside the workdir, locked too).
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True):
+    def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True, what: str = "workdir"):
         self.workdir = os.path.abspath(os.fspath(workdir))
+        self.what = what
         self.path = os.path.join(self.workdir, LOCK_FILE)
         self.enabled = enabled
         self._fd: int | None = None
@@ -60,8 +62,8 @@ class WorkdirLock:
                 holder = _describe(os.pread(fd, 4096, 0))
                 os.close(fd)
                 raise WorkdirInUse(
-                    f"workdir {self.workdir!r} is in use by {holder}; one run per workdir: wait for it to end, "
-                    "stop it, or choose another --workdir") from None
+                    f"{self.what} {self.workdir!r} is in use by {holder}; one run per {self.what}: wait for it to "
+                    f"end, stop it, or choose another {'--workdir' if self.what == 'workdir' else self.what}") from None
             # The holder removes the file as it releases: if it did so between our open and our lock,
             # we locked a file no one else will see; lock the one at the path instead.
             try:

@@ -102,8 +102,13 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     # stops the run at a step boundary instead of killing it. Several processes agree on the
     # step through JAX's preemption sync point, which needs checkpoints to be worth it.
     watch = not multi_process or bool(config.checkpoint.every_steps) or config.checkpoint.resume != "never"
-    # One run per workdir (dtx.run.lock): a second one is refused here, before it writes anything.
-    with WorkdirLock(workdir, enabled=not multi_process or jax.process_index() == 0), \
+    # One run per workdir (dtx.run.lock): a second one is refused here, before it writes anything; and per
+    # checkpoint.dir, where it lies outside the workdir (two workdirs could share it).
+    holder = not multi_process or jax.process_index() == 0
+    outside = os.path.relpath(os.path.abspath(checkpoint_dir), os.path.abspath(workdir)).startswith(os.pardir)
+    with WorkdirLock(workdir, enabled=holder), \
+            WorkdirLock(checkpoint_dir, what="checkpoint.dir", enabled=holder and outside and (
+                bool(config.checkpoint.every_steps) or os.path.isdir(checkpoint_dir))), \
             PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
         return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
                       model=model, optimizer=optimizer, optimizer_description=optimizer_description,
