@@ -19,7 +19,7 @@ from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx import models, optim
 from dtx.comm import hlo
-from dtx.data import TrainLoader, datasets
+from dtx.data import TrainLoader, datasets, tasks
 from dtx.parallel.pipeline_schedules import IDLE, ScheduleError, diagram, make_schedule
 from dtx.parallel.stages import PipelineError, balance, make_plan
 from dtx.perf import clusters
@@ -285,6 +285,12 @@ def test_refusals_name_the_fix():
         make_plan(mlp, params, 5)
     with pytest.raises(ScheduleError, match="choose one of"):
         make_schedule("zigzag", 2, 4)
+    mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
+    pipeline, sgd = pp.make_pipeline(mlp, params, mesh, micro=2), optim.make_optimizer("sgd", 0.1)
+    with pytest.raises(StepError, match="accum_steps=4 must be the schedule's 2"):
+        pp.train_step(sgd, mesh, pipeline, StepSpec(accum_steps=4))
+    with pytest.raises(StepError, match="leaves padding out"):
+        pp.train_step(sgd, mesh, pipeline, StepSpec(accum_steps=2, task=tasks.make_task("next_token", pad_id=0)))
     plan = make_plan(mlp, params, 2)
     with pytest.raises(StepError, match="'stage' mesh axis"):
         pp.make_pipeline_step(optim.make_optimizer("sgd", 0.1), mesh_lib.make_mesh([("data", -1)]),

@@ -2,8 +2,9 @@
 
 Pipeline parallelism (GPipe: Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDream-Flush, Narayanan et al.
 2021, arXiv 2006.09503, and Narayanan et al. 2021, "Efficient large-scale language model training on GPU
-clusters using Megatron-LM", arXiv 2104.04473). Each device of the ``stage`` axis holds one stage's
-parameter row (:mod:`dtx.parallel.stages`) and its optimizer state; the other mesh axes split the batch
+clusters using Megatron-LM", arXiv 2104.04473). Each device of the ``stage`` axis holds its stages' parameter
+row (one stage, or ``V`` under the interleaved schedule: :mod:`dtx.parallel.stages`) and its optimizer
+state; the other mesh axes split the batch
 as data parallelism does. A batch arrives split over every axis, as dtx places batches; a step first
 gathers each data shard's rows over ``stage`` (one all-gather), splits them into ``M`` micro-batches and
 runs a schedule's ticks (:mod:`dtx.parallel.pipeline_schedules`):
@@ -282,7 +283,9 @@ def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline,
         ("no loss scaling", spec.loss_scaler.enabled),
         ("synchronous SGD without compression", not ((spec.strategy is None or spec.strategy.caps.identity)
                                                      and (spec.compressor is None or spec.compressor.caps.identity))),
-        ("no grad_norm", spec.grad_norm), ("communicate=True", not spec.communicate)) if bad]
+        ("no grad_norm", spec.grad_norm), ("communicate=True", not spec.communicate),
+        (f"a task that scores every element (task {getattr(spec.task, 'name', '')!r} leaves padding out: its mean "
+         "needs the global count)", spec.task is not None and spec.task.valid is not None)) if bad]
     if problems:
         raise StepError("the pipeline step takes " + ", ".join(problems))
     return make_pipeline_step(tx, mesh, dataclasses.replace(pipeline, task=pipeline.task or spec.task), spec.donate)
