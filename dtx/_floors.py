@@ -35,13 +35,14 @@ FLOORS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("data", "data sets, the loader (batches a function of seed and step), your own data, tasks"),
     )),
     ("layout", (
-        ("parallel", "where the state and the activations live: data, model, hybrid, FSDP, ZeRO, rules"),
+        ("parallel", "where the state and the activations live: data, model, hybrid, FSDP, ZeRO, rules, "
+                     "pipeline stages and their schedules"),
         ("perf", "the performance model: layers, FLOPs, clusters, iteration time and plans, memory, "
-                 "the simulated clock"),
+                 "pipelines, the simulated clock"),
     )),
     ("the step", (
-        ("step", "the train state, the one per-worker body, the shard_map and jit drivers, batch norm, "
-                 "pacing"),
+        ("step", "the train state, the one per-worker body, the shard_map and jit drivers, the pipeline "
+                 "step, batch norm, pacing"),
     )),
     ("the run", (
         ("ckpt", "checkpoints onto any mesh, their integrity, preemption"),
