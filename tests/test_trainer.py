@@ -97,7 +97,10 @@ def test_missing_dataset_file_fails_before_compilation(tmp_path):
 
 
 def test_unknown_model_setting_fails_before_compilation(tmp_path):
-    config = config_lib.override(tiny_config(), **{"model": ConfigDict({"name": "mlp", "width": 3})})
+    with no_compilation(), pytest.raises(ValueError, match="model.width"):  # refused as the override applies
+        config_lib.override(tiny_config(), **{"model": ConfigDict({"name": "mlp", "width": 3})})
+    config = tiny_config()
+    config.model = ConfigDict({"name": "mlp", "width": 3})  # assigned as an experiment file does
     with no_compilation(), pytest.raises(ValueError, match="model.width"):
         train(config, tmp_path)
 
