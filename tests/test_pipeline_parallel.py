@@ -10,6 +10,7 @@ inputs kept for M micro-batches under GPipe but for at most 2P - 1 under 1F1B (m
 import dataclasses
 import os
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step import pipeline as pp
 from dtx.step.pipeline_check import check_settings
 from dtx.run import metrics
+from dtx.run.evaluate import export_run
 from dtx.run.trainer import train
 from dtx.step.state import init_train_state
 
@@ -355,11 +357,16 @@ def test_dtx_train_runs_the_pipeline_like_one_device(tmp_path, mlp_runs):
     overrides = ("--config.num_steps=5", "--config.model.features=(32, 24, 16)", "--config.global_batch_size=32",
                  "--config.optimizer.learning_rate=0.01", "--config.grad_accum_steps=4", "--config.log_every=1",
                  "--config.progress=False", "--config.parallel.name=pipeline", "--config.parallel.schedule=1f1b",
-                 "--config.mesh=((\"stage\", 4), (\"data\", 2))")
+                 "--config.mesh=((\"stage\", 4), (\"data\", 2))", "--config.checkpoint.every_steps=5")
     result = train(config_lib.load(DIGITS_MLP, overrides), tmp_path)
     losses = [r["loss"] for r in metrics.read_metrics(tmp_path) if "loss" in r]
     np.testing.assert_allclose(losses, mlp_runs["one"]["losses"], rtol=1e-6)
     assert result.state.params.shape[0] == 4 and result.metrics["test_examples"] == 360  # the stages' rows, evaluated
+    # dtx export writes the model's own tree (plain flax loads it), not the rows.
+    export_run(tmp_path, tmp_path / "exported")
+    with open(tmp_path / "exported" / "variables.msgpack", "rb") as f:
+        exported = flax.serialization.msgpack_restore(f.read())["params"]
+    _close(exported, mlp_runs["one"]["params"], 1e-6)
 
 
 @pytest.mark.parametrize("overrides,says", [
