@@ -167,14 +167,16 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "DTX_COORDINATOR", "DTX_NUM
 _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS")
 
 
-def initialize_distributed(mode: str = "auto", heartbeat_timeout_seconds: int = 30) -> bool:
+def initialize_distributed(mode: str = "auto", heartbeat_timeout_seconds: int = 30,
+                           initialization_timeout_seconds: int = 300) -> bool:
     """Join a multi-process JAX job (``jax.distributed``), before any JAX computation.
 
     ``dtx launch`` passes the coordinator, process count and rank in ``DTX_*``
     variables; on clusters (SLURM, Open MPI, Kubernetes/TPU pods) JAX's own
     auto-detection fills them in (``jax.distributed.initialize()`` with no
     arguments). ``mode="off"`` never initializes. Returns whether this process is
-    part of a multi-process job.
+    part of a multi-process job. A process not every rank has joined within
+    ``initialization_timeout_seconds`` fails (so one that never registers cannot hang the rest).
     """
     if mode not in ("auto", "off"):
         raise MeshError(f"distributed={mode!r}; choose 'auto' or 'off'")
@@ -186,10 +188,12 @@ def initialize_distributed(mode: str = "auto", heartbeat_timeout_seconds: int = 
             num_processes=int(os.environ[ENV_NUM_PROCESSES]),
             process_id=int(os.environ[ENV_PROCESS_ID]),
             heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            initialization_timeout=int(initialization_timeout_seconds),
         )
         return True
     slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1"))
     if any(k in os.environ for k in _CLUSTER_ENV) and (slurm_tasks > 1 or "SLURM_JOB_ID" not in os.environ):
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                                   initialization_timeout=int(initialization_timeout_seconds))
         return jax.process_count() > 1
     return False

@@ -3,6 +3,7 @@ process, and a dead rank never hangs the job. Kept few and serial: each costs tw
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,10 +135,14 @@ def _rank_pids(tmp_path, launcher_pid):
     return ranks
 
 
-def _start_training_launch(tmp_path, *extra):
-    command = _dtx("launch", "--processes", "2", "--devices-per-process", "4", DEFAULT, "--workdir",
+def _launch(tmp_path, *extra, experiment=DEFAULT):
+    command = _dtx("launch", "--processes", "2", "--devices-per-process", "4", experiment, "--workdir",
                    str(tmp_path), *TINY, "--config.num_steps=100000", "--config.checkpoint.every_steps=0", *extra)
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _start_training_launch(tmp_path, *extra):
+    launcher = _launch(tmp_path, *extra)
     deadline = time.time() + 180
     while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) > 5):
         time.sleep(0.1)
@@ -162,10 +167,79 @@ def test_a_stuck_rank_is_named_not_the_rank_that_noticed(tmp_path):
     assert launcher.returncode != 0
     assert "rank 1 is stuck" in stderr, stderr
     assert "first failed rank: 0" not in stderr
+    assert "last completed step: rank 0: step " in stderr, stderr  # both ranks were training
     assert time.time() - stopped_at < 30 + 15, "the job must stop once heartbeat_seconds=10 has passed, not after 30 s"
 
 
-def test_workers_die_with_a_killed_launcher(tmp_path):
+def _last_steps(stderr):
+    """{rank: last completed step (None: still starting up)} from the launcher's summary line."""
+    line = next(line for line in stderr.splitlines() if "last completed step:" in line)
+    found = re.findall(r"rank (\d+): (?:step (\d+)|no step)", line)
+    return {int(rank): int(step) if step else None for rank, step in found}
+
+
+def test_rank_0_stopped_before_it_registers_is_named_within_startup_seconds(tmp_path):
+    """SIGSTOP rank 0 (the coordinator) as it starts, before it registers: rank 1 gives up joining after
+    `startup_seconds` (the probe: ~317 s, past the watchdog, blaming rank 0 only by chance), the launcher
+    names rank 0 -- stopped, at start-up -- not rank 1, the one that gave up."""
+    launcher = _launch(tmp_path, "--config.startup_seconds=20")
+    ranks, deadline = {}, time.time() + 30
+    while 0 not in ranks and time.time() < deadline:
+        ranks = _rank_pids(tmp_path, launcher.pid)
+    assert 0 in ranks, "rank 0's process must exist"
+    os.kill(ranks[0], signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if os.path.exists(f"/proc/{ranks[0]}"):
+            os.kill(ranks[0], signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert "rank 0 is stuck (its process was stopped" in stderr, stderr
+    assert "first failed rank" not in stderr
+    assert _last_steps(stderr) == {0: None, 1: None}, stderr  # neither reached a step
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert time.time() - stopped_at < 20 + 100, "the job must stop once startup_seconds=20 has passed, not 300 s"
+
+
+# An experiment whose rank 1 blocks in its input pipeline before step 5: alive and heartbeating, it never
+# enters step 5's collective, and rank 0 waits in it.
+_BLOCKED_INPUT = """
+import os, time
+from dtx.data import loader
+
+_batch = loader.TrainLoader.batch
+
+
+def _blocking_batch(self, step):
+    if step == 5 and os.environ.get("DTX_PROCESS_ID") == "1":
+        time.sleep(600)
+    return _batch(self, step)
+
+
+loader.TrainLoader.batch = _blocking_batch
+
+
+def get_config():
+    default = {}
+    exec(open(%r).read(), default)
+    return default["get_config"]()
+""" % DEFAULT
+
+
+def test_a_rank_blocked_in_its_input_pipeline_is_named_by_the_step_watchdog(tmp_path):
+    """Rank 1 sleeps in its input pipeline before step 5: the step watchdog (watchdog_seconds=10) aborts
+    the job, and the launcher names rank 1 -- which completed fewer steps than rank 0 -- with every
+    rank's last completed step."""
+    experiment = tmp_path / "blocked_input.py"
+    experiment.write_text(_BLOCKED_INPUT)
+    launcher = _launch(tmp_path / "run", "--config.watchdog_seconds=10", experiment=str(experiment))
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode != 0
+    names_rank_1 = "first failed rank: 1 (exit code 86)" in stderr or "rank 1 is stuck (stopped making" in stderr
+    assert names_rank_1, stderr
+    assert _last_steps(stderr) == {0: 5, 1: 4}, stderr  # rank 0 ran into step 5's collective; rank 1 never did
+
     """SIGKILL to `dtx launch` (it cannot forward anything): its workers stop too instead of training on
     as orphans (the kernel kills them as their parent dies; the run resumes from its last checkpoint)."""
     launcher, ranks = _start_training_launch(tmp_path)

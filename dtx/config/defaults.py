@@ -44,6 +44,8 @@ def base_config() -> ConfigDict:
     # A process of a multi-process job that sends no heartbeat for this long is declared dead and the
     # job stops, naming it (jax.distributed's coordination service).
     c.heartbeat_seconds = 30
+    # How long a process of a multi-process job waits for every rank to join (jax.distributed.initialize).
+    c.startup_seconds = 300
     c.memory_limit = 0.0  # bytes per device a run may use (0: what an accelerator reports; none on CPU)
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
     c.allreduce = "psum"  # shard_map driver: psum | ring | halving_doubling | recursive_doubling | tree | hierarchical
@@ -352,7 +354,7 @@ def _plain(value):
 
 # Hyper-parameters that must be positive / non-negative, and fractions in [0, 1): a sign error or a
 # NaN here would silently train nonsense, so it is refused before anything runs.
-_POSITIVE = ("heartbeat_seconds", "optimizer.trust_coefficient", "optimizer.decay_power",
+_POSITIVE = ("heartbeat_seconds", "startup_seconds", "optimizer.trust_coefficient", "optimizer.decay_power",
              "optimizer.step_factor", "optimizer.base_batch_size", "loss_scale.initial", "loss_scale.min_scale",
              "loss_scale.growth_interval")
 _NON_NEGATIVE = ("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.warmup_steps",

@@ -50,10 +50,12 @@ def prepare(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process
 
 
 def resume(checkpointer: checkpoint_lib.Checkpointer, config: ConfigDict, abstract_state: TrainState, shardings,
-           workers: int, user_data: str | None):
-    """The newest step that verifies (or ``checkpoint.resume_step``), its config checked before any array."""
+           workers: int, user_data: str | None, relayout: checkpoint_lib.Relayout | None = None):
+    """The newest step that verifies (or ``checkpoint.resume_step``), its config checked before any array; one saved
+    in another layout (a pipeline's rows, the model's tree) converted by ``relayout``."""
     return checkpointer.resume(
         checkpoint_lib.abstract_target(abstract_state, shardings), step=config.checkpoint.resume_step or None,
+        relayout=relayout,
         check=lambda saved: (check_resumable(saved.get("config", {}), config),
                              check_workers(saved, workers, abstract_state),
                              userdata.check_resume(saved, user_data)))
@@ -179,7 +181,8 @@ def check_shared_directory(directory: str) -> None:
 
 # Keys a resumed run may change: run length, logging, checkpointing and how (not what) it computes.
 RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
-                      "eval_batch_size", "watchdog_seconds", "heartbeat_seconds", "emulate_cpu_devices", "mesh",
+                      "eval_batch_size", "watchdog_seconds", "heartbeat_seconds", "startup_seconds",
+                      "emulate_cpu_devices", "mesh",
                       "driver", "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
                       "log_grad_norm", "compilation_cache", "wandb", "dataset.workers")
 

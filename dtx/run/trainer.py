@@ -50,6 +50,7 @@ from dtx.step import body as step_body
 from dtx.ckpt.preemption import PreemptionWatcher
 from dtx.run.lock import WorkdirLock
 from dtx.run.watchdog import StepWatchdog
+from dtx.run.progress import Progress
 
 
 @dataclasses.dataclass
@@ -97,7 +98,11 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
     xla_cache.enable(config.compilation_cache)  # a second launch loads its programs instead of compiling
-    multi_process = mesh_lib.initialize_distributed(config.distributed, config.heartbeat_seconds)
+    progress = Progress.from_env(int(os.environ.get(mesh_lib.ENV_PROCESS_ID, "0")))  # dtx launch reads it
+    progress.mark("started")
+    multi_process = mesh_lib.initialize_distributed(config.distributed, config.heartbeat_seconds,
+                                                    config.startup_seconds)
+    progress.mark("initialized")
     # SIGTERM from here on -- start-up included, where loading and compiling take seconds --
     # stops the run at a step boundary instead of killing it. Several processes agree on the
     # step through JAX's preemption sync point, which needs checkpoints to be worth it.
@@ -110,17 +115,19 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
             WorkdirLock(checkpoint_dir, what="checkpoint.dir", enabled=holder and outside and (
                 bool(config.checkpoint.every_steps) or os.path.isdir(checkpoint_dir))), \
             PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
-        return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start,
+        return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start, progress,
                       model=model, optimizer=optimizer, optimizer_description=optimizer_description,
                       task=task, data=data)
 
 
 def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
-           preemption: PreemptionWatcher, run_start: float, **given) -> TrainResult:
+           preemption: PreemptionWatcher, run_start: float, progress: Progress, **given) -> TrainResult:
     with xla_cache.CompileClock() as compiling:  # JAX's own timings of start-up, for the first record
         run = _start(config, workdir, checkpoint_dir, multi_process, run_start, compiling=compiling, **given)
     state, data_digest, every, log = run.state, run.data_digest, config.checkpoint.every_steps, run.log
-    watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index())
+    progress.mark("compiled", run.start_step)
+    watchdog = StepWatchdog(config.watchdog_seconds, rank=jax.process_index(), progress=progress)
+    log.watchdog = watchdog  # ticked as each step is seen done: arms it, and marks the step's progress
     trace = metrics_lib.StepTrace(os.path.join(workdir, "profile"), run.start_step + 1, config.profile_steps,
                                   enabled=jax.process_index() == 0)
     # The loop moves data only explicitly (batch placement, metric reads): an implicit
@@ -226,7 +233,7 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
                                                    async_save=config.checkpoint.async_save, hmac_key=hmac_key)
     resumed = rundir.resume(checkpointer, config, parts.abstract_state, parts.placement.state, parts.workers,
-                            user_data) if resuming else None
+                            user_data, setup.relayout(parts, mesh)) if resuming else None
     state = resumed.state if resuming else setup.init_state(config, parts, mesh)
     saved = resumed.metadata if resuming else {}
     # --config.cluster: every record's sim_time_s, the run's modelled time on that cluster (dtx.perf.simclock)

@@ -15,11 +15,12 @@ class StepWatchdog:
     """Aborts the process when no step completes for ``timeout`` seconds.
 
     Armed at the first :meth:`tick` (compilation happens before it), so a long
-    first compile is never mistaken for a hang. ``timeout <= 0`` disables it.
+    first compile is never mistaken for a hang. ``timeout <= 0`` disables it. ``progress``
+    (a :class:`dtx.run.progress.Progress`) is marked with each ticked step.
     """
 
-    def __init__(self, timeout: float, rank: int = 0):
-        self.timeout, self.rank = float(timeout), rank
+    def __init__(self, timeout: float, rank: int = 0, progress=None):
+        self.timeout, self.rank, self.progress = float(timeout), rank, progress
         self._last = None
         self._step = 0
         self._stop = threading.Event()
@@ -27,6 +28,8 @@ class StepWatchdog:
 
     def tick(self, step: int) -> None:
         self._step, self._last = step, time.monotonic()
+        if self.progress is not None:  # dtx.run.progress: what the launcher reads to name a stalled rank
+            self.progress.mark("training", step)
 
     def __enter__(self) -> StepWatchdog:
         if self.timeout > 0:

@@ -7,8 +7,11 @@ coordinator on 127.0.0.1 and their CPU collectives go over gloo — the same cod
 path as a multi-host cluster, on one machine. Output of process ``i`` goes to
 ``WORKDIR/logs/process_<i>.log``. If one process fails, the others are stopped
 and the launcher exits non-zero naming the first failed rank — or, when a rank
-stopped responding and a healthy peer aborted on noticing it (JAX's coordination
-service reports missing heartbeats), the stuck rank. SIGTERM is forwarded to
+stopped responding and a healthy peer aborted on noticing it, the stuck rank: a
+process stopped by a signal, one JAX's coordination service reports as sending no
+heartbeats, or (after a step watchdog abort) the rank whose progress stopped first,
+read from the per-rank progress files (:mod:`dtx.run.progress`) in the logs folder.
+It also prints the last step every rank completed. SIGTERM is forwarded to
 every process (each then saves at the same step and exits 0). The processes also
 die with the launcher: on Linux the kernel kills them when it dies, even by
 SIGKILL, so none trains on as an orphan (the run resumes from its last checkpoint).
@@ -17,6 +20,7 @@ SIGKILL, so none trains on as an orphan (the run resumes from its last checkpoin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -30,6 +34,8 @@ import time
 from dtx import _sigterm
 from dtx import mesh as mesh_lib
 from dtx.run import lock as lock_lib
+from dtx.run import progress as progress_lib
+from dtx.run.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from dtx.run.lock import WorkdirInUse, WorkdirLock
 
 GRACE_SECONDS = 10  # after a failure, how long the survivors get before being killed
@@ -57,6 +63,9 @@ def launch_main(argv: list[str]) -> int:
         return 2
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
+    for rank in range(args.processes):  # a previous launch's progress would pass for this one's
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(logs, f"progress_{rank}.json"))
     port = free_port()
     command = [sys.executable, "-m", "dtx.tools.cli", "train", args.experiment, "--workdir", workdir, *rest,
                f"--config.emulate_cpu_devices={args.devices_per_process}"]
@@ -76,7 +85,8 @@ def launch_main(argv: list[str]) -> int:
     try:
         for rank in range(args.processes if not terminated else 0):
             env = {**os.environ, mesh_lib.ENV_COORDINATOR: f"127.0.0.1:{port}", lock_lib.ENV_HELD: lock.token(),
-                   mesh_lib.ENV_NUM_PROCESSES: str(args.processes), mesh_lib.ENV_PROCESS_ID: str(rank)}
+                   mesh_lib.ENV_NUM_PROCESSES: str(args.processes), mesh_lib.ENV_PROCESS_ID: str(rank),
+                   progress_lib.ENV_DIR: logs}
             log = open(os.path.join(logs, f"process_{rank}.log"), "w")
             starting.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                               preexec_fn=_die_with(os.getpid())), log))
@@ -154,13 +164,16 @@ def _supervise(processes, logs: str) -> int:
     waiters = [threading.Thread(target=wait, args=(rank, p), daemon=True) for rank, (p, _) in enumerate(processes)]
     for waiter in waiters:
         waiter.start()
-    first_failure, deadline = None, None
+    spawned_at = time.time()
+    first_failure, deadline, stopped = None, None, []
     while any(waiter.is_alive() for waiter in waiters):
         with lock:
             failures = sorted(e for e in exits if e[2] != 0)
         if failures and first_failure is None:
             _, rank, code = failures[0]
             first_failure, deadline = (rank, code), time.monotonic() + GRACE_SECONDS
+            # Before anything is signalled: a process stopped by a signal (SIGSTOP) is the stuck one.
+            stopped = [r for r, (p, _) in enumerate(processes) if _stopped(p.pid)]
             print(f"dtx launch: process {rank} failed (exit code {code}); stopping the others. "
                   f"See {os.path.join(logs, f'process_{rank}.log')}", file=sys.stderr, flush=True)
             for process, _ in processes:
@@ -178,17 +191,41 @@ def _supervise(processes, logs: str) -> int:
     print(f"dtx launch: exit codes in order of exit: {summary}", file=sys.stderr)
     if first_failure is not None:
         rank, code = first_failure
-        stuck = stuck_ranks(logs, len(processes), rank)
-        if stuck:
-            print(f"dtx launch: failed; rank {', '.join(map(str, stuck))} is stuck (stopped sending heartbeats); "
+        records = {r: progress_lib.read(logs, r, spawned_at) for r in range(len(processes))}
+        stuck, why = _stuck(logs, rank, code, stopped, records)
+        if stuck and stuck != [rank]:
+            print(f"dtx launch: failed; rank {', '.join(map(str, stuck))} is stuck ({why}); "
                   f"rank {rank} noticed and aborted (exit code {code}). See "
                   f"{os.path.join(logs, f'process_{stuck[0]}.log')}", file=sys.stderr)
         else:
             print(f"dtx launch: failed; first failed rank: {rank} (exit code {code})", file=sys.stderr)
+        print("dtx launch: last completed step: " + ", ".join(
+            f"rank {r}: {progress_lib.describe(records[r])}" for r in sorted(records)), file=sys.stderr)
         return 1
     with open(os.path.join(logs, "process_0.log")) as f:
         print("\n".join(f.read().strip().splitlines()[-2:]))  # rank 0's summary line
     return 0
+
+
+def _stuck(logs: str, failed: int, code: int, stopped: list[int], records: dict) -> tuple[list[int], str]:
+    """The ranks to blame for a failure first seen at rank ``failed``, and why."""
+    if stopped:
+        return stopped, "its process was stopped by a signal, e.g. SIGSTOP"
+    heartbeats = stuck_ranks(logs, len(records), failed)
+    if heartbeats:
+        return heartbeats, "stopped sending heartbeats"
+    if code == WATCHDOG_EXIT:  # a step watchdog fired: the rank that got least far held the others up
+        return progress_lib.behind(records)[:1], "stopped making progress first"
+    return [failed], "failed first"
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (Linux /proc; elsewhere never)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def free_port() -> int:

@@ -1,0 +1,63 @@
+"""Per-rank progress files: what each process of a ``dtx launch`` job last got through, so the
+launcher can name the rank that stopped first without parsing any log.
+
+Each rank rewrites ``<dir>/progress_<rank>.json`` (``{"phase", "step", "time"}``) at every start-up
+phase and every completed step; the directory comes from ``DTX_PROGRESS_DIR``, which ``dtx launch``
+sets (``WORKDIR/logs``). Outside a launch nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+ENV_DIR = "DTX_PROGRESS_DIR"
+# In the order a rank goes through them; "spawned" is the launcher's own mark (no file yet).
+PHASES = ("spawned", "started", "initialized", "compiled", "training")
+
+
+class Progress:
+    """Writes this rank's progress file (a no-op when ``directory`` is empty)."""
+
+    def __init__(self, directory: str | None, rank: int):
+        self.path = os.path.join(directory, f"progress_{rank}.json") if directory else None
+
+    @classmethod
+    def from_env(cls, rank: int) -> Progress:
+        return cls(os.environ.get(ENV_DIR), rank)
+
+    def mark(self, phase: str, step: int = 0) -> None:
+        """Record ``phase`` (one of :data:`PHASES`) and ``step``, the steps completed so far."""
+        if self.path is None:
+            return
+        # Written aside, then renamed: the launcher never reads half a file.
+        partial = self.path + ".tmp"
+        with open(partial, "w") as f:
+            json.dump({"phase": phase, "step": int(step), "time": time.time()}, f)
+        os.replace(partial, self.path)
+
+
+def read(directory: str, rank: int, spawned_at: float) -> dict:
+    """Rank ``rank``'s last progress; ``{"phase": "spawned", ...}`` before it wrote any."""
+    try:
+        with open(os.path.join(directory, f"progress_{rank}.json")) as f:
+            record = json.load(f)
+        if record.get("phase") in PHASES:
+            return record
+    except (OSError, ValueError):
+        pass
+    return {"phase": "spawned", "step": 0, "time": spawned_at}
+
+
+def behind(records: dict[int, dict]) -> list[int]:
+    """Ranks ordered from the one that got least far (phase, then steps) and, at a tie, stopped
+    advancing earliest: the first is the rank that stopped making progress first."""
+    return sorted(records, key=lambda r: (PHASES.index(records[r]["phase"]), records[r]["step"], records[r]["time"]))
+
+
+def describe(record: dict) -> str:
+    """``step 12`` once training, else ``no step (initialized)``: the start-up phase it reached."""
+    if record["phase"] == "training":
+        return f"step {record['step']}"
+    return f"no step ({record['phase']})"
