@@ -240,6 +240,26 @@ def test_a_rank_blocked_in_its_input_pipeline_is_named_by_the_step_watchdog(tmp_
     assert names_rank_1, stderr
     assert _last_steps(stderr) == {0: 5, 1: 4}, stderr  # rank 0 ran into step 5's collective; rank 1 never did
 
+
+def test_after_a_watchdog_abort_the_rank_that_got_least_far_is_named(tmp_path):
+    """No processes: from progress files alone, the rank behind (fewer steps; at a tie, the earlier
+    mark; a rank with no file is still at spawn) is blamed, not the rank whose watchdog fired first."""
+    from dtx.run import progress
+    from dtx.tools import launch
+
+    for rank, step in ((0, 7), (1, 6), (2, 7)):
+        progress.Progress(str(tmp_path), rank).mark("training", step)
+    (tmp_path / "progress_4.json").write_text('{"phase": "trai')  # half a file reads as no progress
+    records = {r: progress.read(str(tmp_path), r, spawned_at=0.0) for r in range(5)}
+    assert records[3]["phase"] == records[4]["phase"] == "spawned"
+    assert progress.behind(records)[:3] == [3, 4, 1]
+    del records[3], records[4]
+    assert launch._stuck(str(tmp_path), 0, launch.WATCHDOG_EXIT, [], records) == ([1], "stopped making progress first")
+    assert launch._stuck(str(tmp_path), 0, 1, [], records)[0] == [0]  # a crash: the crashed rank
+    assert launch._stuck(str(tmp_path), 0, launch.WATCHDOG_EXIT, [2], records)[0] == [2]  # a stopped process
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
     """SIGKILL to `dtx launch` (it cannot forward anything): its workers stop too instead of training on
     as orphans (the kernel kills them as their parent dies; the run resumes from its last checkpoint)."""
     launcher, ranks = _start_training_launch(tmp_path)
