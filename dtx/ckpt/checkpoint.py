@@ -47,6 +47,8 @@ MANIFEST_VERSION = integrity.MANIFEST_VERSION
 SUPERSEDED = "superseded"  # where a resume moves the steps newer than the one it restored
 SAVE_TIMEOUT_S = 1200  # a save's bound (orbax's default); waits end 30 s after it
 STOPPING_TIMEOUT_S = 120  # what a run stopping on an error gives its pending save
+# resume's and restore's relayout: (saved config, saved arrays) -> (the saved layout's target, convert) or None
+Relayout = Callable[[dict, dict], "tuple[Any, Callable[[Any], Any]] | None"]
 _STUCK: list[threading.Thread] = []  # waits that gave up on a save: its orbax thread is stuck too
 
 
@@ -197,7 +199,7 @@ class Checkpointer:
         self._check_tree(step_dir)
         return integrity.read_manifest(step_dir, self._key).metadata
 
-    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
+    def restore(self, step: int, target: Any, relayout: Relayout | None = None) -> tuple[Any, dict]:
         """Restore checkpoint ``step`` into the layout of ``target``.
 
         Args:
@@ -205,6 +207,7 @@ class Checkpointer:
           target: a pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set (e.g.
             from :func:`abstract_target`): the shapes and dtypes the run expects and
             where each array should live — any mesh or device count.
+          relayout: as :meth:`resume`'s (a step saved in another layout than ``target``'s).
 
         Returns:
           ``(state, metadata)``.
@@ -216,7 +219,7 @@ class Checkpointer:
             data whose digests differ from the manifest — on any process.
         """
         try:
-            restored, manifest, error = *self._attempt(step, target), None
+            restored, manifest, error = *self._attempt(step, target, relayout=relayout), None
         except CheckpointDamaged as e:
             error = e
         if not _everyone(error is None):
@@ -224,9 +227,13 @@ class Checkpointer:
                                              "process (see that process's log)")
         return restored, manifest.metadata
 
-    def resume(self, target: Any, *, step: int | None = None,
-               check: Callable[[dict], None] | None = None) -> Resumed:
+    def resume(self, target: Any, *, step: int | None = None, check: Callable[[dict], None] | None = None,
+               relayout: Relayout | None = None) -> Resumed:
         """Restore the newest step that verifies, or exactly ``step``; ``check(metadata)`` may refuse one.
+
+        ``relayout(saved config, saved arrays)`` may name another layout of the same state for a step whose arrays
+        differ from ``target``'s (a pipeline's stage rows against the model's tree): ``(its target, convert)``, the
+        step restored and verified as saved, then converted into ``target``'s layout; or None.
 
         A damaged step (:class:`CheckpointDamaged`) is skipped, saying so on stderr, unless
         ``step`` was asked for; any other error (``check``'s, a mismatch) ends the resume.
@@ -239,7 +246,7 @@ class Checkpointer:
         skipped = []
         for candidate in [step] if step is not None else steps[::-1]:
             try:
-                restored, manifest, error = *self._attempt(candidate, target, check), None
+                restored, manifest, error = *self._attempt(candidate, target, check, relayout), None
             except CheckpointDamaged as e:
                 error = e
             if _everyone(error is None):
@@ -255,13 +262,19 @@ class Checkpointer:
                                 "into a new --workdir")
 
     # ------------------------------------------------------------------ helpers
-    def _attempt(self, step: int, target: Any, check: Callable[[dict], None] | None = None):
+    def _attempt(self, step: int, target: Any, check: Callable[[dict], None] | None = None,
+                 relayout: Relayout | None = None):
         """This process's restore of ``step``, verified against the manifest: ``(state, manifest)``."""
         step_dir = self._step_dir(step)
         self._check_tree(step_dir)
         manifest = integrity.read_manifest(step_dir, self._key)
         if check is not None:
             check(manifest.metadata)
+        convert = None
+        if relayout is not None and not _matches(manifest, target):
+            other = relayout(manifest.metadata.get("config") or {}, manifest.arrays)
+            if other is not None:
+                target, convert = other
         _check_matches(manifest, target, step_dir)
         handler = handlers.state_handler()
         try:
@@ -275,7 +288,7 @@ class Checkpointer:
         names = dict(flatten(ocp.tree.get_param_names(target, include_empty_nodes=False)))  # orbax's array names
         integrity.verify_restored(manifest, restored, step_dir,
                                   lambda path, region: integrity.read_stored_region(step_dir, names[path], region))
-        return restored, manifest
+        return (restored if convert is None else convert(restored)), manifest
 
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(int(step)))
@@ -351,6 +364,13 @@ def _whole_array(leaf) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     return np.asarray(jax.device_get(leaf))
+
+
+def _matches(manifest: integrity.Manifest, target: Any) -> bool:
+    """Whether ``target``'s arrays are the saved ones: the same paths, shapes and dtypes."""
+    expected = dict(flatten(target))
+    saved = {path: (list(shape), dtype) for path, (shape, dtype, _) in manifest.arrays.items()}
+    return saved == {path: (list(leaf.shape), np.dtype(leaf.dtype).name) for path, leaf in expected.items()}
 
 
 def _check_matches(manifest: integrity.Manifest, target: Any, step_dir: str) -> None:

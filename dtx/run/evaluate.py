@@ -175,7 +175,7 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
         if chosen not in steps:
             raise RunError(f"--step {chosen}: {directory} holds no checkpoint {chosen}; it holds {steps}")
         target = checkpoint_lib.abstract_target(parts.abstract_state, parts.placement.state)
-        state, _ = checkpointer.restore(chosen, target)
+        state, _ = checkpointer.restore(chosen, target, setup.relayout(parts, mesh))  # a step of another layout too
     finally:
         checkpointer.close()
     return Restored(config, mesh, dataset, parts, state, chosen, directory)

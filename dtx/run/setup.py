@@ -319,6 +319,18 @@ def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
                             parts.placement.state, parts.strategy, parts.compressor)
 
 
+def relayout(parts: Parts, mesh):
+    """How this run restores a checkpoint saved in the other layout (:func:`dtx.step.pipeline.relayout`): a pipeline's
+    stage rows into the model's tree, or the tree into this pipeline's rows."""
+    tree_state = abstract_train_state(parts.model, parts.tx, parts.example, parts.loss_scaler, parts.strategy,
+                                      parts.compressor, parts.workers)
+    plan = parts.placement.pipeline.plan if parts.placement.pipeline is not None else None
+    def pipelined(saved: dict) -> bool:  # the saved run's parallel block: its layout cut stages
+        return saved.get("name") in parallel.LAYOUTS and bool(parallel.get_layout(saved["name"]).stages)
+    return step_pipeline.relayout(parts.model, parts.tx, parts.example, tree_state, parts.abstract_state,
+                                  parts.placement.state, mesh, plan, pipelined)
+
+
 def compile_step(train_step, state: TrainState, batch):
     """The step's executable; lowering and compiling here fills the cache its first call uses."""
     return train_step.lower(state, batch).compile()
