@@ -182,7 +182,7 @@ def test_rank_0_stopped_before_it_registers_is_named_within_startup_seconds(tmp_
     """SIGSTOP rank 0 (the coordinator) as it starts, before it registers: rank 1 gives up joining after
     `startup_seconds` (the probe: ~317 s, past the watchdog, blaming rank 0 only by chance), the launcher
     names rank 0 -- stopped, at start-up -- not rank 1, the one that gave up."""
-    launcher = _launch(tmp_path, "--config.startup_seconds=20")
+    launcher = _launch(tmp_path, "--config.startup_seconds=10")
     ranks, deadline = {}, time.time() + 30
     while 0 not in ranks and time.time() < deadline:
         ranks = _rank_pids(tmp_path, launcher.pid)
@@ -199,7 +199,7 @@ def test_rank_0_stopped_before_it_registers_is_named_within_startup_seconds(tmp_
     assert "first failed rank" not in stderr
     assert _last_steps(stderr) == {0: None, 1: None}, stderr  # neither reached a step
     assert not (tmp_path / "metrics.jsonl").exists()
-    assert time.time() - stopped_at < 20 + 100, "the job must stop once startup_seconds=20 has passed, not 300 s"
+    assert time.time() - stopped_at < 10 + 100, "the job must stop once startup_seconds=10 has passed, not 300 s"
 
 
 # An experiment whose rank 1 blocks in its input pipeline before step 5: alive and heartbeating, it never
