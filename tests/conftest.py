@@ -5,6 +5,7 @@ and *fails* (never skips) when it is wrong, e.g. because a plugin started JAX fi
 """
 
 import os
+import time
 
 # A collective that hangs (DESIGN.md §2) should fail in seconds, not minutes.
 # The suite's programs are compiled with LLVM at -O1 instead of XLA:CPU's default -O2: about half the
@@ -38,11 +39,12 @@ _BY_FILE: dict = {}
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Each test file's share of this process's compiles (its tests' set-up included), for the stats."""
-    before = (_COMPILING.backend_s, _COMPILING.programs, _COMPILING.hits)
+    before = (_COMPILING.backend_s, _COMPILING.programs, _COMPILING.hits, time.perf_counter())
     yield
-    seconds, programs, hits = _BY_FILE.get(item.fspath.basename, (0.0, 0, 0))
+    seconds, programs, hits, wall = _BY_FILE.get(item.fspath.basename, (0.0, 0, 0, 0.0))
     _BY_FILE[item.fspath.basename] = (seconds + _COMPILING.backend_s - before[0],
-                                      programs + _COMPILING.programs - before[1], hits + _COMPILING.hits - before[2])
+                                      programs + _COMPILING.programs - before[1], hits + _COMPILING.hits - before[2],
+                                      wall + time.perf_counter() - before[3])
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -55,7 +57,8 @@ def pytest_sessionfinish(session, exitstatus):
         with open(path, "a") as f:
             f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
                                 **_COMPILING.record(), "compile_only_s": round(_COMPILING.compile_s, 3),
-                                "files": {name: [round(t, 1), n, h] for name, (t, n, h) in _BY_FILE.items()}}) + "\n")
+                                "files": {name: [round(t, 1), n, h, round(w, 1)]  # compile s, programs, hits, wall s
+                                          for name, (t, n, h, w) in _BY_FILE.items()}}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -127,9 +130,10 @@ def run_steps():
 # The longest test files start first: the suite runs file by file on one process per core
 # (--dist=loadfile), so a long file handed out last would keep one core busy while the others idle.
 # Measured with --durations on 2 cores (seconds, 2026-12-01); any file not listed keeps its place after these.
-_LONGEST_FIRST = ("test_launch.py", "test_checkpoint.py", "test_docs.py", "test_parallel.py", "test_notebook.py",
-                  "test_compress.py", "test_trainer.py", "test_activations.py", "test_zero.py", "test_strategies.py",
-                  "test_tasks.py", "test_step.py", "test_integrity.py", "test_memory.py", "test_models_zoo.py")
+_LONGEST_FIRST = ("test_launch.py", "test_checkpoint.py", "test_docs.py", "test_compile_level.py", "test_tasks.py",
+                  "test_parallel.py", "test_notebook.py", "test_pipeline_parallel.py", "test_compress.py",
+                  "test_strategies.py", "test_trainer.py", "test_integrity.py", "test_activations.py", "test_zero.py",
+                  "test_step.py", "test_memory.py", "test_models_zoo.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
