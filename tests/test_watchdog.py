@@ -49,3 +49,26 @@ print("done")
 def test_watchdog_waits_for_the_first_step_and_spares_a_live_process():
     run = subprocess.run([sys.executable, "-c", _ALIVE], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr
+
+
+_PAUSED = _LOAD + """
+import time
+with StepWatchdog(0.5, rank=0) as watchdog:
+    watchdog.tick(7)
+    with watchdog.paused():  # an evaluation longer than the timeout is not a hang
+        time.sleep(1.5)
+    watchdog.tick(8)
+    time.sleep(0.2)  # the clock started again when the pause ended
+print("done")
+with StepWatchdog(0.5, rank=2) as watchdog:
+    watchdog.tick(9)
+    with watchdog.paused():
+        pass
+    time.sleep(30)  # stuck after the pause: watched again
+"""
+
+
+def test_watchdog_spares_a_paused_evaluation_and_watches_again_after_it():
+    run = subprocess.run([sys.executable, "-c", _PAUSED], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.stdout.strip() == "done", run.stderr
+    assert run.returncode == EXIT_CODE and "rank 2" in run.stderr and "step 9" in run.stderr

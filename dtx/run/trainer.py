@@ -146,7 +146,8 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             # Waits for the step before (lag-1), reads it once, records it every log_every steps.
             log.dispatched(step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < run.num_steps and run.tests:
-                run.writer.write(step + 1, evaluate(run.eval_step, state, run.tests, run.parts.task))
+                with watchdog.paused():  # an evaluation (and its first compile) may outlast watchdog_seconds
+                    run.writer.write(step + 1, evaluate(run.eval_step, state, run.tests, run.parts.task))
             preempted = preemption.requested(step + 1)
             if run.checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == run.num_steps):
                 started = time.perf_counter()
@@ -162,13 +163,15 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         trace.stop()
 
         if run.checkpointer:
-            run.checkpointer.close()  # waits for the last save; a failed save raises here
+            with watchdog.paused():  # bounded by the checkpointer's own timeout
+                run.checkpointer.close()  # waits for the last save; a failed save raises here
         if preempted:
             run.writer.write(int(to_host(state.step)), {"preempted": 1})
             saved = run.checkpointer is not None and run.checkpointer.latest_step() == int(to_host(state.step))
             return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True, saved=saved)
 
-        final = evaluate(run.eval_step, state, run.tests, run.parts.task) if run.tests else {}
+        with watchdog.paused():
+            final = evaluate(run.eval_step, state, run.tests, run.parts.task) if run.tests else {}
         if final:
             run.writer.write(run.num_steps, final)
     return TrainResult(state=state, metrics=final, workdir=workdir)

@@ -3,6 +3,7 @@ JAX has not noticed yet) aborts the job with a message naming the step and the r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -23,6 +24,7 @@ class StepWatchdog:
         self.timeout, self.rank, self.progress = float(timeout), rank, progress
         self._last = None
         self._step = 0
+        self._paused = False
         self._stop = threading.Event()
         self._thread = None
 
@@ -30,6 +32,19 @@ class StepWatchdog:
         self._step, self._last = step, time.monotonic()
         if self.progress is not None:  # dtx.run.progress: what the launcher reads to name a stalled rank
             self.progress.mark("training", step)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Work between steps that may outlast ``timeout`` without being stuck (an evaluation of a large
+        test split and its first compile, the wait for the last checkpoint): not watched; the clock
+        starts again when it ends."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            if self._last is not None:
+                self._last = time.monotonic()
+            self._paused = False
 
     def __enter__(self) -> StepWatchdog:
         if self.timeout > 0:
@@ -42,7 +57,7 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
-            if self._last is not None and time.monotonic() - self._last > self.timeout:
+            if not self._paused and self._last is not None and time.monotonic() - self._last > self.timeout:
                 print(f"dtx watchdog: rank {self.rank} made no progress for {self.timeout:.0f} s after step "
                       f"{self._step}; aborting the job (a stuck collective or a dead peer)",
                       file=sys.stderr, flush=True)
