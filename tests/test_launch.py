@@ -157,18 +157,24 @@ def test_a_stuck_rank_is_named_not_the_rank_that_noticed(tmp_path):
     one (the probe found it blaming rank 0, the healthy detector). `heartbeat_seconds` bounds the wait: the
     job stops within it (plus start-up of the abort), not after the 30 s default."""
     launcher, ranks = _start_training_launch(tmp_path, "--config.heartbeat_seconds=10")
-    os.kill(ranks[1], signal.SIGSTOP)
-    stopped_at = time.time()
-    try:
-        _, stderr = launcher.communicate(timeout=150)
-    finally:
-        if os.path.exists(f"/proc/{ranks[1]}"):
-            os.kill(ranks[1], signal.SIGKILL)
+    stderr, waited = _stop_until_the_job_ends(launcher, ranks[1], timeout=150)
     assert launcher.returncode != 0
     assert "rank 1 is stuck" in stderr, stderr
     assert "first failed rank: 0" not in stderr
     assert "last completed step: rank 0: step " in stderr, stderr  # both ranks were training
-    assert time.time() - stopped_at < 30 + 15, "the job must stop once heartbeat_seconds=10 has passed, not after 30 s"
+    assert waited < 30 + 15, "the job must stop once heartbeat_seconds=10 has passed, not after 30 s"
+
+
+def _stop_until_the_job_ends(launcher, pid, timeout):
+    """SIGSTOP ``pid`` and wait for the launcher to end the job: its stderr, and the seconds it took."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        _, stderr = launcher.communicate(timeout=timeout)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)
+    return stderr, time.time() - stopped_at
 
 
 def _last_steps(stderr):
@@ -187,19 +193,13 @@ def test_rank_0_stopped_before_it_registers_is_named_within_startup_seconds(tmp_
     while 0 not in ranks and time.time() < deadline:
         ranks = _rank_pids(tmp_path, launcher.pid)
     assert 0 in ranks, "rank 0's process must exist"
-    os.kill(ranks[0], signal.SIGSTOP)
-    stopped_at = time.time()
-    try:
-        _, stderr = launcher.communicate(timeout=240)
-    finally:
-        if os.path.exists(f"/proc/{ranks[0]}"):
-            os.kill(ranks[0], signal.SIGKILL)
+    stderr, waited = _stop_until_the_job_ends(launcher, ranks[0], timeout=240)
     assert launcher.returncode != 0
     assert "rank 0 is stuck (its process was stopped" in stderr, stderr
     assert "first failed rank" not in stderr
     assert _last_steps(stderr) == {0: None, 1: None}, stderr  # neither reached a step
     assert not (tmp_path / "metrics.jsonl").exists()
-    assert time.time() - stopped_at < 10 + 100, "the job must stop once startup_seconds=10 has passed, not 300 s"
+    assert waited < 10 + 100, "the job must stop once startup_seconds=10 has passed, not 300 s"
 
 
 # An experiment whose rank 1 blocks in its input pipeline before step 5: alive and heartbeating, it never
