@@ -9,9 +9,14 @@ drivers where they apply, and k = 1, 2, 4 on 8 devices (a 64-32-10 MLP, compiled
 - where a device can hold its own whole gradient (data, ZeRO-1) the step reduces once, after the
   micro-batch loop, under ``jit`` as under ``shard_map``: its bytes do not grow with k (they were k×
   under ``jit``, XLA reducing every micro-batch's gradient inside the loop);
+- the model-parallel layouts (model, hybrid, rules) map the loss over model groups: a split layer's
+  gradient is reduced across the groups once, after the loop (k× fewer all-reduce bytes than before at
+  k = 4 when every layer is split); a data-parallel layer among them is summed inside its group per
+  micro-batch (the group's devices split its examples) and across the groups once;
 - ZeRO-2 reduce-scatters each micro-batch's gradient (its definition) and ZeRO-1 does not, so they
-  are different programs under ``jit`` too; FSDP and the model-parallel layouts reduce per micro-batch
-  and their records say so (k trips).
+  are different programs under ``jit`` too; FSDP reduces per micro-batch (each device holds only its
+  shard of the gradient: an unreduced whole one would be the memory FSDP exists to save) and its
+  records say so (k trips).
 
 And the values: the per-shard accumulation under ``jit`` trains a batch-norm CNN exactly as
 ``shard_map``'s synchronised batch norm does (statistics of each whole micro-batch).
@@ -32,12 +37,19 @@ from dtx.step.state import abstract_train_state, init_train_state
 BATCH = 64
 KS = (1, 2, 4)
 CASES = [("data", "shard_map"), ("zero1", "shard_map"), ("zero2", "shard_map"),
-         ("data", "jit"), ("zero1", "jit"), ("zero2", "jit"), ("fsdp", "jit"), ("model", "jit")]
+         ("data", "jit"), ("zero1", "jit"), ("zero2", "jit"), ("fsdp", "jit"), ("model", "jit"), ("hybrid", "jit"),
+         ("rules", "jit")]
+RULES = (("Dense_0/kernel", (None, "model")),)  # the hidden layer split, the output layer data parallel
 GRADIENT_KINDS = ("all-reduce", "reduce-scatter")
 
 
 def _mesh(layout):
-    return mesh_lib.make_mesh([("data", 4), ("model", 2)] if get_layout(layout).needs_model_axis else [("data", 8)])
+    return mesh_lib.make_mesh([("data", 4), ("model", 2)] if layout in ("model", "hybrid", "rules")
+                              else [("data", 8)])
+
+
+def _place(layout, model, tx, example, mesh):
+    return get_layout(layout).place(abstract_train_state(model, tx, example), mesh, RULES if layout == "rules" else ())
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +61,7 @@ def programs(digits):
     out = {}
     for layout, driver in CASES:
         mesh = _mesh(layout)
-        placement = get_layout(layout).place(abstract_train_state(model, tx, example), mesh)
+        placement = _place(layout, model, tx, example, mesh)
         state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
         batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
         for k in KS:
@@ -65,9 +77,10 @@ def programs(digits):
     return out
 
 
-def _gradient_collectives(compiled):
-    """The collectives that carry more than the averages' few scalars: the gradients'."""
-    return [c for c in hlo.collectives(compiled) if c.kind in GRADIENT_KINDS and c.operand_bytes > 64]
+def _gradient_collectives(compiled, kinds=GRADIENT_KINDS):
+    """The collectives that carry more than the averages' few scalars: the gradients' (and a model-parallel
+    layer's input gradient, a reduce-scatter: pass ``kinds=("all-reduce",)`` to leave it out)."""
+    return [c for c in hlo.collectives(compiled) if c.kind in kinds and c.operand_bytes > 64]
 
 
 def _bytes(collectives):
@@ -108,7 +121,33 @@ def test_zero2_reduce_scatters_every_micro_batch_and_zero1_once(programs, driver
     assert _bytes(zero2) > 3 * _bytes(zero1)
 
 
-@pytest.mark.parametrize("layout", ["zero2", "fsdp", "model"])
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("layout", ["model", "hybrid"])
+def test_split_layers_gradients_are_reduced_once_per_step(programs, layout, k):
+    """Every layer of the MLP split over ``model`` (model; hybrid splits every Dense): the gradients'
+    all-reduce runs once, after the loop, with the bytes of k = 1 (give or take the loss's two scalars
+    riding in it) — k× fewer than when XLA reduced every micro-batch's gradient (4 × 4,820 B at k = 4)."""
+    gradients = _gradient_collectives(programs[layout, "jit", k][0], ("all-reduce",))
+    assert gradients and all(c.trips == 1 for c in gradients), gradients
+    across = [c for c in gradients if c.group_size == 4]  # over the 4 model groups
+    once = [c for c in _gradient_collectives(programs[layout, "jit", 1][0], ("all-reduce",)) if c.group_size == 4]
+    operands = lambda cs: sum(c.operand_bytes * c.trips for c in cs)  # noqa: E731
+    assert across and 0 <= operands(across) - operands(once) <= 8
+
+
+def test_rules_reduce_split_layers_once_and_data_parallel_layers_in_their_group(programs):
+    """``rules`` splitting the hidden layer only: the gradient crossing the model groups is reduced once
+    (trips 1); inside the loop only the data-parallel output layer's gradient (32·10 + 10 floats) is summed,
+    over its model group of 2."""
+    collectives = _gradient_collectives(programs["rules", "jit", 4][0], ("all-reduce",))
+    across = [c for c in collectives if c.group_size > 2]
+    inside = [c for c in collectives if c.trips == 4]
+    assert across and all(c.trips == 1 for c in across), collectives
+    assert inside and all(c.group_size == 2 and c.operand_bytes <= (32 * 10 + 10) * 4 + 8 for c in inside)
+    assert set(collectives) == set(across) | set(inside)
+
+
+@pytest.mark.parametrize("layout", ["zero2", "fsdp"])
 def test_per_micro_batch_reductions_are_recorded_k_times(programs, layout):
     """Layouts that reduce each micro-batch's gradient: the loop's gradient collectives (those whose size
     does not shrink with the micro-batch) count k times, so their bytes at k = 4 are twice those at k = 2."""
@@ -141,3 +180,47 @@ def test_jit_accumulation_with_batch_norm_trains_as_shard_map(digits):
     for a, b in zip(jax.tree.leaves(finals["jit"]), jax.tree.leaves(finals["shard_map"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     assert not np.allclose(jax.tree.leaves(finals["jit"][1])[0], 0.0)  # the statistics moved
+
+
+@pytest.mark.parametrize("layout", ["model", "hybrid", "rules"])
+def test_model_parallel_accumulation_equals_one_device(digits, layout):
+    """The MLP under a model-parallel layout, 4 micro-batches mapped over the model groups, 2 steps of
+    momentum: the parameters and loss of one device's whole-batch steps (no batch norm: k does not change
+    the mathematics). Held to 1e-6 (float32 sums in another order)."""
+    tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
+    model = models.build_model("mlp", features=(32,))
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    finals = {}
+    for key, mesh, name, k in (("one", mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1]), "data", 1),
+                               ("split", _mesh(layout), layout, 4)):
+        placement = _place(name, model, tx, example, mesh)
+        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+        step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=k, placement=placement))
+        loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+        for s in range(2):
+            state, metrics = step(state, loader.batch(s))
+        finals[key] = jax.device_get((state.params, metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(finals["split"]), jax.tree.leaves(finals["one"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+
+
+def test_hybrid_accumulation_with_batch_norm_trains_as_shard_map(digits):
+    """LeNet with batch norm under hybrid (convolutions data parallel, Dense layers split over model
+    groups of 2), 2 micro-batches: each group's shard normalises with the whole micro-batch's statistics
+    (its own devices' by the layout, the other groups' by name), as data parallelism under shard_map
+    does with synchronised batch norm. Held to 1e-5 over 2 steps."""
+    model = models.build_model("lenet", conv_features=(4,), dense_features=(16,))
+    tx = optim.make_optimizer("sgd", 0.1)
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    finals = {}
+    for layout, driver in (("data", "shard_map"), ("hybrid", "jit")):
+        mesh = _mesh(layout)
+        placement = _place(layout, model, tx, example, mesh)
+        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+        step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=2, placement=placement))
+        loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+        for s in range(2):
+            state, metrics = step(state, loader.batch(s))
+        finals[layout] = jax.device_get((state.params, state.model_state, metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(finals["hybrid"]), jax.tree.leaves(finals["data"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)

@@ -58,10 +58,26 @@ class ActivationLayout:
     Attributes:
       mesh: the device mesh.
       kernels: the model-parallel layers: layer path (``"fc6"``) -> its kernel's spec.
+      mapped: mesh axes a surrounding ``jax.vmap`` already splits the batch over (its ``spmd_axis_name``,
+        :meth:`inside_map`): left out of every constraint, which then places one mapped shard.
     """
 
     mesh: Mesh
     kernels: Mapping[str, PartitionSpec]
+    mapped: tuple[str, ...] = ()
+
+    def inside_map(self, axes: tuple[str, ...]) -> ActivationLayout:
+        """This layout for the body of a ``jax.vmap`` over shards along mesh ``axes`` (``spmd_axis_name``;
+        :mod:`dtx.step.accumulate`): vmap adds those axes to every constraint, so they must not be in it.
+        Only axes a model group does not span can be mapped (a layer's group gather stays inside a shard)."""
+        if mesh_lib.MODEL_AXIS in axes:
+            raise ValueError(f"a model-parallel layer's group cannot be split by a map over {axes}")
+        return dataclasses.replace(self, mapped=tuple(axes))
+
+    def _batch(self, group: bool = False):
+        """The spec entry of a data-parallel (``group``: model-parallel) layer's batch, less the mapped axes."""
+        axes = mesh_lib.group_batch_axes(self.mesh) if group else mesh_lib.batch_axes(self.mesh)
+        return _axes_entry(tuple(a for a in axes if a not in self.mapped))
 
     def __call__(self, arriving: PartitionSpec | None = None):
         """The interception context; ``arriving``: where the model's input is (default: the batch split)."""
@@ -103,7 +119,7 @@ class ActivationLayout:
         params = module.variables["params"]
         local = module.clone(parent=None, name=None, features=module.features // size)
         gather_features = arriving[-1] == model
-        batch = _axes_entry(mesh_lib.batch_axes(self.mesh))
+        batch = self._batch()
         x_spec = arriving if gather_features else PartitionSpec(batch, *[None] * (x.ndim - 1))
         _, out_spec = self.specs("/".join(module.path), x.ndim, x.ndim)
         split = {"kernel": PartitionSpec(*[None] * (params["kernel"].ndim - 1), model), "bias": PartitionSpec(model)}
@@ -119,8 +135,7 @@ class ActivationLayout:
     def _arriving(self, ndim: int, arriving: PartitionSpec | None) -> PartitionSpec:
         """Where an activation of rank ``ndim`` is, given the previous layer's output spec."""
         if arriving is None or len(arriving) != ndim:  # e.g. a flatten in between: the batch split carries
-            first = arriving[0] if arriving is not None and len(arriving) else _axes_entry(
-                mesh_lib.batch_axes(self.mesh))
+            first = arriving[0] if arriving is not None and len(arriving) else self._batch()
             arriving = PartitionSpec(first, *[None] * (ndim - 1))
         return arriving
 
@@ -128,10 +143,10 @@ class ActivationLayout:
         """``(input spec, output spec)`` of ``layer`` for activations of these ranks (batch first)."""
         kernel = self.kernels.get(layer)
         if kernel is None:  # data parallel: the batch over every device, features whole
-            batch = _axes_entry(mesh_lib.batch_axes(self.mesh))
+            batch = self._batch()
             return PartitionSpec(batch, *[None] * (in_ndim - 1)), PartitionSpec(batch, *[None] * (out_ndim - 1))
         kernel = tuple(kernel) + (None,) * max(0, 2 - len(kernel))
-        batch = _axes_entry(mesh_lib.group_batch_axes(self.mesh))
+        batch = self._batch(group=True)
         # The kernel's last two dimensions are (input features, output features) for Dense and Conv.
         return (PartitionSpec(batch, *[None] * (in_ndim - 2), kernel[-2]),
                 PartitionSpec(batch, *[None] * (out_ndim - 2), kernel[-1]))

@@ -17,39 +17,75 @@ statistics over the shards by name (``axis_name``), as synchronised batch norm d
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dtx import mesh as mesh_lib
 
 SHARD_AXIS = "shards"  # the vmapped shard dimension's name (batch norm's statistics are averaged over it)
 
 
 class Apart(NamedTuple):
-    """How a ``jit`` step lays out per-shard values (module docstring)."""
+    """How a ``jit`` step lays out per-shard values (module docstring).
 
+    A shard is one device (data parallelism, ZeRO-1), or with a ``model`` axis one model group: its
+    devices share the shard's examples at a model-parallel layer, so only the other axes are mapped, and
+    inside a shard the activation layout (:meth:`dtx.parallel.activations.ActivationLayout.inside_map`)
+    places the examples and features on the group's devices as it does without the map.
+    """
+
+    mesh: Mesh
     axes: tuple[str, ...]  # the mesh axes the shard dimension lies along (vmap's ``spmd_axis_name``)
-    place: Callable  # constrains a tree of leading-shard-dimension arrays to lie along ``axes``
+    params: Any = None  # the parameters' PartitionSpecs (how each shard's gradient is split); None: whole
+
+    @property
+    def shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def within(self) -> int:
+        """Devices per shard (a model group's size; 1 without one): they share the shard's examples."""
+        return math.prod(self.mesh.shape[a] for a in mesh_lib.batch_axes(self.mesh) if a not in self.axes)
+
+    def place(self, tree, specs=None):
+        """Constrain a tree of ``(shards, ...)`` arrays: the shard dimension along ``axes``, the rest as
+        ``specs`` (a matching tree of PartitionSpecs; default: whole)."""
+        specs = specs if specs is not None else jax.tree.map(lambda _: PartitionSpec(), tree)
+        return jax.tree.map(lambda x, spec: lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, PartitionSpec(self.axes, *spec))), tree, specs)
+
+    def micro(self, x):
+        """Constrain a ``(k, shards, rows, ...)`` stack of micro-batches: each shard's rows on its devices."""
+        rest = tuple(a for a in mesh_lib.batch_axes(self.mesh) if a not in self.axes)
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(None, self.axes, rest or None)))
 
 
-def gradients(grad_fn, params, model_state, batch, rng, k: int, shards: int, constrain, apart: Apart):
+def gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Apart):
     """``(grads, loss, metrics, model_state)`` of ``k`` micro-batches, every shard's gradients summed apart and
     reduced once after the loop (module docstring). ``grad_fn``: ``jax.value_and_grad`` of the body's loss.
 
-    Micro-batch ``i`` is the ``i``-th ``1/k`` of every shard's slice, the micro-batches of
-    :func:`dtx.step.body.gradients`. Each shard's loss is a mean over its own examples (or its sums over
+    Micro-batch ``i`` is the ``i``-th ``1/k`` of every device's slice, the micro-batches of
+    :func:`dtx.step.body.gradients`; a shard of a model group's ``within`` devices takes their slices' ``i``-th
+    ``1/k`` together (nothing moves). Each shard's loss is a mean over its own examples (or its sums over
     the global count per shard, see :func:`dtx.step.body.valid_denominator`), so the mean over shards is
     the micro-batch's.
     """
     per_shard = jax.vmap(grad_fn, in_axes=(None, 0, 0, 0), axis_name=SHARD_AXIS, spmd_axis_name=apart.axes)
 
-    def split(x):  # (B, ...) -> (k, shards, B / (shards k), ...)
-        x = x.reshape((shards, k, x.shape[0] // (shards * k)) + x.shape[1:])
-        return constrain(jnp.swapaxes(x, 0, 1))
+    shards, within = apart.shards, apart.within
 
-    def spread(tree):  # a copy per shard, on its own device
-        return apart.place(jax.tree.map(lambda x: jnp.broadcast_to(x, (shards,) + x.shape), tree))
+    def split(x):  # (B, ...) -> (k, shards, B / (shards k), ...), device-major within a shard
+        x = x.reshape((shards, within, k, x.shape[0] // (shards * within * k)) + x.shape[1:])
+        x = jnp.moveaxis(x, 2, 0)
+        return apart.micro(x.reshape((k, shards, -1) + x.shape[4:]))
+
+    def spread(tree):  # a copy per shard, on its own devices
+        return apart.place(_copies(tree, shards))
 
     micro_batches = jax.tree.map(split, batch)
     shard_ids = jnp.arange(shards)
@@ -67,8 +103,8 @@ def gradients(grad_fn, params, model_state, batch, rng, k: int, shards: int, con
     first = jax.tree.map(lambda x: x[0], micro_batches)
     names = jax.eval_shape(lambda: per_shard(params, spread(model_state), first, jax.random.split(rng, shards)))
     zero = apart.place(jnp.zeros((shards,), jnp.float32))
-    init = (spread(jax.tree.map(jnp.zeros_like, params)), zero, {name: zero for name in names[0][1][1]},
-            spread(model_state))
+    accumulator = apart.place(_copies(jax.tree.map(jnp.zeros_like, params), shards), apart.params)
+    init = (accumulator, zero, {name: zero for name in names[0][1][1]}, spread(model_state))
     (grads, loss, values, states), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
     # The step's one reduction: the sum over the shard dimension (its mean over shards and micro-batches).
     scale = 1.0 / (shards * k)
@@ -76,3 +112,7 @@ def gradients(grad_fn, params, model_state, batch, rng, k: int, shards: int, con
     # Batch norm's statistics are averaged over the shards inside the loop: every copy is the same.
     model_state = jax.tree.map(lambda s: s.mean(0).astype(s.dtype), states)
     return grads, loss.sum() * scale, {n: v.sum() * scale for n, v in values.items()}, model_state
+
+
+def _copies(tree, shards: int):
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (shards,) + x.shape), tree)

@@ -119,7 +119,7 @@ def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, sc
     finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``). Where the
     averages are the records' own collective (:func:`records_collective`) they run only with ``record``,
     and the model state stays this worker's."""
-    denominator = valid_denominator(task, batch, axes, accum_steps, strategy, shards if apart else 1)
+    denominator = valid_denominator(task, batch, axes, accum_steps, strategy, apart.shards if apart else 1)
     model_state = model_state_of(state, strategy)
     loss_fn = make_loss_fn(model, policy, task, layout, list(model_state), denominator,
                            functools.partial(scaler.scale_loss, state.loss_scale))
@@ -239,7 +239,7 @@ def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, ax
         return grads, loss, values, model_state
     if apart is not None:
         _check_split(batch, shards, k)
-        return accumulate.gradients(grad_fn, params, model_state, batch, rng, k, shards, constrain, apart)
+        return accumulate.gradients(grad_fn, params, model_state, batch, rng, k, apart)
 
     _check_split(batch, shards, k)
 

@@ -7,11 +7,12 @@ alike. Their bytes cannot be counted while tracing: ``dtx train`` reads them fro
 program (:func:`dtx.comm.hlo.total`).
 
 With gradient accumulation the gradients are reduced once per step, as under ``shard_map``: each
-shard's are summed apart over the micro-batches (:mod:`dtx.step.accumulate`) — for the layouts whose
-devices each hold a whole gradient (data, ZeRO-1). ZeRO-2 and FSDP reduce every micro-batch's gradient
-to their split accumulator (that is what they are), and the model-parallel layouts (model, hybrid, rules) reduce every
-micro-batch's gradient too: their layers gather activations across the shards of a model group, which
-a per-shard map cannot express. The records count each loop's collectives once per trip.
+shard's are summed apart over the micro-batches (:mod:`dtx.step.accumulate`). A shard is a device where
+each device holds a whole gradient (data, ZeRO-1), and a model group under the model-parallel layouts
+(model, hybrid, rules): their split layers gather activations inside a group, so only the other axes
+are mapped; a data-parallel layer among them is still summed inside its group per micro-batch. ZeRO-2
+and FSDP reduce every micro-batch's gradient to their split accumulator (that is what they are). The
+records count each loop's collectives once per trip.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ class JitDriver:
                        if gradients is not None else _identity)
         micro_sharding = NamedSharding(mesh, PartitionSpec(None, mesh_lib.batch_axes(mesh)))
         apart = _apart(mesh, spec)
+        layout = _activations(placement)
         if apart is not None:  # batch norm inside the per-shard map: statistics over all shards, as in one pass
             model = batchnorm.synchronise(model, (accumulate.SHARD_AXIS,))
+            if placement is not None and placement.activations is not None:
+                layout = placement.activations.inside_map(apart.axes)
         train = functools.partial(
             body.train_body, model=model, tx=tx, policy=spec.policy, scaler=spec.loss_scaler,
             accum_steps=spec.accum_steps, strategy=spec.strategy or strategies.sync(),
             compressor=spec.compressor or compress.none(), comm=self.comm(mesh, spec), axes=(),
             shards=mesh_lib.data_parallel_size(mesh),
-            constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=_activations(placement),
+            constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=layout,
             split_grads=split_grads, split_micro=split_grads if placement is not None and placement.shard_accumulator
             else _identity, task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm, apart=apart)
         state_sharding = _state_sharding(mesh, placement)
@@ -73,16 +77,22 @@ class JitDriver:
 
 def _apart(mesh: Mesh, spec: StepSpec) -> accumulate.Apart | None:
     """With accumulation, each shard's gradient summed apart and reduced once per step
-    (:mod:`dtx.step.accumulate`), where a device can hold its own whole gradient: whole parameters, and
-    no per-micro-batch reduce-scatter (ZeRO-2's is its definition; under FSDP each device holds only
-    its shard of the gradient). Model-parallel layouts reduce per micro-batch (the module docstring)."""
+    (:mod:`dtx.step.accumulate`), where a shard can hold its own unreduced gradient laid out as the
+    parameters are: one device per shard with whole parameters (data, ZeRO-1), one model group per shard
+    when kernels are split over ``model`` and over nothing the map runs along (model, hybrid, rules).
+    ZeRO-2 and FSDP split every micro-batch's gradient over all devices: that is what they are."""
     placement = spec.placement
-    if spec.accum_steps == 1 or (placement is not None and not placement.whole_gradients):
+    if spec.accum_steps == 1:
         return None
-    axes = mesh_lib.batch_axes(mesh)
-    sharding = NamedSharding(mesh, PartitionSpec(axes))
-    return accumulate.Apart(axes, lambda tree: jax.tree.map(
-        lambda x: lax.with_sharding_constraint(x, sharding), tree))
+    if placement is None or placement.whole_gradients:
+        return accumulate.Apart(mesh, mesh_lib.batch_axes(mesh))
+    axes = mesh_lib.group_batch_axes(mesh)
+    specs = jax.tree.map(lambda s: s.spec, placement.state.params)
+    used = {a for p in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) for entry in p
+            for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    if placement.layout.zero_stage != 0 or placement.activations is None or used & set(axes):
+        return None
+    return accumulate.Apart(mesh, axes, specs)
 
 
 def _state_sharding(mesh: Mesh, placement):
