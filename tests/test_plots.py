@@ -106,6 +106,26 @@ def test_step_time_plots_mark_the_checkpoint_saves():
     assert _panel(runs, "loss", "step", {}).marks == {}  # the loss does not pay for a save
 
 
+def test_plots_against_the_step_mark_each_elastic_restart():
+    """`dtx launch --elastic` records a `membership` entry per start: every plot against the step marks each
+    restart (not the first start) at the step it restored, naming its processes and mesh; time axes do not."""
+    from dtx.tools.plots import _panel, restarts
+
+    runs = _runs_evaluated_at_the_end()
+    first = {"restart": 0, "processes": 2, "mesh": {"data": 4}, "grad_accum_steps": 1, "restored_step": 0}
+    runs["a"][0]["membership"] = first
+    runs["a"][1]["membership"] = {**first, "restart": 1, "processes": 1, "mesh": {"data": 2}, "grad_accum_steps": 2,
+                                  "restored_step": 5}
+    assert restarts(runs["a"]) == [(5, "restart 1: 1 process, data=2, accumulation 2")]
+    one = _panel({"a": runs["a"]}, "loss", "step", {})
+    assert one.marks == {"restart 1: 1 process, data=2, accumulation 2": [5]}
+    two = _panel(runs, "step_time_ms", "step", {})
+    assert two.marks["a: restart 1: 1 process, data=2, accumulation 2"] == [5]
+    for record in runs["a"]:
+        record["elapsed_s"] = float(record["step"])
+    assert _panel({"a": runs["a"]}, "loss", "time", {}).marks == {}  # a restart is a step, not a moment
+
+
 def test_marks_and_bars_draw_and_a_bad_kind_is_refused(tmp_path):
     import pytest
 

@@ -72,3 +72,26 @@ def test_watchdog_spares_a_paused_evaluation_and_watches_again_after_it():
     run = subprocess.run([sys.executable, "-c", _PAUSED], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert run.stdout.strip() == "done", run.stderr
     assert run.returncode == EXIT_CODE and "rank 2" in run.stderr and "step 9" in run.stderr
+
+
+def test_a_paused_watchdog_renews_the_progress_mark_the_launcher_bounds():
+    """While paused (an evaluation, the last save) the rank is alive though it completes no step: its watchdog
+    thread renews the progress mark each ~timeout/4, so dtx launch's stall bound (no mark for watchdog_seconds
+    + 20 s) spares it; a SIGSTOPped rank stops renewing it (tests/test_launch.py)."""
+    from dtx.run.watchdog import StepWatchdog
+
+    class Marks:
+        def __init__(self):
+            self.seen = []
+
+        def mark(self, phase, step=0):
+            self.seen.append((phase, step, time.monotonic()))
+
+    marks = Marks()
+    with StepWatchdog(0.4, rank=0, progress=marks) as watchdog:
+        watchdog.tick(5)
+        paused_at = time.monotonic()
+        with watchdog.paused():
+            time.sleep(0.8)
+    renewed = [m for m in marks.seen if m[2] > paused_at]
+    assert renewed and all(m[:2] == ("training", 5) for m in renewed), marks.seen

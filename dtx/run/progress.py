@@ -1,9 +1,11 @@
 """Per-rank progress files: what each process of a ``dtx launch`` job last got through, so the
 launcher can name the rank that stopped first without parsing any log.
 
-Each rank rewrites ``<dir>/progress_<rank>.json`` (``{"phase", "step", "time"}``) at every start-up
-phase and every completed step; the directory comes from ``DTX_PROGRESS_DIR``, which ``dtx launch``
-sets (``WORKDIR/logs``). Outside a launch nothing is written.
+Each rank rewrites ``<dir>/progress_<rank>.json`` (``{"phase", "step", "time"}`` and the run's
+``watchdog_seconds`` and ``startup_seconds``, which bound the launcher's own wait) at every start-up
+phase, every completed step, and every second of a pause between steps (an evaluation, the last
+save); the directory comes from ``DTX_PROGRESS_DIR``, which ``dtx launch`` sets (``WORKDIR/logs``).
+Outside a launch nothing is written.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ PHASES = ("spawned", "started", "initialized", "compiled", "training")
 class Progress:
     """Writes this rank's progress file (a no-op when ``directory`` is empty)."""
 
-    def __init__(self, directory: str | None, rank: int):
+    def __init__(self, directory: str | None, rank: int, limits: dict | None = None):
         self.path = os.path.join(directory, f"progress_{rank}.json") if directory else None
+        self.limits = dict(limits or {})  # the run's own bounds (watchdog_seconds, startup_seconds): the launcher's
 
     @classmethod
-    def from_env(cls, rank: int) -> Progress:
-        return cls(os.environ.get(ENV_DIR), rank)
+    def from_env(cls, rank: int, limits: dict | None = None) -> Progress:
+        return cls(os.environ.get(ENV_DIR), rank, limits)
 
     def mark(self, phase: str, step: int = 0) -> None:
         """Record ``phase`` (one of :data:`PHASES`) and ``step``, the steps completed so far."""
@@ -34,7 +37,7 @@ class Progress:
         # Written aside, then renamed: the launcher never reads half a file.
         partial = self.path + ".tmp"
         with open(partial, "w") as f:
-            json.dump({"phase": phase, "step": int(step), "time": time.time()}, f)
+            json.dump({"phase": phase, "step": int(step), "time": time.time(), **self.limits}, f)
         os.replace(partial, self.path)
 
 
@@ -61,3 +64,16 @@ def describe(record: dict) -> str:
     if record["phase"] == "training":
         return f"step {record['step']}"
     return f"no step ({record['phase']})"
+
+
+def stall_bound(record: dict, margin: float) -> float | None:
+    """Seconds a rank at ``record`` may go without a new mark before the launcher calls it stalled (``None``:
+    unbounded, the run turned its watchdog off). Training: ``watchdog_seconds`` -- every step and every second
+    of a pause renews the mark, and the rank's own watchdog fires first when a peer holds it up. Start-up
+    (joining, loading, restoring, compiling): ``startup_seconds`` + ``watchdog_seconds``. Plus ``margin``.
+    Before a rank's first file the defaults (300 s each) apply."""
+    watchdog = float(record.get("watchdog_seconds", 300.0))
+    startup = float(record.get("startup_seconds", 300.0))
+    if watchdog <= 0:
+        return None
+    return (watchdog if record["phase"] == "training" else startup + watchdog) + margin

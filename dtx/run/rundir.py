@@ -182,7 +182,7 @@ def check_shared_directory(directory: str) -> None:
 # Keys a resumed run may change: run length, logging, checkpointing and how (not what) it computes.
 RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_every", "eval_every",
                       "eval_batch_size", "watchdog_seconds", "heartbeat_seconds", "startup_seconds",
-                      "emulate_cpu_devices", "mesh",
+                      "emulate_cpu_devices", "mesh", "grad_accum_steps",
                       "driver", "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
                       "log_grad_norm", "compilation_cache", "wandb", "dataset.workers")
 
@@ -224,5 +224,5 @@ def check_resumable(saved: dict, config: ConfigDict) -> None:
     if saved and changed:
         raise config_lib.ConfigError(
             f"cannot resume: {', '.join(changed)} differ from the checkpointed run's config; set them back "
-            "or train into a new --workdir (only run length, logging, checkpointing, mesh, driver and "
+            "or train into a new --workdir (only run length, logging, checkpointing, mesh, accumulation, driver and "
             "allreduce may change on resume)")

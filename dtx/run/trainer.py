@@ -35,7 +35,7 @@ from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx import xla_cache
 from dtx.run import metrics as metrics_lib
-from dtx.run import preflight, rundir, setup, steplog
+from dtx.run import elastic, preflight, rundir, setup, steplog
 from dtx.perf import simclock
 from dtx.data import tasks as tasks_lib
 from dtx.data import userdata
@@ -98,7 +98,8 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     if config.emulate_cpu_devices:
         mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
     xla_cache.enable(config.compilation_cache)  # a second launch loads its programs instead of compiling
-    progress = Progress.from_env(int(os.environ.get(mesh_lib.ENV_PROCESS_ID, "0")))  # dtx launch reads it
+    progress = Progress.from_env(int(os.environ.get(mesh_lib.ENV_PROCESS_ID, "0")),  # dtx launch reads it
+                                 {"watchdog_seconds": config.watchdog_seconds, "startup_seconds": config.startup_seconds})
     progress.mark("started")
     multi_process = mesh_lib.initialize_distributed(config.distributed, config.heartbeat_seconds,
                                                     config.startup_seconds)
@@ -274,6 +275,8 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                               **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
                               **{k: v for k, v in program.items() if k != "model_flops_per_step"},
                               **({"resumed_from": start_step} if resuming else {}),
+                              # dtx launch --elastic: who this start runs on (dtx.run.elastic; dtx plot marks it)
+                              **elastic.record(dict(mesh.shape), config.grad_accum_steps, start_step),
                               **(compiling.record("startup_") if compiling else {}),
                               **({"resume_skipped": [{"step": s, "reason": why} for s, why in resumed.skipped]}
                                  if resuming and resumed.skipped else {})})

@@ -57,6 +57,10 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
+            if self._paused and self._last is not None and self.progress is not None:
+                # Alive though not stepping (an evaluation, the last save): the launcher's stall bound
+                # (dtx.tools.launch) reads the progress file's time; a stopped process stops renewing it.
+                self.progress.mark("training", self._step)
             if not self._paused and self._last is not None and time.monotonic() - self._last > self.timeout:
                 print(f"dtx watchdog: rank {self.rank} made no progress for {self.timeout:.0f} s after step "
                       f"{self._step}; aborting the job (a stuck collective or a dead peer)",

@@ -16,7 +16,9 @@ Each PNG says what it shows without help: axes carry names and units (:func:`axi
 every run records once (``test_accuracy`` of runs evaluated only at the end) is drawn as labelled bars,
 one per run, so equal values cannot hide each other; a run's single point among other runs' lines is a
 marker labelled with its name; the step-time and throughput plots mark the steps a checkpoint was saved
-(``checkpoint_saved`` in the records: the save's seconds fall into that record's window); and the
+(``checkpoint_saved`` in the records: the save's seconds fall into that record's window); every plot
+against the step marks each elastic restart at the step it restored, naming its processes and mesh
+(``membership`` records, ``dtx launch --elastic``); and the
 simulated-time plots name the cluster each run was timed on (its ``config.json``).
 
 The drawing itself is :mod:`dtx.figures`' (re-exported here: :func:`line_plot`, :func:`panels_plot`).
@@ -105,6 +107,19 @@ def checkpoint_steps(records: list[dict]) -> list[int]:
     return sorted({int(step) for r in records for step in r.get("checkpoint_saved") or ()})
 
 
+def restarts(records: list[dict]) -> list[tuple[int, str]]:
+    """Each elastic restart (``membership`` records, :mod:`dtx.run.elastic`, from the first restart on): the step
+    it restored and what it ran on, e.g. ``(5, "restart 1: 1 process, data=2, accumulation 2")``."""
+    found = []
+    for r in records:
+        m = r.get("membership")
+        if isinstance(m, dict) and m.get("restart", 0) >= 1:
+            mesh = ", ".join(f"{axis}={size}" for axis, size in m.get("mesh", {}).items())
+            found.append((int(m["restored_step"]), f"restart {m['restart']}: {m['processes']} process"
+                          f"{'es' if m['processes'] != 1 else ''}, {mesh}, accumulation {m['grad_accum_steps']}"))
+    return found
+
+
 def run_cluster(workdir: str | os.PathLike) -> str:
     """The cluster a run's simulated clock modelled (``cluster.name`` of its ``config.json``; '' for none)."""
     try:
@@ -141,6 +156,11 @@ def _panel(runs: Mapping[str, list[dict]], key: str, x: str, clusters: Mapping[s
             if saves:
                 mark = f"{name}: checkpoint saved" if len(lines) > 1 else "checkpoint saved (that step's time includes it)"
                 marks[mark], colors[mark] = saves, name
+    if x == "step":  # an elastic restart: the step it went back to, on which processes and mesh
+        for name in lines:
+            for step, what in restarts(runs[name]):
+                mark = f"{name}: {what}" if len(lines) > 1 else what
+                marks[mark], colors[mark] = [step], name
     return Panel(lines, title=title, xlabel=xlabel, ylabel=ylabel, logy=key == "loss", marks=marks,
                  mark_colors=colors)
 
