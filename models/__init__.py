@@ -21,6 +21,7 @@ from dtx.config import ConfigError, is_import_path, parameters, register_check, 
 
 from .lenet import LeNet
 from .mlp import MLP
+from .remat import check_policy
 from .overfeat import OverFeatFast
 from .resnet import ResNet18, ResNet50
 from .speech_dnn import SpeechDNN
@@ -38,8 +39,10 @@ MODELS: dict[str, type[nn.Module]] = {
     "transformer": Transformer,
 }
 
-# Set by dtx from the dataset and the precision policy, never by the user's model block.
-_RESERVED = ("num_classes", "dtype", "param_dtype", "norm_axis_name", "parent", "name")
+# Set by dtx from the dataset, the precision policy, the driver and remat.policy, never by the user's model block
+# (a model takes those it declares as fields).
+_SUPPLIED = ("num_classes", "dtype", "param_dtype", "norm_axis_name", "remat")
+_RESERVED = _SUPPLIED + ("parent", "name")
 
 
 class ModelConfigError(ConfigError):
@@ -88,18 +91,30 @@ def build_model(name: str, **kwargs) -> nn.Module:
     """
     cls = model_class(name)
     settings = model_fields(name)
-    unknown = sorted(set(kwargs) - set(settings) - set(_RESERVED[:4]))
+    unknown = sorted(set(kwargs) - set(settings) - set(_SUPPLIED))
     if unknown:
         raise ModelConfigError(_no_setting(name, unknown[0], settings))
     declared = {f.name for f in dataclasses.fields(cls) if f.init}
-    for key in sorted(set(kwargs) & set(_RESERVED[:4]) - declared):
+    for key in sorted(set(kwargs) & set(_SUPPLIED) - declared):
         value = kwargs.pop(key)
+        if key == "remat" and value != "none":
+            raise ModelConfigError(_no_remat(name, value))
         if key in ("dtype", "param_dtype") and value is not None and np.dtype(value) != np.float32:
             raise ModelConfigError(f"model {name!r} has no field {key!r}, so the precision policy's "
                                    f"{np.dtype(value).name} cannot reach its layers; give the class fields "
                                    "dtype and param_dtype (default jnp.float32) and pass them to its layers, or keep "
                                    "--config.precision at float32")
     return cls(**kwargs)
+
+
+def takes_remat(name: str) -> bool:
+    """Whether model ``name`` declares a ``remat`` field (it then applies ``remat.policy`` to its blocks)."""
+    return any(f.name == "remat" and f.init for f in dataclasses.fields(model_class(name)))
+
+
+def _no_remat(name: str, policy) -> str:
+    return (f"remat.policy={policy!r}: model {name!r} does not take a rematerialisation policy (it declares no "
+            "'remat' field; the transformer does); use --config.remat.policy=none with it")
 
 
 def _no_setting(name: str, key: str, settings) -> str:
@@ -118,6 +133,10 @@ def check_config(config) -> None:
             f"--config.model.name={block.name} (or dtx.override(config, **{{'model.name': {block.name!r}}})) replaces "
             "the block with that model's defaults, then --config.model.KEY=VALUE applies; an experiment file "
             f"assigns the whole block, config.model = ConfigDict(dict(name={block.name!r}, ...))")
+    policy = config.remat.policy if "remat" in config else "none"
+    check_policy(policy)
+    if policy != "none" and not takes_remat(block.name):
+        raise ModelConfigError(_no_remat(block.name, policy))
     if not is_import_path(block.name):  # your own class checks its own fields
         for key, default in settings.items():
             _check_integers(f"model.{key}", block.get(key, default), default)

@@ -5,11 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+
+from .remat import check_policy, checkpoint_policy
+
+
+def causal_attention(query, key, value):
+    """``jax.nn.dot_product_attention`` with a causal mask, as flax's ``attention_fn``: ``(batch, time, heads,
+    head_dim)`` in and out, scores ``q·k/sqrt(head_dim)``, softmax in float32 (XLA's implementation, or a fused
+    kernel where the backend has one). No dropout on the attention weights (see :class:`Block`)."""
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True)
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm block: ``x + attention(LN(x))``, then ``x + MLP(LN(x))``."""
+    """Pre-LayerNorm block: ``x + attention(LN(x))``, then ``x + MLP(LN(x))``.
+
+    Attention is :func:`causal_attention` (``jax.nn.dot_product_attention``) unless dropout on the attention
+    weights is on (``dropout_rate > 0`` while training), which it does not do: then flax's own
+    ``nn.dot_product_attention`` with the causal ``mask`` and weight dropout. Both have the same parameters.
+    """
 
     d_model: int
     num_heads: int
@@ -22,8 +37,13 @@ class Block(nn.Module):
     def __call__(self, x, mask, train: bool):
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = nn.LayerNorm(**dense)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout_rate,
-                                            deterministic=not train, **dense)(h, h, mask=mask)
+        if train and self.dropout_rate > 0:  # dropout on the attention weights: flax's unfused attention
+            h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout_rate,
+                                                deterministic=False, name="MultiHeadDotProductAttention_0",
+                                                **dense)(h, h, mask=mask)
+        else:
+            h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, attention_fn=causal_attention,
+                                                name="MultiHeadDotProductAttention_0", **dense)(h, h)
         x = x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
         h = nn.LayerNorm(**dense)(x)
         h = nn.gelu(nn.Dense(self.mlp_ratio * self.d_model, **dense)(h))
@@ -47,6 +67,8 @@ class Transformer(nn.Module):
       dropout_rate: dropout on attention weights and residual branches (training only).
       num_classes: vocabulary size (logits per position); set from the dataset.
       dtype / param_dtype: compute and stored dtypes (the precision policy's).
+      remat: the rematerialisation policy of each block (:mod:`dtx.models.remat`: ``none``, ``full``, ``dots``,
+        ``offload``); a run setting, ``remat.policy``, that dtx passes in (not a key of the ``model`` block).
     """
 
     num_layers: int = 2
@@ -58,6 +80,7 @@ class Transformer(nn.Module):
     num_classes: int = 256
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
@@ -75,8 +98,12 @@ class Transformer(nn.Module):
         x = x + positions[: tokens.shape[1]].astype(self.dtype)
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         mask = nn.make_causal_mask(tokens)  # position t attends to positions <= t only
-        for _ in range(self.num_layers):
-            x = Block(self.d_model, self.num_heads, self.mlp_ratio, self.dropout_rate, self.dtype,
-                      self.param_dtype)(x, mask, train)
+        policy = checkpoint_policy(check_policy(self.remat))
+        # The block's name is fixed, so that remat does not rename the parameters (nn.remat's class is
+        # CheckpointBlock); train (argument 3, self counted) is static: it chooses the attention function.
+        block = Block if policy is None else nn.remat(Block, policy=policy, static_argnums=(3,))
+        for i in range(self.num_layers):
+            x = block(self.d_model, self.num_heads, self.mlp_ratio, self.dropout_rate, self.dtype,
+                      self.param_dtype, name=f"Block_{i}")(x, mask, train)
         x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
         return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype)(x)

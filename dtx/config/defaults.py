@@ -168,6 +168,12 @@ def base_config() -> ConfigDict:
     c.loss_scale.backoff = 0.5
     c.loss_scale.min_scale = 1.0
 
+    # Rematerialisation (dtx.models.remat; models that declare a remat field, the transformer): what each block
+    # keeps for the backward pass: none (all) | full (its input; the block recomputed) | dots (its Dense outputs)
+    # | offload (those, in pinned host memory)
+    c.remat = ConfigDict()
+    c.remat.policy = "none"
+
     # Checkpoints (orbax): every N steps and at the end; SIGTERM saves at the next step and exits 0.
     c.checkpoint = ConfigDict()
     c.checkpoint.every_steps = 0  # 0: no checkpoints

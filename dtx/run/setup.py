@@ -113,7 +113,16 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     if model is None:
         model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
         model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
-                                   param_dtype=policy.params, **model_kwargs)
+                                   param_dtype=policy.params, remat=config.remat.policy, **model_kwargs)
+    elif config.remat.policy != "none" and getattr(model, "remat", "none") != config.remat.policy:
+        raise config_lib.ConfigError(
+            f"remat.policy={config.remat.policy!r} cannot reach the model you passed ({type(model).__name__}, "
+            f"remat={getattr(model, 'remat', None)!r}); build it with remat={config.remat.policy!r} or leave "
+            "remat.policy at none")
+    try:  # offload needs a pinned host memory space: refused here, naming the backend, not by the compiler
+        models.remat.check_backend(getattr(model, "remat", "none"), mesh.devices.flat)
+    except ValueError as error:
+        raise config_lib.ConfigError(str(error)) from None
     opt = config.optimizer
     peak_lr = optim.scaled_learning_rate(opt.learning_rate, config.global_batch_size, opt.base_batch_size,
                                          opt.scaling)

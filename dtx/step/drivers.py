@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
 import optax
 from jax.sharding import Mesh
 
 from dtx import compress, strategies
+from dtx.models import remat
 from dtx import mesh as mesh_lib
 from dtx.comm.algorithms import get_algorithm
 from dtx.config import ConfigError, register_check
@@ -87,7 +89,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
             raise StepError(f"communicate=False needs driver='shard_map' (under {driver.name!r} XLA places the "
                             "collectives)")
     _check_placement(driver, spec)
-    return driver.train_step(model, tx, mesh, spec)
+    step = driver.train_step(model, tx, mesh, spec)
+    options = remat.compiler_options(getattr(model, "remat", "none"), mesh.devices.flat[0].platform)
+    if options:  # the model recomputes blocks (remat.policy): a compiler that would undo it is told not to
+        step = jax.jit(step, donate_argnums=(0,) if spec.donate else (), compiler_options=options)
+    return step
 
 
 def make_eval_step(model: nn.Module, mesh: Mesh, spec: StepSpec | None = None) -> EvalStep:
