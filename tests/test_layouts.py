@@ -26,8 +26,9 @@ def _split(tree) -> set[str]:
             jax.tree_util.tree_leaves_with_path(tree) if not s.is_fully_replicated}
 
 
+# Stages: tests/test_pipeline_parallel.py; Megatron's pairs (a transformer's): tests/test_tensor_parallel.py.
 @pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items()
-                                  if layout.kernels != "explicit" and not layout.stages])  # stages: test_pipeline_parallel
+                                  if layout.kernels not in ("explicit", "paired") and not layout.stages])
 def test_what_a_layout_places_follows_its_declaration(abstract, name):
     layout = LAYOUTS[name]
     mesh = mesh_lib.make_mesh([("data", 4), ("model", 2)] if layout.needs_model_axis else [("data", 8)])
@@ -62,8 +63,8 @@ def test_a_layout_is_known_by_its_fields_not_its_name(abstract):
 
 
 def test_layouts_refuse_what_they_cannot_run():
-    with pytest.raises(PartitionError, match=r"unknown parallel.name 'tensor'; choose one of \['data'"):
-        get_layout("tensor")
+    with pytest.raises(PartitionError, match=r"unknown parallel.name 'megatron'; choose one of \['data'"):
+        get_layout("megatron")
     with pytest.raises(PartitionError, match=r"parallel.name='hybrid' needs a 'model' mesh axis"):
         get_layout("hybrid").param_rules(mesh_lib.make_mesh([("data", 8)]))
     with pytest.raises(PartitionError, match="kernels must be one of"):
@@ -72,6 +73,6 @@ def test_layouts_refuse_what_they_cannot_run():
     with pytest.raises(config_lib.ConfigError, match=r"parallel.rules=.* applies to parallel.name=rules only, "
                                                      r"not data \(parallel 'data' takes none\)"):
         config_lib.override(base, **{"parallel.rules": (("Dense_0/kernel", (None, "model")),)})
-    with pytest.raises(config_lib.ConfigError, match="unknown parallel.name 'tensor'"):
-        config_lib.override(base, **{"parallel.name": "tensor"})
+    with pytest.raises(config_lib.ConfigError, match="unknown parallel.name 'megatron'"):
+        config_lib.override(base, **{"parallel.name": "megatron"})
     config_lib.override(base, **{"parallel.name": "rules", "parallel.rules": (("Dense_0/kernel", (None, "model")),)})

@@ -126,8 +126,8 @@ def test_clear_errors(digits, lenet):
     for name in ("model", "hybrid"):
         with pytest.raises(PartitionError, match="needs a 'model' mesh axis"):
             make_rules(name, mesh8, params)
-    with pytest.raises(PartitionError, match="unknown parallel.name 'tensor'"):
-        make_rules("tensor", mesh8, params)
+    with pytest.raises(PartitionError, match="unknown parallel.name 'megatron'"):
+        make_rules("megatron", mesh8, params)
     with pytest.raises(PartitionError, match=r"Dense_1/kernel .* does not divide"):
         param_specs(make_rules("rules", mesh8, params, [("Dense_1/kernel", (None, "data"))]), params, mesh8)
     with pytest.raises(PartitionError, match="names axis 'model'"):

@@ -86,13 +86,18 @@ def base_config() -> ConfigDict:
     c.strategy.adam_eps = 0.0  # onebit_adam / onebit_lamb: Adam's epsilon (0: optax.adam's 1e-8 / dtx lamb's 1e-6)
 
     c.parallel = ConfigDict()
-    c.parallel.name = "data"  # data|model|hybrid|fsdp|zero1|zero2|rules|pipeline (model..rules: driver=jit)
+    c.parallel.name = "data"  # data|model|hybrid|fsdp|zero1|zero2|rules|pipeline|tensor (model..rules, tensor: jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
     # for name=pipeline (a "stage" mesh axis; grad_accum_steps micro-batches): the schedule, the layer indices where
     # stages 1.. start (() balances the stages by FLOPs), the stages per device (interleaved)
     c.parallel.schedule = "gpipe"  # gpipe | 1f1b | interleaved (virtual_stages chunks per device)
     c.parallel.boundaries = ()
     c.parallel.virtual_stages = 1
+
+    # parallel.name=tensor (a "model" mesh axis; docs/tensor_parallel.md): Megatron's heads and MLP split; with
+    # sequence_parallel the activations between them also split by positions (dataset.seq_len divisible by it)
+    c.tensor = ConfigDict()
+    c.tensor.sequence_parallel = False
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

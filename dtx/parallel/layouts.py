@@ -28,6 +28,9 @@ the layout and never compare its name. A new layout is one declaration and one l
   model's layer stack cut into stages along the ``stage`` axis, each stage's parameters one row
   (:mod:`dtx.parallel.stages`), run by :mod:`dtx.step.pipeline` with ``parallel.schedule`` and
   ``parallel.boundaries``.
+* ``tensor`` — Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053): attention heads and
+  the MLP split over the ``model`` axis, a column-split layer paired with a row-split one, and with
+  ``tensor.sequence_parallel`` Korthikanti et al.'s sequence parallelism (:mod:`dtx.parallel.tensor`).
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
-from dtx.config import check_block, register_check
+from dtx.config import ConfigError, check_block, register_check
 from dtx.parallel import rules as rules_lib
+from dtx.parallel import tensor as tensor_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
 from dtx.parallel.rules import PartitionError
 from dtx.parallel.stages import STAGE_AXIS
 
-KERNEL_SPLITS = ("none", "all", "dense", "explicit")
+KERNEL_SPLITS = ("none", "all", "dense", "explicit", "paired")
 
 
 class Placement(NamedTuple):
@@ -78,7 +82,8 @@ class Layout:
       name: its ``parallel.name``.
       kernels: which Dense/Conv kernels are split over the ``model`` axis by their output
         features — ``none``, ``all`` (model parallelism), ``dense`` (Das et al.'s hybrid) or
-        ``explicit`` (the user's ``parallel.rules``).
+        ``explicit`` (the user's ``parallel.rules``), or ``paired``: Megatron's column/row pairs
+        (:func:`dtx.parallel.tensor.megatron_rules`).
       zero_stage: what is split over every device along the batch axes: 0 nothing, 1 the
         optimizer state, 2 also the gradients while accumulated, 3 also the parameters (FSDP).
       drivers: the step drivers that run it (:mod:`dtx.step.drivers`).
@@ -88,6 +93,7 @@ class Layout:
       stages: whether it cuts the model into pipeline stages along the ``stage`` axis: the state is the
         stages' parameter rows (:mod:`dtx.parallel.stages`), placed by :meth:`place` from an abstract state
         already in rows.
+      block: the config block of its own settings (``tensor``), passed to :meth:`place` as keywords.
     """
 
     name: str
@@ -97,6 +103,7 @@ class Layout:
     cost_rank: int = 0
     settings: tuple[str, ...] = ()
     stages: bool = False
+    block: str = ""
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
@@ -105,7 +112,7 @@ class Layout:
     @property
     def needs_model_axis(self) -> bool:
         """Whether it splits kernels over a ``model`` mesh axis that must exist."""
-        return self.kernels in ("all", "dense")
+        return self.kernels in ("all", "dense", "paired")
 
     @property
     def replicated(self) -> bool:
@@ -135,6 +142,8 @@ class Layout:
         if abstract_params is None:
             raise PartitionError(f"parallel.name={self.name!r} derives its rules from the parameters; "
                                  "pass abstract_params")
+        if self.kernels == "paired":
+            return tensor_lib.megatron_rules(abstract_params, mesh, self.name)
         if self.zero_stage == 3:
             return rules_lib.fsdp_rules(abstract_params, mesh)
         return rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name)
@@ -147,10 +156,10 @@ class Layout:
             return rules_lib.fsdp_rules(abstract_params, mesh)
         return self.param_rules(mesh, abstract_params, explicit)
 
-    def place(self, abstract_state: Any, mesh: Mesh, explicit: Sequence = ()) -> Placement:
+    def place(self, abstract_state: Any, mesh: Mesh, explicit: Sequence = (), **settings) -> Placement:
         """Shardings of the whole state, of the reduced gradients (ZeRO 1/2) and the activation layout. A staged
         layout takes the state in rows (``params`` one ``(P, row)`` array): every leaf of that shape split over
-        ``stage``, the rest replicated."""
+        ``stage``, the rest replicated. ``settings``: those of the layout's :attr:`block`."""
         if self.stages:
             self.check(mesh)
             rows = tuple(abstract_state.params.shape)
@@ -162,7 +171,9 @@ class Layout:
         state = rules_lib.state_shardings(abstract_state, params, mesh, optimizer)
         gradients = (rules_lib.gradient_shardings(abstract_state.params, optimizer, mesh)
                      if self.zero_stage in (1, 2) else None)
-        activations = activation_layout(jax.tree.map(lambda s: s.spec, state.params), mesh)
+        specs = jax.tree.map(lambda s: s.spec, state.params)
+        activations = (tensor_lib.tensor_layout(specs, mesh, **settings) if self.kernels == "paired"
+                       else activation_layout(specs, mesh))
         return Placement(self, state, gradients, activations)
 
 
@@ -176,6 +187,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
     Layout("pipeline", drivers=("shard_map",), cost_rank=7, settings=("schedule", "boundaries", "virtual_stages"),
            stages=True),
+    Layout("tensor", kernels="paired", drivers=("jit",), cost_rank=4, block="tensor"),
 )}
 
 
@@ -203,6 +215,12 @@ def optimizer_rules(name: str | Layout, mesh: Mesh, abstract_params: Any = None,
 @register_check
 def check_config(config) -> None:
     """``parallel.name`` is a registered layout, and a ``parallel.*`` setting goes only to a layout that takes it
-    (``parallel.rules``: to ``rules``)."""
-    get_layout(config.parallel.name)
+    (``parallel.rules``: to ``rules``), a layout's own block (``tensor.*``) only to that layout."""
+    chosen = get_layout(config.parallel.name)
     check_block(config, "parallel", {name: layout.settings for name, layout in LAYOUTS.items()})
+    for layout in LAYOUTS.values():  # a layout's own block (tensor.*) is set only for it
+        for key, value in (config.get(layout.block) or {}).items() if layout.block != chosen.block else ():
+            if value:
+                raise ConfigError(f"{layout.block}.{key}={value!r} applies to parallel.name={layout.name}, not "
+                                  f"{config.parallel.name!r}: set --config.parallel.name={layout.name} or leave "
+                                  f"{layout.block}.{key} at its default")

@@ -160,7 +160,8 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     chosen, pipeline = parallel.get_layout(config.parallel.name), None
     if chosen.stages:  # the model's layers cut into stages; the state is their parameter rows
         pipeline, abstract_state = _pipeline(config, model, tx, example, abstract_state.params, mesh)
-    placement = chosen.place(abstract_state, mesh, config.parallel.rules)._replace(pipeline=pipeline)
+    settings = dict(config[chosen.block]) if chosen.block else {}  # the layout's own block (tensor.*)
+    placement = chosen.place(abstract_state, mesh, config.parallel.rules, **settings)._replace(pipeline=pipeline)
     layout = placement.activations
     if config.driver not in placement.layout.drivers:
         raise config_lib.ConfigError(

@@ -1,0 +1,373 @@
+"""Megatron tensor parallelism and sequence parallelism: column-split layers paired with row-split ones.
+
+Shoeybi et al., *Megatron-LM* (arXiv 1909.08053, §3): a transformer block's two weight pairs are split
+over the ``T`` devices of the ``model`` axis so that one reduction closes each pair. Attention's query,
+key and value projections are split by heads (columns), each device attends with its ``h/T`` heads, and
+the output projection is split by its input rows, so each device holds a partial sum of the block's
+output; the MLP's up-projection is split by columns, GELU runs on the split hidden units, the
+down-projection by rows. Forward: one all-reduce of ``B·S·H`` elements per pair (Megatron's ``g``);
+backward: one per pair of the input gradient (its ``f``) — two and two per block, ``B`` the examples
+of one data shard.
+
+Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (arXiv 2205.05198,
+§4.2.2), sequence parallelism (``tensor.sequence_parallel=True``): between the pairs the activations are
+split over ``T`` along the sequence, so LayerNorm, dropout and the residual adds run on ``1/T`` of the
+tokens and keep ``1/T`` of their activations; each all-reduce becomes a reduce-scatter onto the sequence
+split (after the row layer) and an all-gather from it (before the column layer) — the same bytes. The
+gathered input of a column layer is not kept for its weight gradient: it is gathered again in the
+backward pass (the paper's choice; one more all-gather per pair), so every activation of a block is
+``1/T``.
+
+Which layers pair is read from the parameters, never from edits to the model (:func:`megatron_rules`):
+a module with ``query``/``key``/``value``/``out`` kernels of rank 3 (flax's
+``MultiHeadDotProductAttention``: ``(in, heads, head_dim)`` and ``(heads, head_dim, out)``) is split by
+heads; two consecutive ``Dense`` layers of one module whose widths chain ``d → f → d`` are a column/row
+pair. Every other parameter (embeddings, positions, LayerNorms, the output head) is replicated. The
+activation layout (:class:`TensorLayout`) intercepts those modules (``nn.intercept_methods``) and runs
+each split one as a ``shard_map`` region with the collectives written out; the rest of the model sees
+the residual stream where the layout puts it:
+
+* the token ids: split by examples over the data axes (and by positions over ``model`` under SP);
+* embeddings, LayerNorms, residual adds: replicated over ``model`` (TP) or split by positions (SP);
+* the output head: split by examples over every axis under TP (``1/T`` of its work per device, its input
+  gradient all-gathered over ``model`` once per step), by positions under SP (no collective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+from flax.linen.dtypes import promote_dtype
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dtx import mesh as mesh_lib
+from dtx.config import ConfigError, register_check
+from dtx.paths import named_leaves
+from dtx.parallel.rules import PartitionError
+
+MODEL = mesh_lib.MODEL_AXIS
+BLOCK, SETTINGS = "tensor", ("sequence_parallel",)  # the config block of its settings, and its keys
+_ATTENTION = ("query", "key", "value", "out")
+
+
+def _fits(width: int, mesh: Mesh) -> list[int]:
+    """The ``model`` axis sizes that split ``width`` and the devices."""
+    return [t for t in range(1, mesh.size + 1) if mesh.size % t == 0 and width % t == 0]
+
+
+def _refuse(layout: str, layer: str, what: str, width: int, mesh: Mesh) -> PartitionError:
+    size = mesh.shape[MODEL]
+    return PartitionError(
+        f"parallel.name={layout!r} splits layer {layer!r}'s {width} {what} over the {MODEL!r} axis of size {size}, "
+        f"which does not divide them; use a {MODEL!r} axis size in {_fits(width, mesh)} (--config.mesh, e.g. "
+        f"--config.mesh='((\"data\", -1), (\"model\", {max(_fits(width, mesh))}))'), or a model whose {what} "
+        f"divide by {size}")
+
+
+def megatron_rules(abstract_params: Any, mesh: Mesh, layout: str = "tensor") -> list[tuple[str, P]]:
+    """Rules of Megatron's split read from the parameters' paths and shapes (module docstring): attention's
+    ``query``/``key``/``value`` kernels ``(in, heads, head_dim)`` split by heads and their biases with them,
+    ``out`` ``(heads, head_dim, out)`` by heads (its bias whole); each chaining pair of Dense layers split by
+    the first's output and the second's input (the second's bias whole); the rest replicated. A width ``T``
+    does not divide is refused naming the layer and the axis sizes that would split it."""
+    leaves = dict(named_leaves(abstract_params))
+    size = mesh.shape[MODEL]
+    rules: list[tuple[str, P]] = []
+
+    def rule(path: str, *spec) -> None:
+        rules.append((f"^{re.escape(path)}$", P(*spec)))
+
+    parents = {}
+    for path, leaf in leaves.items():
+        if path.endswith("/kernel"):
+            parent, _, layer = path[: -len("/kernel")].rpartition("/")
+            parents.setdefault(parent, {})[layer] = tuple(leaf.shape)
+    for parent, layers in parents.items():
+        prefix = parent + "/" if parent else ""
+        if all(layers.get(name, ()) and len(layers[name]) == 3 for name in _ATTENTION):  # a module's attention
+            module = parent
+            heads = layers["query"][1]
+            if heads % size:
+                raise _refuse(layout, module, "attention heads", heads, mesh)
+            for name in _ATTENTION[:3]:
+                rule(f"{prefix}{name}/kernel", None, MODEL, None)
+                if f"{prefix}{name}/bias" in leaves:
+                    rule(f"{prefix}{name}/bias", MODEL, None)
+            rule(f"{prefix}out/kernel", MODEL, None, None)
+            continue
+        dense = sorted((name for name, shape in layers.items() if len(shape) == 2 and re.fullmatch(r"Dense_\d+", name)),
+                       key=lambda name: int(name.split("_")[1]))
+        i = 0
+        while i + 1 < len(dense):
+            up, down = layers[dense[i]], layers[dense[i + 1]]
+            if up[1] == down[0] and down[1] == up[0]:  # d -> f -> d: Megatron's MLP
+                if up[1] % size:
+                    raise _refuse(layout, prefix + dense[i], "hidden units (the MLP's width)", up[1], mesh)
+                rule(f"{prefix}{dense[i]}/kernel", None, MODEL)
+                if f"{prefix}{dense[i]}/bias" in leaves:
+                    rule(f"{prefix}{dense[i]}/bias", MODEL)
+                rule(f"{prefix}{dense[i + 1]}/kernel", MODEL, None)
+                i += 2
+            else:
+                i += 1
+    if not rules:
+        raise PartitionError(
+            f"parallel.name={layout!r} pairs attention heads and MLP layers (Megatron), and this model has neither "
+            f"(parameters: {', '.join(list(leaves)[:6])}, ...); use parallel.name='model' or 'hybrid' for a model "
+            "of Dense/Conv layers")
+    return rules + [(".*", P())]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorLayout:
+    """Where a Megatron-split transformer's activations live, and the regions that split its layers.
+
+    Call it for the interception context, as :class:`dtx.parallel.activations.ActivationLayout`.
+
+    Attributes:
+      mesh: the device mesh (a ``model`` axis of size ``T``; the other axes carry the batch).
+      kernels: the split layers: layer path -> its kernel's spec (attention modules by their ``query`` kernel).
+      attention: paths of the attention modules split by heads.
+      columns / rows: paths of the MLP's column-split and row-split Dense layers.
+      sequence_parallel: keep activations between the pairs split by positions (Korthikanti et al.).
+    """
+
+    mesh: Mesh
+    kernels: Mapping[str, P]
+    attention: frozenset[str]
+    columns: frozenset[str]
+    rows: frozenset[str]
+    sequence_parallel: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[MODEL]
+
+    def _data(self):
+        axes = mesh_lib.group_batch_axes(self.mesh)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    def between(self, ndim: int) -> P:
+        """Where the residual stream lives: examples over the data axes, positions over ``model`` under SP."""
+        return P(self._data(), MODEL if self.sequence_parallel and ndim > 2 else None, *[None] * (ndim - 2))
+
+    def inside_map(self, axes):
+        raise ValueError(f"a tensor-parallel layer's group cannot be split by a map over {axes}")
+
+    def __call__(self, arriving: P | None = None):
+        inside: list[str] = []
+
+        def intercept(next_fun, args, kwargs, context):
+            module = context.module
+            if context.method_name != "__call__" or inside or not args:
+                return next_fun(*args, **kwargs)
+            path = "/".join(module.path)
+            region = (self._attention if path in self.attention else self._column if path in self.columns
+                      else self._row if path in self.rows else None)
+            if region is not None:
+                inside.append(path)
+                try:
+                    return region(module, path, args, kwargs)
+                finally:
+                    inside.pop()
+            if isinstance(module, nn.Embed):  # the ids to the stream's split: an int32 exchange, not B·S·H
+                tokens = args[0]
+                if self.sequence_parallel and tokens.ndim >= 2:
+                    self._check_positions(tokens.shape[1], path)
+                tokens = self._constrain(tokens, P(*self.between(tokens.ndim + 1)[:tokens.ndim]))
+                return self._constrain(next_fun(tokens, *args[1:], **kwargs), self.between(tokens.ndim + 1))
+            x = args[0]
+            if not (hasattr(x, "ndim") and x.ndim == 3 and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)):
+                return next_fun(*args, **kwargs)
+            # A replicated Dense (the output head) is data parallel over every device, as in dtx.parallel.activations
+            # (1/T of its work each); the rest (LayerNorm, dropout, the blocks) keeps the stream where it lives.
+            head = isinstance(module, (nn.Dense, nn.DenseGeneral))
+            spec = P(mesh_lib.batch_axes(self.mesh), None, None) if head else self.between(3)
+            out = next_fun(self._constrain(x, spec), *args[1:], **kwargs)
+            return self._constrain(out, spec) if getattr(out, "ndim", 0) == 3 else out
+
+        return nn.intercept_methods(intercept)
+
+    def _constrain(self, x, spec: P):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _check_positions(self, length: int, layer: str) -> None:
+        if length % self.size:
+            fits = [n for n in range(self.size, 4 * self.size + 1, self.size)]
+            raise PartitionError(
+                f"tensor.sequence_parallel=True splits layer {layer!r}'s {length} positions over the {MODEL!r} axis "
+                f"of size {self.size}, which does not divide them; use a sequence length that {self.size} divides "
+                f"(dataset.seq_len, e.g. {fits}), or tensor.sequence_parallel=False")
+
+    def _projections(self, x, layers, dtype, precision):
+        """``[x·W + b for (W, b) in layers]`` with ``x`` the region's input as it arrives, each device's columns:
+        one all-gather of ``x`` over the positions under SP (none under TP), and in the backward pass one
+        reduction of the summed input gradient (Megatron's ``f``: a reduce-scatter under SP, an all-reduce under
+        TP). Under SP the backward pass gathers ``x`` again for the weight gradients instead of keeping the
+        gathered copy (Korthikanti et al. §4.2.2), so what the layer keeps is ``1/T``. A custom VJP rather than
+        ``jax.checkpoint``: XLA:CPU drops remat's optimisation barriers and merges the second gather into the
+        first, keeping the whole input alive; the second gather here is a different instruction."""
+        sp = self.sequence_parallel
+
+        def apply(whole, kernels, biases):
+            outs = []
+            for kernel, bias in zip(kernels, biases):
+                whole_, kernel, bias = promote_dtype(whole, kernel, bias, dtype=dtype)
+                y = jax.lax.dot_general(whole_, kernel, (((whole_.ndim - 1,), (0,)), ((), ())), precision=precision)
+                outs.append(y if bias is None else y + bias)
+            return tuple(outs)
+
+        def gather(x, again=False):
+            if not sp:
+                return jax.lax.pcast(x, MODEL, to="varying")
+            if not again:
+                return jax.lax.all_gather(x, MODEL, axis=1, tiled=True)
+            swapped = jax.lax.all_gather(jax.numpy.swapaxes(x, 0, 1), MODEL, axis=0, tiled=True)
+            return jax.numpy.swapaxes(swapped, 0, 1)
+
+        @jax.custom_vjp
+        def project(x, kernels, biases):
+            return apply(gather(x), kernels, biases)
+
+        def forward(x, kernels, biases):
+            return project(x, kernels, biases), (x, kernels, biases)
+
+        def backward(saved, cotangents):
+            x, kernels, biases = saved
+            _, vjp = jax.vjp(apply, gather(x, again=True), kernels, biases)  # its forward products: dead code
+            d_whole, d_kernels, d_biases = vjp(cotangents)
+            return self._reduce(d_whole), d_kernels, d_biases
+
+        project.defvjp(forward, backward)
+        kernels = [kernel for kernel, _ in layers]
+        biases = [bias for _, bias in layers]
+        return project(x, kernels, biases)
+
+    def _reduce(self, y):
+        """A row region's partial sums: all-reduced (TP) or reduce-scattered onto the positions (SP)."""
+        if self.sequence_parallel:
+            return jax.lax.psum_scatter(y, MODEL, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(y, MODEL)
+
+    def _region(self, per_device, in_specs, out_specs):
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def _stream(self, x, layer: str) -> Any:
+        if x.ndim != 3:
+            raise PartitionError(f"parallel.name='tensor': layer {layer!r} takes (batch, positions, features) "
+                                 f"activations, got shape {x.shape}")
+        if self.sequence_parallel:
+            self._check_positions(x.shape[1], layer)
+        return self.between(3)
+
+    def _column(self, module, path, args, kwargs):
+        """An MLP up-projection: the whole input times this device's ``1/T`` of the columns (and bias)."""
+        x, params = args[0], module.variables["params"]
+        between = self._stream(x, path)
+        specs = {"kernel": P(None, MODEL), "bias": P(MODEL)}
+
+        def per_device(x, params):
+            return self._projections(x, [(params["kernel"], params.get("bias"))], module.dtype, module.precision)[0]
+
+        return self._region(per_device, (between, {k: specs[k] for k in params}), P(self._data(), None, MODEL))(
+            x, dict(params))
+
+    def _row(self, module, path, args, kwargs):
+        """An MLP down-projection: this device's ``1/T`` of the hidden units times its rows, reduced; the bias after."""
+        x, params = args[0], module.variables["params"]
+        between = self._stream(x, path)
+        local = module.clone(parent=None, name=None, use_bias=False)
+
+        def per_device(x, kernel):
+            return self._reduce(local.apply({"params": {"kernel": kernel}}, x))
+
+        y = self._region(per_device, (P(self._data(), None, MODEL), P(MODEL, None)), between)(x, params["kernel"])
+        return y + params["bias"].astype(y.dtype) if "bias" in params else y
+
+    def _attention(self, module, path, args, kwargs):
+        """Self-attention with ``h/T`` heads per device: Q, K, V of its heads, attention, its rows of the output
+        projection; the partial outputs reduced once, the output bias added after."""
+        x = args[0]
+        others = list(args[1:3]) + [kwargs.get("inputs_k"), kwargs.get("inputs_v"), kwargs.get("inputs_kv")]
+        if any(o is not None and o is not x for o in others) or module.decode or kwargs.get("sow_weights") or module.normalize_qk:
+            raise PartitionError(f"parallel.name='tensor' splits self-attention; layer {path!r} is called with other "
+                                 "keys/values, decode, sow_weights or normalize_qk, which it does not split")
+        between = self._stream(x, path)
+        params = dict(module.variables["params"])
+        out_bias = params["out"].get("bias")
+        qkv = (module.qkv_features or x.shape[-1]) // self.size
+        local = module.clone(parent=None, name=None, num_heads=module.num_heads // self.size, qkv_features=qkv,
+                             out_features=module.out_features or x.shape[-1])
+        mask = kwargs.get("mask")
+        deterministic = module.dropout_rate == 0 or nn.merge_param("deterministic", module.deterministic,
+                                                                    kwargs.get("deterministic"))
+        rng = module.make_rng("dropout") if module.dropout_rate > 0 and not deterministic else None
+        split = {"kernel": P(None, MODEL, None), "bias": P(MODEL, None)}
+        specs = {name: {k: split[k] for k in params[name]} for name in _ATTENTION[:3]}
+        specs["out"] = {"kernel": P(MODEL, None, None)}
+        extras, extra_specs = {}, {}  # present ones only: shard_map takes no None inputs
+        if mask is not None:
+            extras["mask"] = mask
+            extra_specs["mask"] = P() if mask.shape[0] != x.shape[0] else P(self._data(), *[None] * (mask.ndim - 1))
+        if rng is not None:
+            extras["rng"], extra_specs["rng"] = rng, P()
+
+        def per_device(x, params, extras):
+            params = dict(params)
+            if out_bias is not None:  # added once, after the reduction
+                params["out"] = {**params["out"], "bias": jax.numpy.zeros(out_bias.shape, out_bias.dtype)}
+            rng = extras.get("rng")
+            if rng is not None:  # each device's examples and heads drop their own weights
+                for axis in self.mesh.axis_names:
+                    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+            # Q, K and V from one gather of the input (and one reduction of its gradient): the local module's
+            # projections are replaced by their results.
+            qkv = self._projections(x, [(params[n]["kernel"], params[n].get("bias")) for n in _ATTENTION[:3]],
+                                    module.dtype, module.precision)
+            done = dict(zip(_ATTENTION[:3], qkv))
+
+            def projected(next_fun, args, kwargs, context):
+                if context.method_name == "__call__" and context.module.name in done and \
+                        isinstance(context.module, nn.DenseGeneral):
+                    return done[context.module.name]
+                return next_fun(*args, **kwargs)
+
+            with nn.intercept_methods(projected):
+                y = local.apply({"params": params}, x, x, mask=extras.get("mask"), deterministic=deterministic,
+                                dropout_rng=rng)
+            return self._reduce(y)
+
+        params["out"] = {"kernel": params["out"]["kernel"]}
+        y = self._region(per_device, (between, specs, extra_specs), between)(x, params, extras)
+        return y + out_bias.astype(y.dtype) if out_bias is not None else y
+
+
+def tensor_layout(specs: Any, mesh: Mesh, sequence_parallel: bool = False) -> TensorLayout:
+    """The activation layout implied by Megatron's parameter specs (:func:`megatron_rules`)."""
+    kernels, attention, columns, rows = {}, set(), set(), set()
+    for path, spec in named_leaves(specs, is_leaf=lambda x: isinstance(x, P)):
+        if not path.endswith("/kernel") or MODEL not in tuple(spec):
+            continue
+        layer, _, name = path[: -len("/kernel")].rpartition("/")
+        if name == "query" and len(spec) == 3:
+            attention.add(layer)
+            kernels[layer] = spec
+        elif len(spec) == 2:
+            (columns if spec[1] == MODEL else rows).add(path[: -len("/kernel")])
+            kernels[path[: -len("/kernel")]] = spec
+    return TensorLayout(mesh, kernels, frozenset(attention), frozenset(columns), frozenset(rows),
+                        bool(sequence_parallel))
+
+
+@register_check
+def check_config(config) -> None:
+    """``tensor.*`` holds only its settings (which layout takes the block: :func:`dtx.parallel.layouts.check_config`)."""
+    block = config.get(BLOCK)
+    unknown = sorted(set(block.keys()) - set(SETTINGS)) if block is not None else []
+    if unknown:
+        raise ConfigError(f"{BLOCK}.{unknown[0]} is not a setting; {BLOCK}.* takes {', '.join(SETTINGS)}")
