@@ -15,7 +15,7 @@ interleaved  2 devices x 2 chunks of layers each x 4 data shards (Narayanan et a
              bubble 1/17
 ===========  ===========================================================================================
 
-The stages are balanced by their FLOPs (``parallel.boundaries`` sets them by hand). Launch one:
+The stages are balanced by their FLOPs (``pipeline.boundaries`` sets them by hand). Launch one:
 
     dtx train experiments/pipeline_speech.py:1f1b
 
@@ -42,11 +42,11 @@ def get_config(schedule: str = "1f1b"):
     config.optimizer.name = "adam"
     config.optimizer.learning_rate = 2e-3
     config.global_batch_size = 128
-    config.grad_accum_steps = 8
     config.num_epochs = 10.0
     config.log_every = 20
     config.mesh = LAYOUTS[schedule]["mesh"]
     config.parallel.name = "pipeline"
-    config.parallel.schedule = schedule
-    config.parallel.virtual_stages = LAYOUTS[schedule]["virtual_stages"]
+    config.pipeline.microbatches = 8  # the micro-batches are the step's gradient accumulation
+    config.pipeline.schedule = schedule
+    config.pipeline.virtual_stages = LAYOUTS[schedule]["virtual_stages"]
     return config

@@ -29,7 +29,9 @@ from dtx.step import pipeline as pp
 DIGITS_MLP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "digits_mlp.py")
 RUN = ("--config.model.features=(32, 16)", "--config.global_batch_size=64", "--config.grad_accum_steps=4",
        "--config.log_every=1", "--config.progress=False", "--config.checkpoint.every_steps=3")
-PIPELINE = ("--config.parallel.name=pipeline", "--config.mesh=((\"stage\", 2), (\"data\", 4))")
+# grad_accum_steps=4 equals the pipeline's micro-batches (allowed: they are the same accumulation)
+PIPELINE = ("--config.parallel.name=pipeline", "--config.mesh=((\"stage\", 2), (\"data\", 4))",
+            "--config.pipeline.microbatches=4")
 DATA = ("--config.mesh=((\"data\", 8),)",)
 
 
@@ -80,7 +82,7 @@ def runs(tmp_path_factory):
                 pipeline_to_data=_resume_as(tmp, tmp / "pipeline3", "pipeline_to_data", DATA),
                 data_to_pipeline=_resume_as(tmp, tmp / "data3", "data_to_pipeline", PIPELINE),
                 pipeline_recut=_resume_as(tmp, tmp / "pipeline3", "pipeline_recut",
-                                          PIPELINE + ("--config.parallel.boundaries=(2,)",)),
+                                          PIPELINE + ("--config.pipeline.boundaries=(2,)",)),
                 pipeline_to_one=_one_device(config, tmp / "pipeline3" / "checkpoints"))
 
 

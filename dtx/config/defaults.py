@@ -88,11 +88,15 @@ def base_config() -> ConfigDict:
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data|model|hybrid|fsdp|zero1|zero2|rules|pipeline|tensor (model..rules, tensor: jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
-    # for name=pipeline (a "stage" mesh axis; grad_accum_steps micro-batches): the schedule, the layer indices where
-    # stages 1.. start (() balances the stages by FLOPs), the stages per device (interleaved)
-    c.parallel.schedule = "gpipe"  # gpipe | 1f1b | interleaved (virtual_stages chunks per device)
-    c.parallel.boundaries = ()
-    c.parallel.virtual_stages = 1
+
+    # parallel.name=pipeline (a "stage" mesh axis; docs/pipeline.md): M micro-batches per step (they are the run's
+    # gradient accumulation: grad_accum_steps stays 1 or equals M), the schedule, the layer indices where stages
+    # 1.. start (() balances the stages by FLOPs), the chunks of layers per device (interleaved)
+    c.pipeline = ConfigDict()
+    c.pipeline.microbatches = 1
+    c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | interleaved
+    c.pipeline.boundaries = ()
+    c.pipeline.virtual_stages = 1
 
     # parallel.name=tensor (a "model" mesh axis; docs/tensor_parallel.md): Megatron's heads and MLP split; with
     # sequence_parallel the activations between them also split by positions (dataset.seq_len divisible by it)
@@ -206,6 +210,11 @@ def base_config() -> ConfigDict:
     c.wandb.mode = ""  # online | offline | disabled ("": wandb's default, or $WANDB_MODE)
 
     return c.lock()
+
+
+# Keys that moved: an override of the old name is refused naming the new one (dtx.config.files).
+MOVED_KEYS = {"parallel.schedule": "pipeline.schedule", "parallel.boundaries": "pipeline.boundaries",
+              "parallel.virtual_stages": "pipeline.virtual_stages"}
 
 
 def validate(config: ConfigDict) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from ml_collections import ConfigDict
 
 from dtx.config import parts
-from dtx.config.defaults import ConfigError, validate
+from dtx.config.defaults import MOVED_KEYS, ConfigError, validate
 
 def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
     """Load experiment file ``path`` (``file.py`` or ``file.py:arg``) and apply overrides.
@@ -207,6 +207,8 @@ def _child(node, part: str, key: str):
     if not isinstance(node, ConfigDict):
         raise ConfigError(f"config key {key!r}: {part!r} is below a value of type {type(node).__name__}, not a block")
     if part not in node:
+        if key in MOVED_KEYS:
+            raise ConfigError(f"config key {key!r} is now {MOVED_KEYS[key]!r}: set --config.{MOVED_KEYS[key]} instead")
         close = difflib.get_close_matches(part, list(node.keys()), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"unknown config key {key!r}{hint}")

@@ -26,8 +26,8 @@ the layout and never compare its name. A new layout is one declaration and one l
   :mod:`dtx.perf.model`.
 * ``pipeline`` — pipeline parallelism (GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021): the
   model's layer stack cut into stages along the ``stage`` axis, each stage's parameters one row
-  (:mod:`dtx.parallel.stages`), run by :mod:`dtx.step.pipeline` with ``parallel.schedule`` and
-  ``parallel.boundaries``.
+  (:mod:`dtx.parallel.stages`), run by :mod:`dtx.step.pipeline` with the ``pipeline.*`` settings
+  (``pipeline.microbatches``, ``pipeline.schedule``, ...; :mod:`dtx.step.pipeline_check`).
 * ``tensor`` — Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053): attention heads and
   the MLP split over the ``model`` axis, a column-split layer paired with a row-split one, and with
   ``tensor.sequence_parallel`` Korthikanti et al.'s sequence parallelism (:mod:`dtx.parallel.tensor`).
@@ -185,8 +185,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("model", kernels="all", drivers=("jit",), cost_rank=4),
     Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5),
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
-    Layout("pipeline", drivers=("shard_map",), cost_rank=7, settings=("schedule", "boundaries", "virtual_stages"),
-           stages=True),
+    Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True),
     Layout("tensor", kernels="paired", drivers=("jit",), cost_rank=4, block="tensor"),
 )}
 

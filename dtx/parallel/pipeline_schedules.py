@@ -20,7 +20,7 @@ as many times as the phase has ticks (:mod:`dtx.comm.hlo` reads the trip counts)
   the bound is ``P - s``; here they share a tick, so the round trip takes ``2(P - s) - 1`` ticks.)
 
 * ``interleaved`` (Narayanan et al. 2021, arXiv 2104.04473, §2.2.2): each device holds ``V`` chunks of
-  layers (virtual stages ``c·P + s``, ``parallel.virtual_stages``), and a micro-batch goes round the ring of
+  layers (virtual stages ``c·P + s``, ``pipeline.virtual_stages``), and a micro-batch goes round the ring of
   devices ``V`` times. Here in GPipe's order (every forward, then every backward; the paper interleaves
   1F1B): in forward tick ``t`` device ``s`` runs ``i = t - s``, chunk ``(i // P) mod V`` of micro-batch
   ``(i // PV)·P + i mod P`` — groups of ``P`` micro-batches, so ``M`` must divide by ``P``. A slot's table
@@ -176,7 +176,7 @@ def interleaved(stages: int, micro: int, chunks: int = 2) -> Schedule:
     p, v = stages, chunks
     if micro % p:
         raise ScheduleError(f"the interleaved schedule sends micro-batches round the ring in groups of the {p} "
-                            f"stages: grad_accum_steps={micro} must be a multiple of {p}")
+                            f"stages: pipeline.microbatches={micro} must be a multiple of {p}")
     n = v * micro + p - 1
 
     def entry(i, chunk):  # the i-th forward (backward) of a device: its table entry chunk·M + micro-batch
@@ -193,20 +193,20 @@ def interleaved(stages: int, micro: int, chunks: int = 2) -> Schedule:
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
-CHUNKED = ("interleaved",)  # the schedules that take parallel.virtual_stages > 1
+CHUNKED = ("interleaved",)  # the schedules that take pipeline.virtual_stages > 1
 
 
 def make_schedule(name: str, stages: int, micro: int, chunks: int = 1) -> Schedule:
     """The schedule ``name`` (:data:`SCHEDULES`) for ``stages`` stages, ``micro`` micro-batches and ``chunks``
     virtual stages per device (``interleaved`` only)."""
     if name not in SCHEDULES:
-        raise ScheduleError(f"unknown parallel.schedule {name!r}; choose one of {list(SCHEDULES)}")
+        raise ScheduleError(f"unknown pipeline.schedule {name!r}; choose one of {list(SCHEDULES)}")
     if stages < 1 or micro < 1 or chunks < 1:
         raise ScheduleError(f"a pipeline needs >= 1 stage, micro-batch and chunk (got {stages}, {micro}, {chunks})")
     if (chunks > 1) != (name in CHUNKED):
-        raise ScheduleError(f"parallel.virtual_stages={chunks} with parallel.schedule={name!r}: the chunks per device "
-                            f"are for {' or '.join(CHUNKED)} (at least 2 there); set --config.parallel.schedule="
-                            f"{CHUNKED[0] if chunks > 1 else name} or --config.parallel.virtual_stages="
+        raise ScheduleError(f"pipeline.virtual_stages={chunks} with pipeline.schedule={name!r}: the chunks per device "
+                            f"are for {' or '.join(CHUNKED)} (at least 2 there); set --config.pipeline.schedule="
+                            f"{CHUNKED[0] if chunks > 1 else name} or --config.pipeline.virtual_stages="
                             f"{1 if chunks > 1 else 2}")
     return SCHEDULES[name](stages, micro, chunks)
 

@@ -5,7 +5,7 @@ al. 2021, arXiv 2006.09503) gives each device of the ``stage`` mesh axis a conti
 layers; activations go forward and their gradients back between neighbouring stages
 (:mod:`dtx.step.pipeline`). This module decides the cut and lays the parameters out:
 
-* **The cut.** ``parallel.boundaries`` (the layer indices where stages 1.. start), or balanced: the
+* **The cut.** ``pipeline.boundaries`` (the layer indices where stages 1.. start), or balanced: the
   contiguous split whose costliest stage is cheapest, by each layer's forward FLOPs per example
   (:func:`balance`; GPipe §2.2 partitions "to minimise the variance in the estimated costs").
 * **One row per stage.** Stages hold parameters of different shapes, so a stage's parameters are
@@ -162,12 +162,7 @@ class StagePlan:
     def pack(self, params) -> jax.Array:
         """The parameter tree as the ``(P, V·row)`` rows (each stage's kernels and biases flattened, zero-padded;
         device ``s``'s row holds stages ``s, P + s, ...``)."""
-        rows = []
-        for s in range(self.num_stages):
-            parts = [jnp.ravel(params[layer.name][leaf])
-                     for layer in self.stage_layers(s) for leaf in ("kernel", "bias")]
-            flat = jnp.concatenate(parts)
-            rows.append(jnp.pad(flat, (0, self.row - flat.shape[0])))
+        rows = [self.flatten(s, params) for s in range(self.num_stages)]
         by_chunk = jnp.stack(rows).reshape(self.chunks, self.devices, self.row)
         return jnp.swapaxes(by_chunk, 0, 1).reshape(self.devices, self.chunks * self.row)
 
@@ -190,14 +185,27 @@ class StagePlan:
             offset += layer.out_width
         return params
 
-    def apply_stage(self, stage: int, row, x):
-        """Stage ``stage``'s layers on ``x`` (its real input width): Dense, then ReLU but after the last layer."""
+    def flatten(self, stage: int, params) -> jax.Array:
+        """Stage ``stage``'s parameter tree (or its gradient) as its row (the inverse of :meth:`stage_params`):
+        concatenated and zero-padded, so a gradient taken with respect to the tree becomes a row without the
+        row-sized additions that differentiating through the row's slices costs (their transposes are pads)."""
+        flat = jnp.concatenate([jnp.ravel(params[layer.name][leaf])
+                                for layer in self.stage_layers(stage) for leaf in ("kernel", "bias")])
+        return jnp.pad(flat, (0, self.row - flat.shape[0]))
+
+    def apply_params(self, stage: int, params, x):
+        """Stage ``stage``'s layers with parameters ``params`` (:meth:`stage_params`) on ``x`` (its real input
+        width): Dense, then ReLU but after the last layer."""
         for layer in self.stage_layers(stage):
-            p = self.stage_params(stage, row)[layer.name]
+            p = params[layer.name]
             x = jnp.dot(x, p["kernel"]) + p["bias"]
             if layer.relu:
                 x = jax.nn.relu(x)
         return x
+
+    def apply_stage(self, stage: int, row, x):
+        """Stage ``stage``'s layers on ``x``, their parameters sliced out of ``row``."""
+        return self.apply_params(stage, self.stage_params(stage, row), x)
 
 
 def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = (), chunks: int = 1) -> StagePlan:
@@ -209,7 +217,7 @@ def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = (
         cuts = tuple(int(b) for b in boundaries)
         if len(cuts) != stages - 1 or list(cuts) != sorted(set(cuts)) or not all(0 < b < len(layers) for b in cuts):
             raise PipelineError(
-                f"parallel.boundaries={tuple(boundaries)} must be {stages - 1} increasing layer indices in "
+                f"pipeline.boundaries={tuple(boundaries)} must be {stages - 1} increasing layer indices in "
                 f"1..{len(layers) - 1} (where stages 1..{stages - 1} start) for {stages} stages of {len(layers)} "
                 "layers; or leave it () to balance the stages by their FLOPs")
     else:

@@ -311,6 +311,20 @@ def estimate_plan(plan: Plan, **kwargs) -> MemoryEstimate:
                     group_size=plan.group_size, sharded=plan.sharded, **kwargs)
 
 
+def estimate_pipeline(stage_plan, schedule, *, micro: int, data: int, optimizer: str = "adam",
+                      example_bytes: int = 0) -> MemoryEstimate:
+    """A pipeline step's memory (:mod:`dtx.perf.pipeline`'s model of :mod:`dtx.step.pipeline`; within 15 % of the
+    compiled peak per schedule, ``tests/test_pipeline_parallel.py``), in this module's categories: the stage row as
+    params, its accumulator as grads, the kept inputs and the batch as activations, the other working rows as
+    buffers."""
+    from dtx.perf import pipeline as pipeline_model
+
+    e = pipeline_model.estimate(stage_plan, schedule, micro, data, optimizer, example_bytes=example_bytes)
+    activations = e.kept_bytes + e.batch_bytes + e.batch_bytes // e.stages
+    return MemoryEstimate(f"pipeline ({schedule.name})", e.params_bytes, e.params_bytes, e.optimizer_bytes,
+                          activations, e.work_bytes - e.params_bytes, e.memory_bytes, {}, {})
+
+
 def activation_profile(model: Any, input_shape: Sequence[int]) -> dict[str, Stash]:
     """Per Dense/Conv layer, the bytes per example the backward pass keeps (:class:`Stash`).
 

@@ -9,11 +9,14 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
 * **point-to-point bytes** — ``2(VM + P - 2)`` messages of one micro-batch's ``(micro, width)`` buffer (the
   collective-permutes' bytes times their loops' trip counts);
 * **gradient all-reduce** — one ring all-reduce of the device's parameter row over the data axes;
-* **memory** — the device's parameter row and its optimizer state (``optimizer_slots`` row-sized buffers:
-  0 for SGD, 1 for momentum, 2 for Adam), the gradient accumulator, and the kept stage inputs: ``slots``
-  buffers of one micro-batch (``M`` under GPipe, ``min(M, 2P - 1)`` under 1F1B, ``VM`` interleaved) — the
-  term that separates the schedules (XLA's memory analysis: temporaries grow by it); and the data shard's
-  batch, gathered over the stages (``M`` micro-batches of ``example_bytes`` each example).
+* **memory** — the step's arguments: the device's parameter row and its optimizer state (``optimizer_slots``
+  row-sized buffers: 0 for SGD, 1 for momentum, 2 for Adam) and its ``1/P`` of the data shard's batch; and its
+  temporaries: :data:`WORK_ROWS` device rows (the gradient accumulator, the all-reduce's out-of-place result) and
+  :data:`WORK_STAGE_ROWS` stage row (the backward slot's gradient) — read from XLA:CPU's buffer assignment — and
+  :data:`WORK_MESSAGES` buffers of one micro-batch's message; the kept stage inputs: ``slots`` buffers of one
+  micro-batch (``M`` under GPipe, ``min(M, 2P - 1)`` under 1F1B, ``VM`` interleaved) — the term that separates
+  the schedules — and the data shard's batch, gathered over the stages (``M`` micro-batches of ``example_bytes`` each example).
+  ``memory_bytes`` is the step's peak as :func:`dtx.perf.memory.compiled_peak` reads it, held to 15 %.
 * **time** — each slot tick costs the slowest stage's work on one micro-batch (forward: its FLOPs; backward:
   the forward re-run and twice its FLOPs), at the cluster's node FLOP rate, plus the tick's message (α + n/β);
   then the all-reduce (ring, α-β). A modelled time, never measured on the emulated mesh.
@@ -29,6 +32,14 @@ from dtx.parallel.stages import StagePlan
 from dtx.perf.clusters import Cluster
 
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}
+# Row-sized temporaries of the compiled step (XLA:CPU, read from programs of widths 256-512 with SGD, momentum and
+# Adam): the accumulator and the all-reduce's out-of-place result, each the device's V stage rows, and the backward
+# slot's gradient, one stage's row; every schedule.
+WORK_ROWS = {"gpipe": 2, "1f1b": 2, "interleaved": 2}
+WORK_STAGE_ROWS = 1
+# Buffers of one message (micro-batch x width) the slots keep apart: received, sent, their gradients, the stage's
+# activations and ReLU masks (read from a 4-stage MLP of widths 16-64, where they are a sixth of the peak).
+WORK_MESSAGES = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +55,15 @@ class PipelineEstimate:
     kept_bytes: int
     batch_bytes: int  # the data shard's batch, gathered over the stages
     step_s: float | None  # None without a cluster
+    work_bytes: int = 0  # the working buffers (WORK_ROWS rows, WORK_MESSAGES messages)
+    stages: int = 1  # P: a device's argument is 1/P of the gathered batch
 
     @property
     def memory_bytes(self) -> int:
-        """Parameters, optimizer state, gradient accumulator, kept inputs and the gathered batch."""
-        return 2 * self.params_bytes + self.optimizer_bytes + self.kept_bytes + self.batch_bytes
+        """The step's peak per device: parameters, optimizer state, the device's batch, the working rows, the kept
+        inputs and the gathered batch (module docstring)."""
+        return (self.params_bytes + self.optimizer_bytes + self.batch_bytes // self.stages + self.work_bytes
+                + self.kept_bytes + self.batch_bytes)
 
 
 def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimizer: str = "adam",
@@ -70,4 +85,6 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
         step_s = schedule.slot_ticks("forward") * forward + schedule.slot_ticks("backward") * backward + ring
     return PipelineEstimate(schedule.bubble, schedule.messages, schedule.messages * message, allreduce, row_bytes,
                             OPTIMIZER_SLOTS[optimizer] * row_bytes, schedule.slots * message,
-                            schedule.micro * micro * example_bytes, step_s)
+                            schedule.micro * micro * example_bytes, step_s,
+                            WORK_ROWS[schedule.name] * row_bytes + WORK_STAGE_ROWS * plan.row * itemsize
+                            + WORK_MESSAGES * message, plan.devices)

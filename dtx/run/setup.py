@@ -37,6 +37,7 @@ from dtx.step.state import TrainState, abstract_train_state, init_train_state
 from dtx.step import StepSpec, get_driver, check_accumulation, check_combination, make_eval_step, make_train_step
 from dtx.step import pipeline as step_pipeline
 from dtx.step import pipeline_check
+from dtx.step.pipeline_check import micro_batches
 from dtx.parallel import stages as stages_lib
 
 
@@ -132,7 +133,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     tx = optimizer if optimizer is not None else optim.make_optimizer(
         opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay, exclude=opt.exclude,
         trust_coefficient=opt.trust_coefficient)
-    check_accumulation(config.global_batch_size, config.grad_accum_steps, mesh)
+    check_accumulation(config.global_batch_size, micro_batches(config), mesh)
     compressor = compress.make_compressor(config.compression.name,
                                           **_settings(config.compression, compress.compressor_settings()))
     # backup's arrival order is the straggler model's, the one the simulated clock times (dtx.perf.simclock)
@@ -169,7 +170,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
             + (f" (it makes layers {', '.join(sorted(layout.kernels))} model-parallel: XLA places their activation "
                "collectives)" if layout is not None else "")
             + f"; set --config.driver={placement.layout.drivers[0]}")
-    check_memory(config, model, example, policy, mesh, layout)
+    check_memory(config, model, example, policy, mesh, layout, pipeline)
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
                  abstract_state, placement,
                  task or config_task(config))
@@ -181,23 +182,23 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
     try:
         layers = stages_lib.model_layers(model, abstract_params)
         opt = config.optimizer
+        block = config.pipeline
         pipeline_check.check_settings(
-            mesh_shape=dict(mesh.shape), schedule=config.parallel.schedule, boundaries=config.parallel.boundaries,
-            virtual_stages=config.parallel.virtual_stages,
-            num_layers=len(layers), global_batch_size=config.global_batch_size,
-            grad_accum_steps=config.grad_accum_steps, driver=config.driver, optimizer=opt.name,
+            mesh_shape=dict(mesh.shape), schedule=block.schedule, boundaries=block.boundaries,
+            virtual_stages=block.virtual_stages, num_layers=len(layers), global_batch_size=config.global_batch_size,
+            microbatches=block.microbatches, driver=config.driver, optimizer=opt.name,
             weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
             allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
             loss_scale=config.loss_scale.name)
-        pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=config.parallel.schedule,
-                                               boundaries=config.parallel.boundaries, micro=config.grad_accum_steps,
-                                               chunks=config.parallel.virtual_stages)
+        pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
+                                               boundaries=block.boundaries, micro=block.microbatches,
+                                               chunks=block.virtual_stages)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None
     return pipeline, step_pipeline.abstract_state(model, tx, example, pipeline.plan)
 
 
-def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, layout) -> None:
+def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, layout, pipeline=None) -> None:
     """Refuse, before compiling, a run whose estimated per-device peak (:mod:`dtx.perf.memory`) exceeds the device's
     memory (``memory_limit``, or what an accelerator reports), naming the biggest consumers and the cheapest
     layout that would fit (the layouts by their declared communication cost)."""
@@ -207,12 +208,17 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     if not capacity:
         return
     chosen = parallel.get_layout(config.parallel.name)
-    if chosen.stages:  # dtx.perf.memory does not model pipeline stages yet: nothing to refuse on
+    if chosen.stages:  # a pipeline's own model (dtx.perf.pipeline, through dtx.perf.memory)
+        try:
+            pipeline_check.check_memory(pipeline, mesh, config.global_batch_size, example, config.optimizer.name,
+                                        capacity)
+        except ValueError as error:
+            raise config_lib.ConfigError(str(error)) from None
         return
     sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
-                  policy=policy, accum_steps=config.grad_accum_steps,
+                  policy=policy, accum_steps=micro_batches(config),
                   backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu",
                   explicit=get_driver(config.driver).explicit)
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
@@ -297,7 +303,7 @@ def clock_recorder(config: ConfigDict, parts: Parts, saved: dict | None = None) 
     takes integer ids; the clock only traces shapes), the strategy's capabilities (who waits for whom)."""
     return simclock.recorder_for_run(cluster_spec(config), parts.model, parts.example.shape[1:], parts.example.dtype,
                                      workers=parts.workers, global_batch=config.global_batch_size,
-                                     accum_steps=config.grad_accum_steps, algorithm=config.allreduce,
+                                     accum_steps=micro_batches(config), algorithm=config.allreduce,
                                      caps=parts.strategy.caps, saved=saved)
 
 
@@ -305,7 +311,7 @@ def step_spec(config: ConfigDict, parts: Parts, *, communicate: bool = True) -> 
     """The run's step settings: its driver, precision, accumulation, allreduce, strategy, compressor, task
     and the layout's placement (``communicate=False``: the no-collective twin, for ``dtx bench step``)."""
     return StepSpec(driver=config.driver, policy=parts.policy, loss_scaler=parts.loss_scaler,
-                    accum_steps=config.grad_accum_steps, allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
+                    accum_steps=micro_batches(config), allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
                     strategy=parts.strategy, compressor=parts.compressor, task=parts.task, placement=parts.placement,
                     communicate=communicate, grad_norm=config.log_grad_norm)
 
@@ -348,7 +354,7 @@ def compile_step(train_step, state: TrainState, batch):
 
 def step_flops(config: ConfigDict, compiled) -> float | None:
     """FLOPs per device of one step (XLA's cost analysis); unknown under accumulation, whose loop XLA counts once."""
-    return None if compiled is None or config.grad_accum_steps > 1 else flops.compiled_flops(compiled)
+    return None if compiled is None or micro_batches(config) > 1 else flops.compiled_flops(compiled)
 
 
 def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch: int) -> dict:

@@ -122,26 +122,46 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
     return sent
 
 
-def _stage_fn(plan: StagePlan, task: task_lib.Task, metric_names):
-    """``(stage, row, x0, received, labels) -> (output buffer, loss, metrics)``: a ``lax.switch`` over the
-    stages, each branch its own layers at its own widths (stage 0 reads ``x0``, the others the first
-    ``in_width`` columns of the received buffer; outputs padded to the buffer's width)."""
-    width, last = plan.width, plan.num_stages - 1
+def metric_names(task: task_lib.Task, plan: StagePlan) -> tuple[str, ...]:
+    """The task's metrics a last stage reports (beside the loss)."""
+    probe = jnp.zeros((1, plan.layers[-1].out_width), jnp.float32)
+    return tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(task, probe, jnp.zeros((1,), jnp.int32), None)[1]))
 
-    def branch(s):
-        def run(row, x0, received, labels):
-            x = x0 if s == 0 else received[:, :plan.stage_layers(s)[0].in_width]
-            y = plan.apply_stage(s, row, x)
-            if s < last:
-                zero = jnp.zeros((), jnp.float32)
-                return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in metric_names}
-            loss, values = task_lib.batch_mean_terms(task, y, labels, None)
-            values = {n: lax.stop_gradient(v).astype(jnp.float32) for n, v in values.items()}
-            return jnp.zeros((y.shape[0], width), y.dtype), loss.astype(jnp.float32), values
+
+def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int):
+    """The forward and backward slots' work, one function per (virtual) stage, each its own layers at
+    their own widths (stage 0 reads ``x0``, the others the first ``in_width`` columns of the received buffer;
+    outputs padded to the buffer's width):
+
+    * ``forward(stage, row, x0, received, labels) -> (output buffer, loss, metrics)``;
+    * ``backward(stage, row, x0, kept, labels, grad_in) -> (d_row, d_kept)``: the forward re-run on the kept input
+      and pulled back from ``grad_in`` (the last stage: from the loss, ``1/M`` of the step's), the parameter
+      gradient taken with respect to the stage's own tree and laid out as its row (:meth:`StagePlan.flatten`)."""
+    width, last, names = plan.width, plan.num_stages - 1, metric_names(task, plan)
+    zero_values = {n: jnp.zeros((), jnp.float32) for n in names}
+
+    def apply(s, params, x0, received, labels):
+        x = x0 if s == 0 else received[:, :plan.stage_layers(s)[0].in_width]
+        y = plan.apply_params(s, params, x)
+        if s < last:
+            zero = jnp.zeros((), jnp.float32)
+            return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in names}
+        loss, values = task_lib.batch_mean_terms(task, y, labels, None)
+        values = {n: lax.stop_gradient(v).astype(jnp.float32) for n, v in values.items()}
+        return jnp.zeros((y.shape[0], width), y.dtype), loss.astype(jnp.float32), values
+
+    def forward_branch(s):
+        return lambda row, x0, received, labels: apply(s, plan.stage_params(s, row), x0, received, labels)
+
+    def backward_branch(s):
+        def run(row, x0, kept, labels, grad_in):
+            _, vjp = jax.vjp(lambda params, x: apply(s, params, x0, x, labels), plan.stage_params(s, row), kept)
+            # d(step loss)/d(micro-batch loss) = 1/M: the step's loss is the micro-batches' mean.
+            d_params, d_kept = vjp((grad_in, jnp.asarray(1.0 / m_count, jnp.float32), zero_values))
+            return plan.flatten(s, d_params), d_kept
         return run
 
-    branches = [branch(s) for s in range(plan.num_stages)]
-    return lambda stage, row, x0, received, labels: lax.switch(stage, branches, row, x0, received, labels)
+    return [forward_branch(s) for s in range(plan.num_stages)], [backward_branch(s) for s in range(plan.num_stages)]
 
 
 def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, donate: bool = True):
@@ -158,10 +178,10 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     ring = [(p - 1, 0)] if plan.chunks > 1 else []  # interleaved: the last device's chunk feeds the first's next
     forward_pairs = [(s, s + 1) for s in range(p - 1)] + ring
     backward_pairs = [(s + 1, s) for s in range(p - 1)] + [(b, a) for a, b in ring]
-    probe = jnp.zeros((1, plan.layers[-1].out_width), jnp.float32)
-    metric_names = tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(
-        task, probe, jnp.zeros((1,), jnp.int32), None)[1]))
-    stage_fn = _stage_fn(plan, task, metric_names)
+    names = metric_names(task, plan)
+    forward_branches, backward_branches = slot_functions(plan, task, m_count)
+    stage_fn = lambda stage, *args: lax.switch(stage, forward_branches, *args)  # noqa: E731
+    stage_backward = lambda stage, *args: lax.switch(stage, backward_branches, *args)  # noqa: E731
 
     def per_device(state: TrainState, batch):
         stage = lax.axis_index(STAGE_AXIS)
@@ -177,7 +197,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         inputs, labels = (lax.all_gather(batch[k], STAGE_AXIS, tiled=True) for k in ("inputs", "labels"))
         if inputs.shape[0] % m_count:
             raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
-                            "(grad_accum_steps); see dtx.step.check_accumulation")
+                            "(pipeline.microbatches); see dtx.step.pipeline_check")
         micro = inputs.shape[0] // m_count
         x0s = inputs.reshape((m_count, micro, -1)).astype(jnp.float32)
         ys = labels.reshape((m_count, micro) + labels.shape[1:])
@@ -190,26 +210,28 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
                                                                             0), lambda: kept)
             y, l, v = lax.cond(m >= 0, lambda: stage_fn(virtual, stage_row(row), x0s[index], received, ys[index]),
                                lambda: (zeros_buffer, jnp.zeros((), jnp.float32),
-                                        {n: jnp.zeros((), jnp.float32) for n in metric_names}))
+                                        {n: jnp.zeros((), jnp.float32) for n in names}))
             received = lax.ppermute(y, STAGE_AXIS, forward_pairs) if send else y
-            values = {n: values[n] + v[n] for n in metric_names}
+            values = {n: values[n] + v[n] for n in names}
             return kept, received, grad_in, grads, loss + l, values
 
         def backward_slot(carry, m, send):
             kept, received, grad_in, grads, loss, values = carry
             index, virtual, stage_row = locate(m)
 
-            def pull_back():
+            def pull_back(grads):
                 x_in = kept[jnp.maximum(m, 0) % slots]
-                run = lambda r, x: stage_fn(virtual, stage_row(r), x0s[index], x, ys[index])  # noqa: E731
-                _, vjp = jax.vjp(run, row, x_in)
-                zero_values = {n: jnp.zeros((), jnp.float32) for n in metric_names}
-                # d(step loss)/d(micro-batch loss) = 1/M: the step's loss is the micro-batches' mean.
-                return vjp((grad_in, jnp.asarray(1.0 / m_count, jnp.float32), zero_values))
+                d_row, d_x = stage_backward(virtual, stage_row(row), x0s[index], x_in, ys[index], grad_in)
+                if plan.chunks == 1:
+                    return grads + d_row, d_x
+                offset = (jnp.maximum(m, 0) // m_count) * plan.row  # this chunk's part of the device's row
+                return lax.dynamic_update_slice_in_dim(
+                    grads, lax.dynamic_slice_in_dim(grads, offset, plan.row) + d_row, offset, 0), d_x
 
-            d_row, d_x = lax.cond(m >= 0, pull_back, lambda: (jnp.zeros_like(row), zeros_buffer))
+            # Accumulated inside the branch: an idle slot passes the accumulator through (no zero row to add).
+            grads, d_x = lax.cond(m >= 0, pull_back, lambda grads: (grads, zeros_buffer), grads)
             grad_in = lax.ppermute(d_x, STAGE_AXIS, backward_pairs) if send else d_x
-            return kept, received, grad_in, grads + d_row, loss, values
+            return kept, received, grad_in, grads, loss, values
 
         def tick(phase):
             def run(carry, mbs):
@@ -223,7 +245,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 
         zero = jnp.zeros((), jnp.float32)
         carry = (jnp.zeros((slots, micro, width), jnp.float32), zeros_buffer, zeros_buffer, jnp.zeros_like(row),
-                 zero, {n: zero for n in metric_names})
+                 zero, {n: zero for n in names})
         for phase in schedule.phases:
             dummy = jnp.zeros((phase.ticks, p), jnp.int32)
             tables = tuple(jnp.asarray(t) if t is not None else dummy for t in (phase.forward, phase.backward))
@@ -232,15 +254,15 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         if axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
             grads = lax.pmean(grads, axes)
         # The last stage alone scored the micro-batches; the others add zeros.
-        scalars = lax.psum(jnp.stack([loss, *(values[n] for n in metric_names)]) / m_count, STAGE_AXIS)
+        scalars = lax.psum(jnp.stack([loss, *(values[n] for n in names)]) / m_count, STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
         updates, opt_state = tx.update(grads[None], state.opt_state, state.params)
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
-        metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(metric_names)}}
-        sent = traffic(plan, schedule, micro, mesh, 1 + len(metric_names), batch_bytes)
+        metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(names)}}
+        sent = traffic(plan, schedule, micro, mesh, 1 + len(names), batch_bytes)
         return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
@@ -326,7 +348,7 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
     ``shardings``; its pipeline ``plan``, None for the model's own tree ``tree_state``) restores a checkpoint saved in
     the other layout, pipeline rows or tree (:meth:`dtx.ckpt.checkpoint.Checkpointer.resume`'s ``relayout``). The
     saved state is restored replicated on ``mesh`` as it was saved, then unpacked by the saved run's plan (its stage
-    count read from the saved rows, its cut and chunks from its config) and packed by this run's; None when the
+    count read from the saved rows, its cut and chunks from its ``pipeline`` block) and packed by this run's; None when the
     checkpoint holds no other layout of this model. ``pipelined(saved parallel block)``: whether it saved rows."""
     if jax.tree.leaves((tree_state.worker, tree_state.shared)):  # per-worker state: no pipeline ever had it
         return lambda saved_config, arrays: None
@@ -339,8 +361,10 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
             if len(shape) != 2 or not shape[0]:
                 return None
             try:
-                saved_plan = make_plan(model, tree_state.params, shape[0], tuple(parallel.get("boundaries") or ()),
-                                       int(parallel.get("virtual_stages") or 1))
+                # The cut is in the saved pipeline block (checkpoints of dtx before it: in the parallel block).
+                cut = saved_config.get("pipeline") or parallel
+                saved_plan = make_plan(model, tree_state.params, shape[0], tuple(cut.get("boundaries") or ()),
+                                       int(cut.get("virtual_stages") or 1))
             except ValueError:
                 return None
         if saved_plan == plan:

@@ -5,7 +5,12 @@ places its own collectives — ``ppermute`` between stages, one gradient all-red
 and keeps each stage's parameters as one flattened row (:mod:`dtx.parallel.stages`). So it runs under
 the ``shard_map`` driver only, with synchronous SGD and no compression or custom allreduce, and with
 optimizers that act entry by entry (a per-tensor norm, as LARS/LAMB take, or a weight-decay mask by
-parameter name cannot see tensors in a row). Its micro-batches are the run's ``grad_accum_steps``.
+parameter name cannot see tensors in a row).
+
+Its ``pipeline.microbatches`` ``M`` *are* the run's gradient accumulation — each data shard's batch splits into
+``M`` micro-batches whose gradients are summed before the one all-reduce — so ``grad_accum_steps`` is left at 1
+(or set to ``M``); anything else is refused (:func:`check_config`, at load time), as is a ``pipeline.*`` key set
+for another layout.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtx.config import ConfigError, base_config, register_check
 from dtx.comm.algorithms import get_algorithm
+from dtx.parallel.layouts import LAYOUTS
 from dtx.parallel.pipeline_schedules import CHUNKED, SCHEDULES
 from dtx.precision import parse_policy
 from dtx.parallel.stages import STAGE_AXIS
@@ -27,12 +34,13 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 
 def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Sequence[int] = (), num_layers: int,
                    virtual_stages: int = 1,
-                   global_batch_size: int, grad_accum_steps: int = 1, driver: str = "shard_map",
+                   global_batch_size: int, microbatches: int = 1, driver: str = "shard_map",
                    optimizer: str = "adam", weight_decay: float = 0.0, strategy: str = "sync",
                    compression: str = "none", allreduce: str = "psum", bucket_bytes: int = 0,
                    precision: str = "", loss_scale: str = "auto") -> None:
     """Raise :class:`~dtx.step.spec.StepError` listing every setting a pipeline run cannot take, each with
-    its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size."""
+    its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size; ``microbatches``:
+    ``M`` (:func:`micro_batches` of the config)."""
     problems = []
     devices = mesh_shape.get(STAGE_AXIS)
     stages = None if devices is None else devices * virtual_stages  # the (virtual) stages the layers are cut into
@@ -40,23 +48,23 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         problems.append(f"the mesh has no {STAGE_AXIS!r} axis (it is {dict(mesh_shape)}): set e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'")
     elif stages > num_layers:
-        problems.append(f"mesh axis {STAGE_AXIS!r} of {devices} devices x parallel.virtual_stages={virtual_stages} "
+        problems.append(f"mesh axis {STAGE_AXIS!r} of {devices} devices x pipeline.virtual_stages={virtual_stages} "
                         f"makes {stages} stages but the model has {num_layers} layers to cut: use a smaller stage axis "
                         "or fewer virtual stages")
     if schedule not in SCHEDULES:
-        problems.append(f"parallel.schedule={schedule!r} is unknown: choose one of {list(SCHEDULES)}")
+        problems.append(f"pipeline.schedule={schedule!r} is unknown: choose one of {list(SCHEDULES)}")
     elif (virtual_stages > 1) != (schedule in CHUNKED):
-        problems.append(f"parallel.virtual_stages={virtual_stages} with parallel.schedule={schedule!r}: chunks per "
-                        f"device are for {' or '.join(CHUNKED)} (2 or more there): set --config.parallel.schedule="
-                        f"{CHUNKED[0] if virtual_stages > 1 else schedule} or --config.parallel.virtual_stages="
+        problems.append(f"pipeline.virtual_stages={virtual_stages} with pipeline.schedule={schedule!r}: chunks per "
+                        f"device are for {' or '.join(CHUNKED)} (2 or more there): set --config.pipeline.schedule="
+                        f"{CHUNKED[0] if virtual_stages > 1 else schedule} or --config.pipeline.virtual_stages="
                         f"{1 if virtual_stages > 1 else 2}")
-    elif schedule in CHUNKED and devices and grad_accum_steps % devices:
-        problems.append(f"grad_accum_steps={grad_accum_steps}: the interleaved schedule sends micro-batches round the "
-                        f"ring in groups of the {devices} stage devices; set it to a multiple of {devices}")
+    elif schedule in CHUNKED and devices and microbatches % devices:
+        problems.append(f"pipeline.microbatches={microbatches}: the interleaved schedule sends micro-batches round "
+                        f"the ring in groups of the {devices} stage devices; set it to a multiple of {devices}")
     if boundaries and stages is not None:
         cuts = list(boundaries)
         if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or not all(0 < b < num_layers for b in cuts):
-            problems.append(f"parallel.boundaries={tuple(boundaries)} must be {stages - 1} increasing layer indices "
+            problems.append(f"pipeline.boundaries={tuple(boundaries)} must be {stages - 1} increasing layer indices "
                             f"in 1..{num_layers - 1} for {stages} stages; or () to balance the stages by FLOPs")
     if not get_driver(driver).explicit:
         problems.append(f"driver={driver!r}: the pipeline places its own ppermutes, so it runs under a driver that "
@@ -83,13 +91,69 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         for name, size in mesh_shape.items():
             data *= size if name != STAGE_AXIS else 1
         local = global_batch_size // data if global_batch_size % data == 0 else None
-        if local is None or grad_accum_steps < 1 or local % grad_accum_steps:
+        if local is None or microbatches < 1 or local % microbatches:
             problems.append(f"global_batch_size={global_batch_size} must split over the {data} data shards (the "
-                            f"axes but {STAGE_AXIS!r}) and each shard's batch into grad_accum_steps={grad_accum_steps} "
-                            "micro-batches: change --config.global_batch_size or --config.grad_accum_steps")
-        elif grad_accum_steps < devices:
-            problems.append(f"grad_accum_steps={grad_accum_steps} micro-batches on {devices} stages leave each stage "
-                            f"idle {(devices - 1) / (grad_accum_steps * virtual_stages + devices - 1):.0%} of the "
-                            f"step: set --config.grad_accum_steps to at least {devices}")
+                            f"axes but {STAGE_AXIS!r}) and each shard's batch into pipeline.microbatches="
+                            f"{microbatches}: change --config.global_batch_size or --config.pipeline.microbatches")
+        elif microbatches < devices:
+            problems.append(f"pipeline.microbatches={microbatches} on {devices} stages leave each stage idle "
+                            f"{(devices - 1) / (microbatches * virtual_stages + devices - 1):.0%} of the step: set "
+                            f"--config.pipeline.microbatches to at least {devices}")
     if problems:
         raise StepError("parallel.name='pipeline': " + "; ".join(problems))
+
+
+def _staged(config) -> bool:
+    layout = LAYOUTS.get(config.parallel.name)
+    return layout is not None and layout.stages
+
+
+def micro_batches(config) -> int:
+    """The run's gradient-accumulation count: ``pipeline.microbatches`` under a pipeline (its micro-batches are the
+    accumulation), else ``grad_accum_steps``."""
+    return int(config.pipeline.microbatches) if _staged(config) else int(config.grad_accum_steps)
+
+
+@register_check
+def check_config(config) -> None:
+    """``pipeline.*`` only with ``parallel.name=pipeline``; there ``grad_accum_steps`` is 1 or ``M`` (module
+    docstring) and ``M >= 1``."""
+    block, defaults = config.pipeline, base_config().pipeline
+    if not _staged(config):
+        changed = [f"pipeline.{key}={block[key]!r}" for key in block if tuple(np.atleast_1d(block[key])) !=
+                   tuple(np.atleast_1d(defaults[key]))]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} applies to parallel.name=pipeline only, not "
+                              f"{config.parallel.name}: set --config.parallel.name=pipeline or leave pipeline.* at "
+                              "the defaults")
+        return
+    m, accum = block.microbatches, config.grad_accum_steps
+    if m < 1:
+        raise ConfigError(f"pipeline.microbatches={m} must be >= 1 (the micro-batches per step)")
+    if accum not in (1, m):
+        raise ConfigError(f"grad_accum_steps={accum} with pipeline.microbatches={m}: a pipeline's micro-batches are "
+                          "its gradient accumulation (summed before the one all-reduce), so there is no second "
+                          f"level; set --config.pipeline.microbatches={accum * m if m > 1 else accum} (all the micro-batches "
+                          "of a step) and leave grad_accum_steps at 1")
+
+
+def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str, capacity: float) -> None:
+    """Refuse a pipeline whose per-device peak (:func:`dtx.perf.memory.estimate_pipeline`) exceeds ``capacity``
+    bytes (``memory_limit``, or the accelerator's), naming the biggest terms and what lowers them."""
+    from dtx.perf import memory  # the perf floor's model of this step
+
+    if not capacity or pipeline is None:
+        return
+    data = mesh.size // mesh.shape[STAGE_AXIS]
+    micro = global_batch_size // data // pipeline.schedule.micro
+    example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4  # inputs, a label
+    e = memory.estimate_pipeline(pipeline.plan, pipeline.schedule, micro=micro, data=data,
+                                 optimizer=optimizer, example_bytes=example_bytes)
+    if e.fits(capacity):
+        return
+    gib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    raise StepError(f"this pipeline needs about {gib(e.total)} per device (dtx.perf.memory.estimate_pipeline) but a "
+                    f"device has {gib(capacity)} (memory_limit or the accelerator's): the stage row with its optimizer "
+                    f"state and working rows {gib(e.params + e.grads + e.optimizer + e.buffers)}, kept inputs and "
+                    f"the batch {gib(e.activations)}; use more stages (a longer 'stage' mesh axis), "
+                    "pipeline.schedule=1f1b (fewer kept inputs), or a smaller global_batch_size")
