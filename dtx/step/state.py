@@ -89,7 +89,21 @@ def init_train_state(
                     mesh_lib.data_parallel_size(mesh))
     if shardings is None:
         shardings = replicated_shardings(jax.eval_shape(init, seed), mesh)
-    return jax.jit(init, out_shardings=shardings)(seed)
+    return run_init(init, shardings, seed)
+
+
+# Init runs once, so its machine code need not be fast: LLVM's -O1 is enough. XLA:CPU's default -O2 spends
+# seconds on each 4-D random kernel (threefry bits over a convolution's (h, w, in, out) shape: one 5x5x4x8
+# normal draw compiles in ~8 s at -O2 and ~0.6 s at -O1 on the 2-core CPU machine; ResNet-18's whole init
+# 59 s -> 17 s under load). The integer hash and the float ops are the same at either level, so are the values
+# (bit for bit: tests/test_state.py).
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
+def run_init(init: Any, shardings: Any, seed: int) -> Any:
+    """``init(seed)`` compiled once into ``shardings`` (every array written straight into place) at
+    :data:`INIT_COMPILER_OPTIONS`."""
+    return jax.jit(init, out_shardings=shardings).lower(seed).compile(INIT_COMPILER_OPTIONS)(seed)
 
 
 def abstract_train_state(
