@@ -45,12 +45,11 @@ def text():
     return Split(tokens[:, :-1], tokens[:, 1:])
 
 
-def _run(text, name, mesh, sequence_parallel=False):
+def _run(text, name, mesh, **settings):
     model = _model()
     example = jax.ShapeDtypeStruct(text.inputs.shape, text.inputs.dtype)
     abstract = abstract_train_state(model, TX, example)
-    placement = get_layout(name).place(abstract, mesh, **(
-        {"sequence_parallel": sequence_parallel} if name == "tensor" else {}))
+    placement = get_layout(name).place(abstract, mesh, **settings)
     state = init_train_state(model, TX, example, 0, mesh, shardings=placement.state)
     loader = TrainLoader(text, BATCH, mesh, seed=0)
     step = make_train_step(model, TX, mesh, StepSpec(driver="jit", placement=placement, task=tasks.next_token(),
@@ -67,12 +66,15 @@ def _run(text, name, mesh, sequence_parallel=False):
 def runs(text):
     one = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
     return {"one": _run(text, "data", one), "tp": _run(text, "tensor", mesh_lib.make_mesh(MESH)),
-            "sp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True)}
+            "sp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True),
+            "tp_zero1": _run(text, "tensor", mesh_lib.make_mesh(MESH), zero_stage=1),
+            "sp_fsdp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True, zero_stage=3)}
 
 
-@pytest.mark.parametrize("run", ["tp", "sp"])
+@pytest.mark.parametrize("run", ["tp", "sp", "tp_zero1", "sp_fsdp"])
 def test_tensor_parallel_trains_like_one_device(runs, run):
-    """20 steps on ``data 2 × model 4`` (data parallelism on the other axis) equal one device's."""
+    """20 steps on ``data 2 × model 4`` (data parallelism on the other axis; ZeRO-1 or FSDP over it) equal one
+    device's."""
     np.testing.assert_allclose(runs[run]["losses"], runs["one"]["losses"], rtol=1e-5)
     moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(runs["one"]["params"]),
                                                           jax.tree.leaves(jax.device_get(runs["one"]["state"].params))))
@@ -106,6 +108,22 @@ def test_heads_and_mlp_pairs_split_and_a_device_holds_its_share(runs):
         held += share
     abstract = runs["tp"]["abstract"].params
     assert held == tensor_model.param_bytes(abstract, jax.tree.map(lambda s: s.spec, placement.state.params), T)
+
+
+def test_zero_over_the_data_axes_splits_the_rest(runs):
+    """``tensor.zero_stage``: ZeRO-1 keeps each parameter's ``1/T`` and splits its momentum over the data axes too
+    (``1/(T·D)``) where a dimension not split over ``model`` takes them (every one here but the column layers'
+    biases, whose one dimension is); stage 3 splits the parameters alike."""
+    for run in ("tp_zero1", "sp_fsdp"):
+        state = runs[run]["state"]  # the specs without ZeRO: the tp run's
+        specs = jax.tree.leaves(jax.tree.map(lambda s: s.spec, runs["tp"]["placement"].state.params),
+                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        for spec, leaf, trace in zip(specs, jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state[0].trace)):
+            model = T if "model" in tuple(spec) else 1
+            data = D if len(spec) < leaf.ndim or None in tuple(spec) else 1
+            assert trace.addressable_shards[0].data.size * model * data == trace.size, spec
+            kept = model * (data if run == "sp_fsdp" else 1)
+            assert leaf.addressable_shards[0].data.size * kept == leaf.size, spec
 
 
 def _collectives(compiled):

@@ -102,6 +102,7 @@ def base_config() -> ConfigDict:
     # sequence_parallel the activations between them also split by positions (dataset.seq_len divisible by it)
     c.tensor = ConfigDict()
     c.tensor.sequence_parallel = False
+    c.tensor.zero_stage = 0  # ZeRO over the data axes: 1 optimizer state, 2 and gradients, 3 and parameters
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

@@ -143,7 +143,7 @@ class Layout:
             raise PartitionError(f"parallel.name={self.name!r} derives its rules from the parameters; "
                                  "pass abstract_params")
         if self.kernels == "paired":
-            return tensor_lib.megatron_rules(abstract_params, mesh, self.name)
+            return tensor_lib.megatron_rules(abstract_params, mesh, self.name, data=self.zero_stage == 3)
         if self.zero_stage == 3:
             return rules_lib.fsdp_rules(abstract_params, mesh)
         return rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name)
@@ -153,13 +153,20 @@ class Layout:
         device for ZeRO 1/2, the parameters' own otherwise."""
         if self.zero_stage in (1, 2):
             self.check(mesh)
+            if self.kernels == "paired":  # Megatron's split, and ZeRO's over the data axes
+                return tensor_lib.megatron_rules(abstract_params, mesh, self.name, data=True)
             return rules_lib.fsdp_rules(abstract_params, mesh)
         return self.param_rules(mesh, abstract_params, explicit)
 
     def place(self, abstract_state: Any, mesh: Mesh, explicit: Sequence = (), **settings) -> Placement:
         """Shardings of the whole state, of the reduced gradients (ZeRO 1/2) and the activation layout. A staged
         layout takes the state in rows (``params`` one ``(P, row)`` array): every leaf of that shape split over
-        ``stage``, the rest replicated. ``settings``: those of the layout's :attr:`block`."""
+        ``stage``, the rest replicated. ``settings``: those of the layout's :attr:`block`; one named like a
+        field of the declaration (``zero_stage``) sets that field."""
+        fields = {field.name for field in dataclasses.fields(self)}
+        if fields & set(settings):
+            own = {key: settings.pop(key) for key in list(settings) if key in fields}
+            return dataclasses.replace(self, **own).place(abstract_state, mesh, explicit, **settings)
         if self.stages:
             self.check(mesh)
             rows = tuple(abstract_state.params.shape)

@@ -36,6 +36,7 @@ the residual stream where the layout puts it:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -51,7 +52,7 @@ from dtx.paths import named_leaves
 from dtx.parallel.rules import PartitionError
 
 MODEL = mesh_lib.MODEL_AXIS
-BLOCK, SETTINGS = "tensor", ("sequence_parallel",)  # the config block of its settings, and its keys
+BLOCK, SETTINGS = "tensor", ("sequence_parallel", "zero_stage")  # the config block of its settings, and its keys
 _ATTENTION = ("query", "key", "value", "out")
 
 
@@ -69,12 +70,14 @@ def _refuse(layout: str, layer: str, what: str, width: int, mesh: Mesh) -> Parti
         f"divide by {size}")
 
 
-def megatron_rules(abstract_params: Any, mesh: Mesh, layout: str = "tensor") -> list[tuple[str, P]]:
+def megatron_rules(abstract_params: Any, mesh: Mesh, layout: str = "tensor", data: bool = False) -> list[tuple[str, P]]:
     """Rules of Megatron's split read from the parameters' paths and shapes (module docstring): attention's
     ``query``/``key``/``value`` kernels ``(in, heads, head_dim)`` split by heads and their biases with them,
     ``out`` ``(heads, head_dim, out)`` by heads (its bias whole); each chaining pair of Dense layers split by
     the first's output and the second's input (the second's bias whole); the rest replicated. A width ``T``
-    does not divide is refused naming the layer and the axis sizes that would split it."""
+    does not divide is refused naming the layer and the axis sizes that would split it. ``data``: every tensor
+    also split over the data axes along its largest dimension not split already that they divide (ZeRO's
+    partitioning over the data-parallel replicas: the optimizer state at stages 1–2, the parameters at 3)."""
     leaves = dict(named_leaves(abstract_params))
     size = mesh.shape[MODEL]
     rules: list[tuple[str, P]] = []
@@ -120,7 +123,23 @@ def megatron_rules(abstract_params: Any, mesh: Mesh, layout: str = "tensor") -> 
             f"parallel.name={layout!r} pairs attention heads and MLP layers (Megatron), and this model has neither "
             f"(parameters: {', '.join(list(leaves)[:6])}, ...); use parallel.name='model' or 'hybrid' for a model "
             "of Dense/Conv layers")
-    return rules + [(".*", P())]
+    return (_over_data(rules, leaves, mesh) if data else rules) + [(".*", P())]
+
+
+def _over_data(rules: list, leaves: dict, mesh: Mesh) -> list[tuple[str, P]]:
+    """Each parameter's rule with the data axes added along its largest free dimension they divide."""
+    axes = mesh_lib.group_batch_axes(mesh)
+    size = math.prod(mesh.shape[axis] for axis in axes)
+    placed = []
+    for path, leaf in leaves.items():
+        spec = next((s for regex, s in rules if re.search(regex, path)), P())
+        spec = list(spec) + [None] * (len(leaf.shape) - len(spec))
+        free = [d for d in sorted(range(len(spec)), key=lambda d: -leaf.shape[d])
+                if spec[d] is None and leaf.shape[d] % size == 0]
+        if free and size > 1:
+            spec[free[0]] = axes[0] if len(axes) == 1 else axes
+        placed.append((f"^{re.escape(path)}$", P(*spec)))
+    return placed
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -371,3 +390,6 @@ def check_config(config) -> None:
     unknown = sorted(set(block.keys()) - set(SETTINGS)) if block is not None else []
     if unknown:
         raise ConfigError(f"{BLOCK}.{unknown[0]} is not a setting; {BLOCK}.* takes {', '.join(SETTINGS)}")
+    if block is not None and block.get("zero_stage", 0) not in (0, 1, 2, 3):
+        raise ConfigError(f"tensor.zero_stage={block.zero_stage!r}: choose 0 (none), 1 (optimizer state), 2 (and "
+                          "gradients) or 3 (and parameters) split over the data axes")
