@@ -20,7 +20,7 @@ Those statistics travel: one all-reduce per layer forward, and one backward (the
 cotangents of the mean and the mean of squares, which XLA's combiner merges). They are
 the model's messages, not a plug-in's, so the step's accountant counts them from the
 traced gradient itself (:func:`model_traffic`): every ``psum`` the model's forward and
-backward hold, the independent ones of one layer and direction as one op.
+backward hold, those that do not depend on one another (one layer's, or layers side by side) as one op.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from jax.extend import core as jex_core
 
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
@@ -104,21 +105,66 @@ def model_traffic(grad_fn, args, axes: tuple[str, ...]) -> costmodel.Traffic:
     """What one call of ``grad_fn(*args)`` (the model's loss and its gradient, traced here once more,
     nothing runs) sends in the collectives it holds itself over ``axes``: synchronised batch norm's.
 
-    Each layer's sums of one direction (its name stack: ``jvp(Model)/BatchNorm_0`` forward,
-    ``transpose(jvp(Model))/BatchNorm_0`` backward) are independent of each other, and XLA's all-reduce
-    combiner runs them as one op: the bytes of their leaves in one ring, one ring's rounds
-    (:func:`dtx.comm.context.psum_traffic`). The gradient's own reduction is not in ``grad_fn``
-    (the body differentiates per-device copies), so nothing is counted twice.
+    XLA's all-reduce combiner runs all-reduces that do not depend on one another as one op: a layer's
+    sums of one direction, and also the sums of layers side by side (a ResNet block's projection
+    shortcut beside its second convolution, forward and backward). So the sums are taken in the
+    traced order and grouped greedily, a new group starting at the first sum that depends on one
+    already in the group (:func:`independent_groups`); each group is the bytes of its leaves in one
+    ring and one ring's rounds (:func:`dtx.comm.context.psum_traffic`). The gradient's own reduction
+    is not in ``grad_fn`` (the body differentiates per-device copies), so nothing is counted twice.
     """
     if not axes:
         return costmodel.Traffic(0, 0)
-    groups: dict[str, list] = {}
-    for eqn in equations(jax.make_jaxpr(grad_fn)(*args).jaxpr):
-        if eqn.primitive.name in _SUMS and set(_as_tuple(eqn.params.get("axes", ()))) & set(axes):
-            groups.setdefault(str(eqn.source_info.name_stack), []).extend(v.aval for v in eqn.invars)
+    groups = independent_groups(jax.make_jaxpr(grad_fn)(*args).jaxpr,
+                                lambda eqn: eqn.primitive.name in _SUMS
+                                and bool(set(_as_tuple(eqn.params.get("axes", ()))) & set(axes)))
     p = math.prod(jax.lax.axis_size(a) for a in axes)
-    return costmodel.add_traffic(costmodel.Traffic(0, 0), *(comm_lib.pmean_traffic(leaves, p)
-                                                             for leaves in groups.values()))
+    return costmodel.add_traffic(costmodel.Traffic(0, 0), *(comm_lib.pmean_traffic(
+        [v.aval for eqn in group for v in eqn.invars], p) for group in groups))
+
+
+def independent_groups(jaxpr, selected) -> list[list]:
+    """The ``selected`` equations of ``jaxpr`` (and of the jaxprs inside it) in traced order, cut into groups
+    none of whose members depends on another member's result (through any chain of equations). An
+    equation holding a jaxpr is followed as one step: its outputs depend on all its inputs and on every
+    selected equation inside it."""
+    groups: list[list] = []
+    ids: list[int] = []  # the current group's members (indices into ``seen``)
+    seen: list = []
+    depends: dict = {}  # variable -> indices of the selected equations it depends on
+
+    def visit(eqns):
+        for eqn in eqns:
+            before = frozenset().union(*(depends.get(v, frozenset()) for v in eqn.invars
+                                         if not isinstance(v, jex_core.Literal)))
+            inner = set()
+            for sub in _inner_jaxprs(eqn):
+                start = len(seen)
+                visit(sub.eqns)
+                inner.update(range(start, len(seen)))
+            if selected(eqn):
+                if groups and before & set(ids):
+                    ids.clear()
+                if not ids:
+                    groups.append([])
+                index = len(seen)
+                seen.append(eqn)
+                groups[-1].append(eqn)
+                ids.append(index)
+                inner.add(index)
+            for v in eqn.outvars:
+                depends[v] = before | inner
+
+    visit(jaxpr.eqns)
+    return groups
+
+
+def _inner_jaxprs(eqn):
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+            if hasattr(inner, "eqns"):
+                yield inner
 
 
 def equations(jaxpr):
