@@ -13,7 +13,7 @@ layers; activations go forward and their gradients back between neighbouring sta
   ``stage``, each device holding its own stage's row only. Elementwise optimizers (SGD, momentum, Adam)
   act on it as on the tree (a padded entry has zero gradient and stays zero).
 * **One activation buffer.** Boundaries of different widths travel in one ``(micro, width)`` buffer,
-  ``width`` the widest boundary a stage sends (the logits' width included): a narrower boundary is
+  ``width`` the widest boundary a stage sends (the logits never travel): a narrower boundary is
   zero-padded on the right and sliced back by the stage that receives it. The bytes a stage sends per
   message are therefore ``micro × width × itemsize`` (:meth:`StagePlan.message_bytes`).
 
@@ -147,8 +147,9 @@ class StagePlan:
 
     @property
     def width(self) -> int:
-        """Width of the activation buffer: the widest output a stage sends on (or the logits)."""
-        return max(self.stage_layers(s)[-1].out_width for s in range(self.num_stages))
+        """Width of the activation buffer: the widest output a stage sends on (1 for a single stage; the last stage's
+        logits stay where the loss is)."""
+        return max(self.boundary_widths or (1,))
 
     @property
     def boundary_widths(self) -> tuple[int, ...]:

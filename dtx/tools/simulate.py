@@ -21,7 +21,10 @@ or bytes figure is more than 2 % off (memory is reported, flagged past 15 %; :mo
 ZeRO-1/2, FSDP, model, hybrid and the planner's plan), the per-device bytes of
 :mod:`dtx.perf.memory` and whether they fit the node (``Cluster.device_memory``); the
 planner then picks, per node count, the fastest plan that fits (a node count where
-none does is reported as refused). Bad input exits with status 2 and a message naming the fix.
+none does is reported as refused). ``--plan auto`` also prints the data × pipeline table
+(:mod:`dtx.tools.pipeline_sim`): per node count the fastest pipeline that fits beside that plan, the faster of
+the two with why, and the ``dtx train`` overrides of a chosen pipeline; ``--verify`` compiles its pipelines too.
+Bad input exits with status 2 and a message naming the fix.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from dtx.perf.report import plan_overrides  # noqa: F401 - documented here too
 from dtx.perf import layers as layers_lib
 from dtx.perf import memory as memory_lib
 from dtx.perf.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
-from dtx.tools import plancheck
+from dtx.tools import pipeline_sim, plancheck
 
 _PHYSICAL = ("node_flops", "memory_bandwidth", "bandwidth", "latency")
 
@@ -280,6 +283,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # ModelConfigError, ClusterError, PerfModelError, CollectiveError
         print(f"dtx simulate: error: {e}", file=sys.stderr)
         return 2
+    # The data x pipeline table of --plan auto (dtx.tools.pipeline_sim); a tensor-parallel factor would join there.
+    pipelines = pipeline_sim.rows(args, cluster, layers, points, args.optimizer) if args.plan == "auto" else []
+    memory_rows += pipeline_sim.memory_rows(pipelines) if args.memory else []
     study = report_lib.report(args.model, layers, cluster, points, **setting)
     strong = study.strong
     # A file only where asked (a command run in a checkout must not litter it), named by the node list and
@@ -288,8 +294,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
 
     if args.verify:  # compiles plans: JAX and the model zoo only when asked
         verified = plancheck.verify_plans(args, cluster, points)
+        piped = pipeline_sim.verify(args, cluster, pipelines)
     else:
-        verified = []
+        verified, piped = [], []
     if args.json:
         print(json.dumps(dict(
             model=args.model, cluster=_finite(dataclasses.asdict(cluster)),
@@ -297,17 +304,21 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             per_node_batch=args.per_node_batch, algorithm=args.algorithm, overlap=args.overlap, plan=args.plan,
             speedup={str(p.nodes): p.speedup for p in points}, points=[_point_json(p) for p in points],
             layers=list(study.layers), plot=plot, **({"verify": verified} if args.verify else {}),
-            **({"memory": memory_rows, "refused": {str(n): m for n, m in refused.items()}} if args.memory else {})),
+            **({"memory": memory_rows, "refused": {str(n): m for n, m in refused.items()}} if args.memory else {}),
+            **({"pipeline": pipeline_sim.as_json(pipelines), "verify_pipeline": piped} if pipelines else {})),
             indent=1, default=float))
     else:
         _print_tables(study, plot)
+        if pipelines:
+            pipeline_sim.print_rows(pipelines, cluster)
         if args.memory:
             _print_memory(memory_rows, cluster, args)
             for message in refused.values():
                 print(f"refused: {message}")
         if args.verify:
             plancheck.print_checks(verified)
-    return 1 if plancheck.outside(verified) else 0
+            pipeline_sim.print_verified(piped)
+    return 1 if plancheck.outside(verified) or not all(row["within"] for row in piped) else 0
 
 
 if __name__ == "__main__":

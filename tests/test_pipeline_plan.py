@@ -1,0 +1,99 @@
+"""The data x pipeline planner (dtx.perf.pipeline_plan): its terms against the formulas, its choices, its overrides.
+
+The compiled side (FLOPs and bytes of the printed plans) is tests/test_pipeline_sim.py's.
+"""
+
+import dataclasses
+import shlex
+
+import pytest
+
+from dtx.parallel.pipeline_schedules import make_schedule
+from dtx.perf import clusters
+from dtx.perf import model as perfmodel
+from dtx.perf import pipeline_plan
+from dtx.perf.layers import Layer
+
+
+def _dense(name, fan_in, fan_out):
+    return Layer(name, "dense", fan_in * fan_out, fan_in * fan_out + fan_out, fan_in, fan_out, (fan_in, fan_out))
+
+
+STACK = tuple(_dense(f"fc{i}", 256, 256) for i in range(8))  # 8 equal layers
+FAST = dataclasses.replace(clusters.get_cluster("cloud_10gbe"), latency=0.0, bandwidth=1e30)
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (8, 8)])
+def test_compute_carries_the_bubble(stages, micro):
+    """On free links, a pipeline of P equal stages takes the slowest stage's work on one micro-batch (4/3 of the
+    roofline's forward + backward: the re-run forward) on each of M + P - 1 ticks: the useful work times
+    (M + P - 1)/M."""
+    p = pipeline_plan.plan(STACK, FAST, stages, 64, stages, micro)
+    tick = sum(perfmodel.compute_time(layer, FAST, 64 // micro) for layer in STACK[:8 // stages]) * 4 / 3
+    assert p.compute_s == pytest.approx((micro + stages - 1) * tick)
+    assert p.compute_s / (micro * tick) == pytest.approx((micro + stages - 1) / micro)
+    assert p.bubble == pytest.approx((stages - 1) / (micro + stages - 1)) and p.p2p_s == pytest.approx(0, abs=1e-12)
+
+
+def test_two_stages_send_2M_boundary_activations():
+    """The issue's point-to-point bytes: 2 stages send 2·M messages of one micro-batch's boundary activations
+    (b x width x e); with P stages dtx's lock-step program sends 2(M + P - 2), its bubble ticks included."""
+    p = pipeline_plan.plan(STACK, FAST, 4, 64, 2, 8)  # 2 stages x 2 data shards: b = 64 / (2 x 8) = 4
+    assert p.p2p_bytes == 2 * 8 * (4 * 256 * 4)
+    q = pipeline_plan.plan(STACK, FAST, 8, 64, 4, 8)  # 4 x 2: b = 4
+    assert q.p2p_bytes == make_schedule("1f1b", 4, 8).messages * 4 * 256 * 4 == 2 * (8 + 4 - 2) * 4 * 256 * 4
+    # the gradient all-reduce: the stage's weights over its data replicas (ring), and the batch's all-gather
+    assert q.allreduce_bytes == pytest.approx(2 * (2 - 1) / 2 * 2 * (256 * 256 + 256) * 4)
+    assert q.gather_bytes == pytest.approx((4 - 1) * (8 * 4 * (256 * 4 + 4)) / 4)
+
+
+def test_the_planner_takes_the_pipeline_where_nothing_else_fits():
+    """Where Das et al.'s plan needs more than the node's memory, the fastest pipeline that fits is chosen, and why
+    says so; with room, the faster of the two."""
+    layers = tuple(_dense(f"fc{i}", 4096, 4096) for i in range(8))
+    roomy = clusters.get_cluster("haswell_fdr")
+    das = perfmodel.make_plan(layers, roomy, 8, 256, mode="data")
+    chosen, fitting = pipeline_plan.best(layers, roomy, 8, 256, das, das_memory=1e9)
+    assert fitting and chosen is (das if das.times["none"] < fitting[0].time else fitting[0])
+    tight = dataclasses.replace(roomy, device_memory=0.5e9)  # the data plan's 1 GB does not fit; 8 stages' rows do
+    chosen, fitting = pipeline_plan.best(layers, tight, 8, 256, das, das_memory=1e9)
+    assert isinstance(chosen, pipeline_plan.PipelinePlan) and chosen.memory_bytes <= 0.5e9
+    assert "over the node's memory" in pipeline_plan.why(chosen, das, 1e9, fitting, tight)
+    none, _ = pipeline_plan.best(layers, dataclasses.replace(roomy, device_memory=1e6), 8, 256, das, 1e9)
+    assert none is None
+
+
+def test_a_faster_pipeline_wins_and_says_why():
+    """A slow network and a large weight gradient: the pipeline's all-reduce covers 1/P of the weights, its
+    messages are activations; the planner takes it when it is faster than Das et al.'s plan."""
+    layers = tuple(_dense(f"fc{i}", 4096, 4096) for i in range(8))
+    slow = clusters.get_cluster("cloud_10gbe")
+    das = perfmodel.make_plan(layers, slow, 8, 64, mode="data")
+    chosen, fitting = pipeline_plan.best(layers, slow, 8, 64, das, das_memory=0.0)
+    assert isinstance(chosen, pipeline_plan.PipelinePlan) and chosen.time < das.times["none"]
+    assert "faster than data" in pipeline_plan.why(chosen, das, 0.0, fitting, slow)
+
+
+def test_overrides_are_the_dtx_train_keys():
+    """The printed overrides are the pipeline's config keys: they load and pass the pipeline's checks."""
+    from dtx import config as config_lib
+    from dtx.step.pipeline_check import check_settings
+
+    p = pipeline_plan.plan(STACK, FAST, 8, 64, 4, 8)
+    flags = [shlex.split(flag)[0] for flag in p.overrides()]
+    config = config_lib.load("digits_mlp", flags)
+    block = config.pipeline
+    assert (config.parallel.name, block.schedule, block.microbatches, tuple(block.boundaries)) == (
+        "pipeline", "1f1b", 8, p.boundaries)
+    check_settings(mesh_shape=dict(config.mesh), schedule=block.schedule, boundaries=block.boundaries,
+                   num_layers=len(STACK), global_batch_size=64, microbatches=block.microbatches)
+
+
+def test_transformer_blocks_as_layers():
+    """GPT-2 small (12 blocks of 768, T = 1024, vocabulary 50257, an untied head): 12·d² + 13d weights per block,
+    124 M parameters with the embedding (163 M with the head); a boundary carries T x d activations."""
+    layers = pipeline_plan.transformer_layers(12, 768, 1024)
+    assert len(layers) == 14 and layers[1].weights == 12 * 768 ** 2 + 13 * 768
+    assert sum(layer.weights for layer in layers[:-1]) == pytest.approx(124e6, rel=0.01)
+    p = pipeline_plan.plan(layers, clusters.get_cluster("h100_nvlink_ndr"), 8, 64, 4, 8, example_bytes=8 * 1024)
+    assert p.message_bytes == 4 * 1024 * 768 * 2  # b = 64 / (2 x 8) = 4 sequences of 1024 x 768 bf16

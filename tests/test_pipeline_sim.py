@@ -1,0 +1,56 @@
+"""dtx simulate --plan auto's data x pipeline table and its --verify (dtx.tools.pipeline_sim): the printed pipeline
+compiled, its per-device FLOPs and bytes within the 2 % dtx simulate --verify holds every plan to."""
+
+import json
+
+import pytest
+
+from dtx.tools.plancheck import VERIFY_TOLERANCE
+from dtx.tools.simulate import simulate_main
+
+# The MLP of models/ (1024 inputs, 256-256-10: the first stage the busiest, the batch gather a few % of the bytes): its 4 nodes as 2 stages x 2 data shards, or Das et al.'s plan.
+ARGV = ["--model", "mlp", "--input-shape", "1024", "--cluster", "cloud_10gbe", "--nodes", "4", "--global-batch", "64"]
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = simulate_main(ARGV + ["--verify", "--json"])
+    return status, json.loads(out.getvalue())
+
+
+def test_the_printed_pipeline_compiles_to_its_predicted_flops_and_bytes(verified):
+    """The pipeline the table prints for 4 nodes, compiled on 4 of the 8 emulated devices: the busiest stage's FLOPs
+    (its forward and backward slots compiled, times M) and everything a device sends (the compiled step's
+    collectives, loops' trip counts included) within 2 % of dtx.perf.pipeline_plan's."""
+    status, record = verified
+    (row,) = record["verify_pipeline"]
+    # the exit status: 1 where any check, Das et al.'s plan's or the pipeline's, is outside 2 %
+    das_outside = any(not check["within"] for plan in record["verify"] for check in plan["checks"])
+    assert status == int(das_outside or not row["within"])
+    assert row["nodes"] == 4 and row["plan"].startswith("pipeline 2x2")
+    assert abs(row["flops_ratio"] - 1) <= VERIFY_TOLERANCE and abs(row["bytes_ratio"] - 1) <= VERIFY_TOLERANCE
+    assert row["within"]
+
+
+def test_the_table_names_both_plans_and_the_choice(verified):
+    """Per node count: Das et al.'s plan and the best pipeline, the faster chosen, why, and a chosen pipeline's
+    dtx train overrides."""
+    _, record = verified
+    (row,) = record["pipeline"]
+    assert row["pipeline"]["stages"] == 2 and row["pipeline"]["runnable"]
+    assert row["chosen"] in (row["das_plan"], f"pipeline 2x2 M={row['pipeline']['micro']}") and row["why"]
+    faster = min(row["das_time"], row["pipeline"]["time"])
+    assert (row["chosen"] == row["das_plan"]) == (row["das_time"] == faster)
+    if row["overrides"] is not None:
+        assert "--config.parallel.name=pipeline" in row["overrides"]
+
+
+def test_the_table_prints(capsys):
+    assert simulate_main(ARGV) == 0
+    text = capsys.readouterr().out
+    assert "data x pipeline" in text and "pipeline 2x2" in text
