@@ -55,3 +55,11 @@ def test_bit_packing_round_trips_and_is_tight():
         assert packed[bits].shape == (3, math.ceil(13 * bits / 8))
         np.testing.assert_array_equal(unpacked[bits], codes[bits])
     np.testing.assert_array_equal(packed[1], np.packbits(codes[1], axis=1, bitorder="little"))
+
+
+def test_stochastic_rounding_draws_flat_the_values_a_shaped_draw_gives():
+    """The quantisers draw their uniforms flat and reshape (XLA:CPU compiles that far faster): the values must be
+    the shaped draw's, bit for bit, or the change would alter every stochastic code."""
+    key = jax.random.key(7)
+    for shape in [(3, 4, 5), (2, 3, 4, 5), (7,)]:
+        np.testing.assert_array_equal(quantize._uniform(key, shape), jax.random.uniform(key, shape))
