@@ -67,6 +67,8 @@ class Transformer(nn.Module):
       dropout_rate: dropout on attention weights and residual branches (training only).
       num_classes: vocabulary size (logits per position); set from the dataset.
       dtype / param_dtype: compute and stored dtypes (the precision policy's).
+      tie_embeddings: the output layer is the token embedding transposed (GPT-2's; no ``Dense_0`` head, no output
+        bias), else a Dense layer of its own.
       remat: the rematerialisation policy of each block (:mod:`dtx.models.remat`: ``none``, ``full``, ``dots``,
         ``offload``); a run setting, ``remat.policy``, that dtx passes in (not a key of the ``model`` block).
     """
@@ -80,6 +82,7 @@ class Transformer(nn.Module):
     num_classes: int = 256
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    tie_embeddings: bool = False
     remat: str = "none"
 
     @nn.compact
@@ -92,7 +95,8 @@ class Transformer(nn.Module):
                              "model.max_len or shorten the sequences (dataset.seq_len)")
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
-        x = nn.Embed(self.num_classes, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype)(tokens)
+        embed = nn.Embed(self.num_classes, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
+        x = embed(tokens)
         positions = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.d_model),
                                self.param_dtype)
         x = x + positions[: tokens.shape[1]].astype(self.dtype)
@@ -106,4 +110,6 @@ class Transformer(nn.Module):
             x = block(self.d_model, self.num_heads, self.mlp_ratio, self.dropout_rate, self.dtype,
                       self.param_dtype, name=f"Block_{i}")(x, mask, train)
         x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        if self.tie_embeddings:
+            return embed.attend(x)
         return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype)(x)
