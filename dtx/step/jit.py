@@ -28,6 +28,7 @@ from dtx import compress, strategies
 from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.data import tasks as task_lib
+from dtx.parallel import activations as activations_lib
 from dtx.step import accumulate, batchnorm, body
 from dtx.step.spec import StepSpec
 
@@ -49,7 +50,7 @@ class JitDriver:
                        if gradients is not None else _identity)
         micro_sharding = NamedSharding(mesh, PartitionSpec(None, mesh_lib.batch_axes(mesh)))
         apart = _apart(mesh, spec)
-        layout = _activations(placement)
+        layout = _activations(placement, mesh)
         if apart is not None:  # batch norm inside the per-shard map: statistics over all shards, as in one pass
             model = batchnorm.synchronise(model, (accumulate.SHARD_AXIS,))
             if placement is not None and placement.activations is not None:
@@ -69,7 +70,7 @@ class JitDriver:
 
     def eval_step(self, model, mesh: Mesh, spec: StepSpec):
         evaluate = functools.partial(body.eval_body, model, spec.policy, _identity, spec.strategy or strategies.sync(),
-                                     self.comm(mesh, spec), _activations(spec.placement),
+                                     self.comm(mesh, spec), _activations(spec.placement, mesh),
                                      task=spec.task or task_lib.classification())
         return jax.jit(evaluate, in_shardings=(_state_sharding(mesh, spec.placement), mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
@@ -99,10 +100,14 @@ def _state_sharding(mesh: Mesh, placement):
     return mesh_lib.replicated(mesh) if placement is None else placement.state
 
 
-def _activations(placement):
-    """Where model-parallel layers' activations live: a context manager factory (none: nothing to constrain)."""
-    return placement.activations if placement is not None and placement.activations is not None \
-        else contextlib.nullcontext
+def _activations(placement, mesh: Mesh):
+    """Where activations live: a context manager factory — model-parallel layers' layout; under FSDP embedding
+    lookups' outputs on the batch split (:func:`dtx.parallel.activations.lookup_layout`); else nothing."""
+    if placement is not None and placement.activations is not None:
+        return placement.activations
+    if placement is not None and placement.layout.zero_stage == 3:
+        return activations_lib.lookup_layout(mesh)
+    return contextlib.nullcontext
 
 
 def _without_comm(train):
