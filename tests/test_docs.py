@@ -120,7 +120,8 @@ def test_python_blocks_run(page, tmp_path):
 _WORK = {"dtx.run.trainer.train": "train", "dtx.tools.bench.measure_step": "bench step",
          "dtx.tools.bench.measure": "bench collectives", "dtx.tools.plots.plot_runs": "plot",
          "dtx.run.evaluate.evaluate_run": "eval", "dtx.run.evaluate.export_run": "export"}
-_PLACEHOLDER = re.compile(r"^\[|\]$|^[A-Z][A-Z_]*(\.py)?$|\.\.\.")  # usage lines: [--step N], EXPERIMENT.py, DIR
+# usage lines: [--step N], EXPERIMENT.py, DIR; a script's shell variable (--config.grad_accum_steps=$accum)
+_PLACEHOLDER = re.compile(r"^\[|\]$|^[A-Z][A-Z_]*(\.py)?$|\.\.\.|=\$")
 _PYTHON = re.compile(r"^(python3?|\.venv/bin/python3?)$")
 # Lines of pages this file's owners do not edit, known to be wrong; each must still fail (then fix the page
 # and delete the entry).

@@ -198,7 +198,7 @@ def test_rank_0_stopped_before_it_registers_is_named_within_startup_seconds(tmp_
     `startup_seconds` (the probe: ~317 s, past the watchdog, blaming rank 0 only by chance), the launcher
     names rank 0 -- stopped, at start-up -- not rank 1, the one that gave up."""
     launcher = _launch(tmp_path, "--config.startup_seconds=10")
-    ranks, deadline = {}, time.time() + 30
+    ranks, deadline = {}, time.time() + 120  # the launcher imports dtx first: slow on a loaded machine
     while 0 not in ranks and time.time() < deadline:
         ranks = _rank_pids(tmp_path, launcher.pid)
     assert 0 in ranks, "rank 0's process must exist"
@@ -323,8 +323,8 @@ def test_elastic_goes_on_without_a_lost_rank_and_takes_a_replacement_back(tmp_pa
     same 128-example batches in the same 16-example micro-batches) from the newest checkpoint; at step 20 a
     replacement is announced (SIGUSR1) and the job saves, stops and goes on with 2 processes again. The run is
     the uninterrupted 2-process run's: the same batches (data digest), per-step losses and final parameters
-    within float reassociation (the mean gradient adds the same terms in another order: rtol 1e-5; measured
-    max 2e-7), and each start is recorded (membership)."""
+    within float reassociation (the mean gradient adds the same terms in another order: rtol 1e-5; measured:
+    losses 2.8e-7 relative, parameters 1.5e-7 absolute), and each start is recorded (membership)."""
     experiment = tmp_path / "loses_a_rank.py"
     experiment.write_text(_LOSES_A_RANK)
     workdir = tmp_path / "run"
