@@ -359,10 +359,17 @@ def test_dtx_train_runs_the_pipeline_like_one_device(tmp_path, mlp_runs):
     overrides = ("--config.num_steps=5", "--config.model.features=(32, 24, 16)", "--config.global_batch_size=32",
                  "--config.optimizer.learning_rate=0.01", "--config.pipeline.microbatches=4", "--config.log_every=1",
                  "--config.progress=False", "--config.parallel.name=pipeline", "--config.pipeline.schedule=1f1b",
-                 "--config.mesh=((\"stage\", 4), (\"data\", 2))", "--config.checkpoint.every_steps=5")
+                 "--config.mesh=((\"stage\", 4), (\"data\", 2))", "--config.checkpoint.every_steps=5",
+                 "--config.cluster=cloud_10gbe")
     result = train(config_lib.load(DIGITS_MLP, overrides), tmp_path)
-    losses = [r["loss"] for r in metrics.read_metrics(tmp_path) if "loss" in r]
-    np.testing.assert_allclose(losses, mlp_runs["one"]["losses"], rtol=1e-6)
+    records = [r for r in metrics.read_metrics(tmp_path) if "loss" in r]
+    np.testing.assert_allclose([r["loss"] for r in records], mlp_runs["one"]["losses"], rtol=1e-6)
+    # The simulated clock (--config.cluster) times each step's schedule tick by tick, then its bytes.
+    run = mlp_runs["1f1b"]
+    clock = pipeline_model.clock_model(run["plan"], run["schedule"], 4, 2, clusters.get_cluster("cloud_10gbe"))
+    first = clock.compute(0) + clock.comm(records[0]["comm_bytes"], records[0]["comm_rounds"]).total
+    assert records[0]["sim_time_s"] == pytest.approx(first, rel=1e-9)
+    assert np.diff([r["sim_time_s"] for r in records]) == pytest.approx(first, rel=1e-6)
     assert result.state.params.shape[0] == 4 and result.metrics["test_examples"] == 360  # the stages' rows, evaluated
     # dtx export writes the model's own tree (plain flax loads it), not the rows.
     export_run(tmp_path, tmp_path / "exported")
@@ -479,3 +486,46 @@ def test_memory_limit_refuses_a_pipeline_that_does_not_fit(tmp_path):
     with pytest.raises(config_lib.ConfigError, match=r"this pipeline needs about .* MiB per device.*kept inputs"):
         train(config_lib.load(DIGITS_MLP, TRAIN + PIPELINE + ("--config.memory_limit=20000",)), tmp_path)
     assert len(_COMPILES) == before
+
+
+# ---- the simulated clock (dtx.perf.pipeline.PipelineClock) ----------------------------------------------------
+
+def _equal_plan(stages, chunks=1, width=64):
+    """``stages·chunks`` equal Dense layers of ``width``, one per (virtual) stage."""
+    from dtx.parallel.stages import Layer, StagePlan
+
+    layers = tuple(Layer(f"fc{i}", width, width, relu=True) for i in range(stages * chunks))
+    return StagePlan(layers, tuple(range(stages * chunks + 1)), chunks)
+
+
+@pytest.mark.parametrize("name,stages,micro,chunks", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 8, 1),
+                                                      ("interleaved", 2, 4, 2)])
+def test_the_clock_shows_the_bubble(name, stages, micro, chunks):
+    """Timed tick by tick on the simulated clock, equal stages are busy M/(M + P - 1) of their slots (interleaved:
+    VM/(VM + P - 1)): the bubble the compiled programs' loops show (test_interleaving_shrinks_the_bubble_...)."""
+    clock = pipeline_model.clock_model(_equal_plan(stages, chunks), make_schedule(name, stages, micro, chunks), 4, 2,
+                                       clusters.get_cluster("haswell_fdr"))
+    assert clock.busy() == pytest.approx(chunks * micro / (chunks * micro + stages - 1))
+
+
+class _OneSlowDevice:
+    """Stage 3 of data shard 0 at twice its compute, every step."""
+
+    def multipliers(self, step, devices):
+        slow = np.ones(devices)
+        slow[3] = 2.0
+        return slow
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_a_straggler_stretches_every_slot_it_works_in(name):
+    """One slow device of 4 equal stages x 2 data shards: each of its M forward and M backward slots takes twice
+    as long, the others as before, and the other data shard waits for it at the all-reduce: (2M + P - 1) slots'
+    work instead of (M + P - 1)."""
+    plan, schedule = _equal_plan(4), make_schedule(name, 4, 8)
+    clock = pipeline_model.clock_model(plan, schedule, 4, 2, clusters.get_cluster("haswell_fdr"))
+    work = clock.forward_s[0] + clock.backward_s[0]
+    assert clock.compute(0) == pytest.approx((8 + 4 - 1) * work)
+    slow = dataclasses.replace(clock, stragglers=_OneSlowDevice())
+    assert slow.compute(0) == pytest.approx((2 * 8 + 4 - 1) * work)
+    assert slow.worker_times(0, 1e-3) == pytest.approx([(2 * 8 + 4 - 1) * work + 1e-3])

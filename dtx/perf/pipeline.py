@@ -19,15 +19,20 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
   ``memory_bytes`` is the step's peak as :func:`dtx.perf.memory.compiled_peak` reads it, held to 15 %.
 * **time** — each slot tick costs the slowest stage's work on one micro-batch (forward: its FLOPs; backward:
   the forward re-run and twice its FLOPs), at the cluster's node FLOP rate, plus the tick's message (α + n/β);
-  then the all-reduce (ring, α-β). A modelled time, never measured on the emulated mesh.
+  then the all-reduce (ring, α-β). A modelled time, never measured on the emulated mesh;
+* **the simulated clock** (``--config.cluster``) — :class:`PipelineClock` times the schedule tick by tick,
+  each slot the slowest busy device's work with its straggler multiplier (:func:`clock_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import numpy as np
 
 from dtx.comm import costmodel
-from dtx.parallel.pipeline_schedules import Schedule
+from dtx.parallel.pipeline_schedules import IDLE, Schedule
 from dtx.parallel.stages import StagePlan
 from dtx.perf.clusters import Cluster
 
@@ -88,3 +93,83 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
                             schedule.micro * micro * example_bytes, step_s,
                             WORK_ROWS[schedule.name] * row_bytes + WORK_STAGE_ROWS * plan.row * itemsize
                             + WORK_MESSAGES * message, plan.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineClock:
+    """The simulated clock's model of a pipeline step (:class:`dtx.perf.simclock.SimClock` takes it in place of a
+    data-parallel :class:`~dtx.perf.simclock.ClockModel`): the schedule timed tick by tick.
+
+    The step is lock-step SPMD: every slot ends in a ``ppermute`` its neighbours wait for, so a slot lasts as long
+    as the slowest device at work in it — device ``s`` of data shard ``d`` runs its stage's forward
+    (``forward_s``) or backward (``backward_s``: the re-run forward and the two products) on one micro-batch,
+    times its straggler multiplier of the step (:mod:`dtx.strategies.stragglers`, one per device) — and an idle
+    device adds nothing. The data shards' pipelines run apart until the gradient all-reduce, so the step's
+    compute is the slowest shard's; its bytes (point-to-point, the batch's gather, the all-reduce: the
+    accountant's) are added at the link's α-β as every step's are. Without stragglers the busy share of a
+    device's slots is the schedule's ``M/(M + P − 1)`` (``VM/(VM + P − 1)`` interleaved)."""
+
+    schedule: Schedule
+    forward_s: tuple[float, ...]  # per (virtual) stage, one micro-batch
+    backward_s: tuple[float, ...]
+    data: int
+    latency: float
+    bandwidth: float
+    reduce_s_per_byte: float = 0.0
+    stragglers: Any = None  # dtx.strategies.stragglers.Stragglers
+    workers: int = 1  # SimClock's view: one step time per step
+    drops: int = 0
+    runs_ahead: int = 0
+    local_models: bool = False
+    overlaps: int = 0
+
+    def compute(self, step: int) -> float:
+        """The step's compute: its slots, each the slowest busy device's work, on the slowest data shard."""
+        p, micro = self.schedule.stages, self.schedule.micro
+        devices = p * self.data
+        slow = (np.ones(devices) if self.stragglers is None
+                else np.asarray(self.stragglers.multipliers(step, devices))).reshape(self.data, p)
+        total = np.zeros(self.data)
+        for kind, cost in (("forward", self.forward_s), ("backward", self.backward_s)):
+            for phase in self.schedule.phases:
+                table = getattr(phase, kind)
+                if table is None:
+                    continue
+                virtual = (np.maximum(table, 0) // micro) * p + np.arange(p)  # the (virtual) stage of each slot
+                work = np.where(table != IDLE, np.asarray(cost)[virtual], 0.0)  # (ticks, P)
+                total += (work[None] * slow[:, None, :]).max(axis=2).sum(axis=1)
+        return float(total.max())
+
+    def busy(self) -> float:
+        """Useful work over the devices' slot time, on the clock without stragglers: ``1 −`` the bubble."""
+        useful = self.schedule.micro * (sum(self.forward_s) + sum(self.backward_s)) / self.schedule.stages
+        return useful / dataclasses.replace(self, stragglers=None).compute(0)
+
+    def comm(self, comm_bytes: float, comm_rounds: float):
+        from dtx.perf.simclock import CommTime  # the clock's own accounting of a step's bytes
+
+        return CommTime(self.latency * comm_rounds, comm_bytes / self.bandwidth, comm_bytes * self.reduce_s_per_byte)
+
+    def worker_times(self, step: int, comm_s: float) -> np.ndarray:
+        return np.array([self.compute(step) + comm_s])
+
+
+def clock_model(plan: StagePlan, schedule: Schedule, micro: int, data: int, cluster: Cluster,
+                stragglers=None) -> PipelineClock:
+    """The :class:`PipelineClock` of a pipeline of ``micro``-example micro-batches on ``cluster``: each stage's work
+    by :func:`dtx.perf.model.compute_time`'s roofline of its Dense layers (forward 1/3 of it, the backward slot's
+    re-run forward and two products 3/3), the link :func:`dtx.perf.simclock.link` of the ``stage`` x data devices."""
+    from dtx.perf import model as perfmodel
+    from dtx.perf.layers import Layer
+    from dtx.perf.simclock import link
+
+    seconds = []
+    for s in range(plan.num_stages):
+        layers = [Layer(x.name, "dense", x.in_width * x.out_width, x.size, x.in_width, x.out_width,
+                        (x.in_width, x.out_width)) for x in plan.stage_layers(s)]
+        seconds.append(sum(perfmodel.compute_time(layer, cluster, micro) for layer in layers))
+    alpha, bandwidth = link(cluster, plan.devices * data)
+    terms = costmodel.cost_terms("ring", 1.0, max(data, 2))
+    gamma = 3.0 / cluster.memory_bandwidth * terms.reduced_bytes / terms.path_bytes
+    return PipelineClock(schedule, tuple(c / 3 for c in seconds), tuple(seconds), data, alpha, bandwidth, gamma,
+                         stragglers)

@@ -300,7 +300,16 @@ def stragglers(config: ConfigDict) -> Stragglers:
 
 def clock_recorder(config: ConfigDict, parts: Parts, saved: dict | None = None) -> simclock.Recorder | None:
     """The run's simulated clock (``None`` without ``config.cluster``): the example's own dtype (a token model
-    takes integer ids; the clock only traces shapes), the strategy's capabilities (who waits for whom)."""
+    takes integer ids; the clock only traces shapes), the strategy's capabilities (who waits for whom). A pipeline's
+    clock times its schedule tick by tick (:func:`dtx.perf.pipeline.clock_model`)."""
+    pipeline, spec = parts.placement.pipeline, cluster_spec(config)
+    if pipeline is not None and spec is not None:
+        from dtx.perf import pipeline as pipeline_model
+
+        data = parts.workers // pipeline.plan.devices
+        micro = config.global_batch_size // data // pipeline.schedule.micro
+        return simclock.Recorder(pipeline_model.clock_model(pipeline.plan, pipeline.schedule, micro, data,
+                                                            spec.cluster, spec.stragglers), saved)
     return simclock.recorder_for_run(cluster_spec(config), parts.model, parts.example.shape[1:], parts.example.dtype,
                                      workers=parts.workers, global_batch=config.global_batch_size,
                                      accum_steps=micro_batches(config), algorithm=config.allreduce,
