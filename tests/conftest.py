@@ -33,6 +33,18 @@ _COMPILING = xla_cache.CompileClock().__enter__()  # this process's compiles, fo
 
 
 _BY_FILE: dict = {}
+_BY_NAME: dict = {}  # compiled function name -> [seconds, programs] (XLA compile or cache read), for the stats
+
+
+def _by_name(event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        entry = _BY_NAME.setdefault(kwargs.get("fun_name", "?"), [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+
+
+if os.environ.get("DTX_TEST_COMPILE_STATS"):
+    jax.monitoring.register_event_duration_secs_listener(_by_name)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -57,7 +69,9 @@ def pytest_sessionfinish(session, exitstatus):
             f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
                                 **_COMPILING.record(), "compile_only_s": round(_COMPILING.compile_s, 3),
                                 "files": {name: [round(t, 1), n, h, round(w, 1)]  # compile s, programs, hits, wall s
-                                          for name, (t, n, h, w) in _BY_FILE.items()}}) + "\n")
+                                          for name, (t, n, h, w) in _BY_FILE.items()},
+                                "names": {name: [round(t, 2), n] for name, (t, n) in  # compile s, programs
+                                          sorted(_BY_NAME.items(), key=lambda kv: -kv[1][0])}}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
