@@ -45,9 +45,10 @@ from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
 from dtx.parallel.pipeline_schedules import Schedule, make_schedule
 from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan
+from dtx.step import pipeline_optim
 from dtx.step.spec import StepError
 from dtx.precision import LossScaler
-from dtx.step.state import TrainState
+from dtx.step.state import TrainState, run_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,9 @@ def _init_fn(model, tx, example_inputs, plan: StagePlan):
     def init(seed):
         init_rng, state_rng = jax.random.split(jax.random.key(seed))
         dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
-        rows = plan.pack(model.init({"params": init_rng}, dummy, train=False)["params"])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=rows, model_state={}, opt_state=tx.init(rows),
+        params = model.init({"params": init_rng}, dummy, train=False)["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=plan.pack(params), model_state={},
+                          opt_state=pipeline_optim.init(tx, plan, params),
                           rng=jax.random.key_data(state_rng), loss_scale=LossScaler().init())
     return init
 
@@ -102,7 +104,7 @@ def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: in
     that stage's devices. The parameters are the model's own initialisation (the same as one device's)."""
     init = _init_fn(model, tx, example_inputs, plan)
     shardings = shardings or state_shardings(jax.eval_shape(init, seed), mesh, plan)
-    return jax.jit(init, out_shardings=shardings)(seed)
+    return run_init(init, shardings, seed)
 
 
 def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records: int,
@@ -257,7 +259,8 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         scalars = lax.psum(jnp.stack([loss, *(values[n] for n in names)]) / m_count, STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
-        updates, opt_state = tx.update(grads[None], state.opt_state, state.params)
+        # Each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask): dtx.step.pipeline_optim.
+        updates, opt_state = pipeline_optim.update(tx, plan, grads[None], state.opt_state, state.params, stage)
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
