@@ -7,6 +7,7 @@ and the gradients of a model-parallel LeNet to one device's.
 """
 
 import contextlib
+import re
 
 import flax.linen as nn
 import jax
@@ -229,3 +230,46 @@ def test_fsdp_gathers_parameters_and_keeps_activations_on_the_batch():
     assert hlo.total(compiled).bytes_sent <= 3 * (n - 1) / n * total
     reduced = sum(c.operand_bytes * c.trips for c in collectives if c.kind in ("all-reduce", "reduce-scatter"))
     assert 0 <= reduced - (total - embedding) <= 16  # (the loss's scalars ride along)
+
+
+def test_a_row_split_dense_after_a_column_split_one_needs_no_gather():
+    """Megatron's pairing in the activation layout (``parallel.rules``): ``Dense_0`` split by columns, ``Dense_1`` by
+    rows. ``Dense_1`` takes the features where ``Dense_0`` left them and reduce-scatters its partial sums onto the
+    batch (one reduce-scatter forward, the all-gather of its output gradient backward), which sends half the bytes
+    that splitting it by columns sends (its input gathered, the gradient reduce-scattered); loss and gradients
+    equal one device's."""
+    from dtx.data.tasks import cross_entropy
+
+    model = models.build_model("mlp", features=(64, 32), num_classes=16)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 24)).astype(np.float32), rng.integers(0, 16, 64)
+    abstract = abstract_train_state(model, optax.sgd(0.1), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    params = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 24)))["params"])()
+    mesh = mesh_lib.make_mesh([("data", 4), ("model", 2)])
+    batch = mesh_lib.batch_sharding(mesh)
+
+    def loss_and_grads(layout):
+        def loss(p, x, y):
+            with layout():
+                return cross_entropy(model.apply({"params": p}, x), y).mean()
+        return jax.value_and_grad(loss)
+
+    want = jax.jit(loss_and_grads(contextlib.nullcontext))(params, x, y)
+    column = [("Dense_0/kernel", (None, "model")), ("Dense_0/bias", ("model",))]
+    sent = {}
+    for name, second in (("row", [("Dense_1/kernel", ("model", None))]),
+                         ("column", [("Dense_1/kernel", (None, "model")), ("Dense_1/bias", ("model",))])):
+        placement = get_layout("rules").place(abstract, mesh, column + second)
+        compiled = jax.jit(loss_and_grads(placement.activations), in_shardings=(placement.state.params, batch, batch)
+                           ).lower(params, x, y).compile()
+        mine = [c for c in hlo.collectives(compiled)  # Dense_1's own (not the merged gradient all-reduce's)
+                if re.match(r"jit\([^)]*\)/(transpose\()?jvp\(MLP\)\)?/Dense_1/", c.op_name)]
+        sent[name] = sum(c.bytes_sent for c in mine)
+        if name == "row":
+            assert sorted((c.kind, "transpose" in c.op_name, c.group_size) for c in mine) == [
+                ("all-gather", True, 2), ("reduce-scatter", False, 2)]
+            got = compiled(jax.device_put(params, placement.state.params), x, y)
+            np.testing.assert_allclose(got[0], want[0], **VALUE_TOL)
+            for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+                np.testing.assert_allclose(g, w, **VALUE_TOL, err_msg=jax.tree_util.keystr(path))
+    assert 2 * sent["row"] == sent["column"]

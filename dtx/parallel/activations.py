@@ -12,6 +12,11 @@ reduce-scatter of its gradient inside the group, the weight-gradient all-reduce
 over all ``N`` devices for data-parallel layers and over the ``N/G`` groups for
 model-parallel ones.
 
+A Dense split by its *input* features (row-split, the partner of a column-split
+one in Megatron's pairing: ``parallel.rules`` ``(None, "model")`` then
+``("model", None)``) takes the features where the column layer left them and
+reduce-scatters its partial sums onto the batch: no gather between the pair.
+
 How: :class:`ActivationLayout` is derived from the same parameter specs the
 state is laid out by (never from edits to the model) and applied by flax method
 interception (``nn.intercept_methods``): every ``nn.Dense``/``nn.Conv`` call gets a
@@ -96,6 +101,12 @@ class ActivationLayout:
                     out = self._model_parallel(module, x, self._arriving(x.ndim, produced[-1]))
                 finally:
                     inside.pop()
+            elif name in self.kernels and _row_split(module, self.kernels[name]):
+                inside.append(name)
+                try:
+                    out = self._row_parallel(module, x)
+                finally:
+                    inside.pop()
             else:
                 out = self.leave(next_fun(self.enter(x, name, produced[-1]), *args[1:], **kwargs), name, x.ndim)
             produced.append(self.specs(name, x.ndim, out.ndim)[1])
@@ -132,6 +143,26 @@ class ActivationLayout:
         return jax.shard_map(per_device, mesh=self.mesh, in_specs=(x_spec, specs), out_specs=out_spec)(
             x, dict(params))
 
+    def _row_parallel(self, module: nn.Module, x: jax.Array) -> jax.Array:
+        """A row-split Dense (its input features over ``model``), the partner of a column-split one (Megatron's
+        pairing, Shoeybi et al., arXiv 1909.08053, §3): it takes the features where the column layer left them,
+        each device multiplies its slice by its rows, and the partial sums are reduce-scattered over the group onto
+        the batch, each device keeping its ``1/N`` of the examples as the next data-parallel layer wants them. No
+        gather between the pair; backward: the output gradient all-gathered in the group. The bias is added once,
+        after the reduction."""
+        model = mesh_lib.MODEL_AXIS
+        params = module.variables["params"]
+        local = module.clone(parent=None, name=None, use_bias=False)
+        x_spec, out_spec = self.specs("/".join(module.path), x.ndim, x.ndim)
+
+        def per_device(x, kernel):
+            y = local.apply({"params": {"kernel": kernel}}, x)
+            return jax.lax.psum_scatter(y, model, scatter_dimension=0, tiled=True)
+
+        y = jax.shard_map(per_device, mesh=self.mesh, in_specs=(x_spec, PartitionSpec(model, None)),
+                          out_specs=out_spec)(x, params["kernel"])
+        return y + params["bias"].astype(y.dtype) if "bias" in params else y
+
     def _arriving(self, ndim: int, arriving: PartitionSpec | None) -> PartitionSpec:
         """Where an activation of rank ``ndim`` is, given the previous layer's output spec."""
         if arriving is None or len(arriving) != ndim:  # e.g. a flatten in between: the batch split carries
@@ -147,6 +178,9 @@ class ActivationLayout:
             return PartitionSpec(batch, *[None] * (in_ndim - 1)), PartitionSpec(batch, *[None] * (out_ndim - 1))
         kernel = tuple(kernel) + (None,) * max(0, 2 - len(kernel))
         batch = self._batch(group=True)
+        if _is_model(kernel[-2]) and kernel[-1] is None:  # row-split: its partial sums land on the batch split
+            return (PartitionSpec(batch, *[None] * (in_ndim - 2), kernel[-2]),
+                    PartitionSpec(self._batch(), *[None] * (out_ndim - 1)))
         # The kernel's last two dimensions are (input features, output features) for Dense and Conv.
         return (PartitionSpec(batch, *[None] * (in_ndim - 2), kernel[-2]),
                 PartitionSpec(batch, *[None] * (out_ndim - 2), kernel[-1]))
@@ -206,6 +240,16 @@ def _column_split(module: nn.Module, kernel: PartitionSpec) -> bool:
     return (len(spec) >= 1 and spec[-1] in (mesh_lib.MODEL_AXIS, (mesh_lib.MODEL_AXIS,))
             and all(axes is None for axes in spec[:-1]) and getattr(module, "feature_group_count", 1) == 1
             and isinstance(getattr(module, "features", None), int))
+
+
+def _is_model(axes) -> bool:
+    return axes in (mesh_lib.MODEL_AXIS, (mesh_lib.MODEL_AXIS,))
+
+
+def _row_split(module: nn.Module, kernel: PartitionSpec) -> bool:
+    """Whether ``module`` is a Dense split over ``model`` along its input features only (:meth:`_row_parallel`)."""
+    spec = tuple(kernel)
+    return isinstance(module, nn.Dense) and len(spec) == 2 and _is_model(spec[0]) and spec[1] is None
 
 
 def _axes_entry(axes: tuple[str, ...]):
