@@ -49,6 +49,9 @@ def test_quickstart_notebook_runs_as_committed(tmp_path, monkeypatch):
     for run in ("baseline", "bf16", "ring", "topk-5%", "powersgd-r2", "local_sgd-H4"):
         assert f"| {run} |" in table
     assert "per layer at 128 nodes" in _text(code[7]) and "run the 128-node plan" in _text(code[7])  # the tables
+    piped = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in _text(code[8]).splitlines()
+             if line.startswith("| ")}  # run -> test accuracy: the pipeline computes what the baseline does
+    assert "stage 1:" in _text(code[8]) and piped["pipeline-1f1b"] == piped["baseline"]
     assert not any("ROOT" in cell.source or "experiments/" in cell.source for cell in code)  # no checkout assumed
     assert list(tmp_path.iterdir()) == []  # the runs went to a temporary folder of their own
     images = [o for cell in code[7:] for o in cell.outputs if "image/png" in o.get("data", {})]

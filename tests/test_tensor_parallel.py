@@ -244,6 +244,11 @@ def test_bad_input_is_refused_before_compiling(text):
     # The shard_map driver is refused by the layout's declaration.
     with pytest.raises(StepError, match="runs under driver jit"):
         make_train_step(model, TX, mesh, StepSpec(driver="shard_map", placement=placement))
+    # The per-layer memory model of the other layouts says it does not model the pairs (dtx.perf.tensor does).
+    from dtx.perf import layers as layers_lib, memory
+    with pytest.raises(memory.MemoryModelError, match="does not model Megatron's pairs"):
+        memory.estimate(layers_lib.analyze(models.build_model("mlp", features=(8,)), (4,)), "tensor", nodes=8,
+                        global_batch=8)
     # tensor.* goes to parallel.name=tensor only.
     config = config_lib.base_config().unlock()
     config.tensor.sequence_parallel = True

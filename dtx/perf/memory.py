@@ -204,6 +204,9 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
         lay = get_layout(layout)
     except ValueError:
         raise MemoryModelError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}") from None
+    if lay.kernels == "paired":
+        raise MemoryModelError(f"dtx.perf.memory does not model Megatron's pairs (parallel.name={lay.name!r}); "
+                               "dtx.perf.tensor gives their parameter bytes and activation ratios")
     state_split_everywhere = lay.zero_stage >= 1  # the optimizer state split 1/N (ZeRO 1, 2, FSDP)
     params_split = lay.zero_stage == 3  # FSDP stores 1/N of every parameter
     if optimizer not in SLOTS:

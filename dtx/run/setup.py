@@ -215,6 +215,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         except ValueError as error:
             raise config_lib.ConfigError(str(error)) from None
         return
+    if chosen.kernels == "paired":  # Megatron's pairs: dtx.perf.tensor models them, not dtx.perf.memory
+        return
     sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,

@@ -184,7 +184,7 @@ def _memory_rows(estimate, layers, points) -> list[dict]:
     layers only (Das et al.'s hybrid) over the plan's group (2 when the plan has none)."""
     rows = []
     layouts = [lay for lay in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank)
-               if lay.kernels != "explicit" and not lay.stages]  # (dtx.perf.memory does not model stages yet)
+               if lay.kernels not in ("explicit", "paired") and not lay.stages]  # (nor stages and Megatron's pairs yet)
     for point in points:
         n, batch, plan = point.nodes, point.global_batch, point.plan
         hybrid = plan.group_size if plan.group_size > 1 else 2
