@@ -45,7 +45,7 @@ def text():
     return Split(tokens[:, :-1], tokens[:, 1:])
 
 
-def _run(text, name, mesh, **settings):
+def _run(text, name, mesh, accum_steps=1, **settings):
     model = _model()
     example = jax.ShapeDtypeStruct(text.inputs.shape, text.inputs.dtype)
     abstract = abstract_train_state(model, TX, example)
@@ -53,7 +53,8 @@ def _run(text, name, mesh, **settings):
     state = init_train_state(model, TX, example, 0, mesh, shardings=placement.state)
     loader = TrainLoader(text, BATCH, mesh, seed=0)
     step = make_train_step(model, TX, mesh, StepSpec(driver="jit", placement=placement, task=tasks.next_token(),
-                                                     donate=False)).lower(state, loader.batch(0)).compile()
+                                                     donate=False, accum_steps=accum_steps))
+    step = step.lower(state, loader.batch(0)).compile()
     start, losses = state, []
     for s in range(STEPS):
         state, metrics = step(state, loader.batch(s))
@@ -68,13 +69,14 @@ def runs(text):
     return {"one": _run(text, "data", one), "tp": _run(text, "tensor", mesh_lib.make_mesh(MESH)),
             "sp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True),
             "tp_zero1": _run(text, "tensor", mesh_lib.make_mesh(MESH), zero_stage=1),
-            "sp_fsdp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True, zero_stage=3)}
+            "sp_fsdp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True, zero_stage=3),
+            "sp_accum2": _run(text, "tensor", mesh_lib.make_mesh(MESH), accum_steps=2, sequence_parallel=True)}
 
 
-@pytest.mark.parametrize("run", ["tp", "sp", "tp_zero1", "sp_fsdp"])
+@pytest.mark.parametrize("run", ["tp", "sp", "tp_zero1", "sp_fsdp", "sp_accum2"])
 def test_tensor_parallel_trains_like_one_device(runs, run):
-    """20 steps on ``data 2 × model 4`` (data parallelism on the other axis; ZeRO-1 or FSDP over it) equal one
-    device's."""
+    """20 steps on ``data 2 × model 4`` (data parallelism on the other axis; ZeRO-1 or FSDP over it; 2
+    micro-batches per step, each one's gradient reduced) equal one device's."""
     np.testing.assert_allclose(runs[run]["losses"], runs["one"]["losses"], rtol=1e-5)
     moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(runs["one"]["params"]),
                                                           jax.tree.leaves(jax.device_get(runs["one"]["state"].params))))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -69,6 +69,7 @@ class ActivationLayout:
 
     mesh: Mesh
     kernels: Mapping[str, PartitionSpec]
+    mappable: ClassVar[bool] = True  # runs inside a per-shard map (:meth:`inside_map`; gradient accumulation)
     mapped: tuple[str, ...] = ()
 
     def inside_map(self, axes: tuple[str, ...]) -> ActivationLayout:

@@ -39,7 +39,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 from flax.linen.dtypes import promote_dtype
@@ -162,6 +162,10 @@ class TensorLayout:
     columns: frozenset[str]
     rows: frozenset[str]
     sequence_parallel: bool = False
+    # Not run inside jit's per-shard map of gradient accumulation (dtx.step.accumulate): vmap of these shard_map
+    # regions with spmd_axis_name fails in JAX's replication typing (pvary of a value the map already varies),
+    # so a tensor-parallel step reduces each micro-batch's gradient, as ZeRO-2 and FSDP do.
+    mappable: ClassVar[bool] = False
 
     @property
     def size(self) -> int:
@@ -175,8 +179,8 @@ class TensorLayout:
         """Where the residual stream lives: examples over the data axes, positions over ``model`` under SP."""
         return P(self._data(), MODEL if self.sequence_parallel and ndim > 2 else None, *[None] * (ndim - 2))
 
-    def inside_map(self, axes):
-        raise ValueError(f"a tensor-parallel layer's group cannot be split by a map over {axes}")
+    def inside_map(self, axes: tuple[str, ...]) -> TensorLayout:
+        raise ValueError(f"a tensor-parallel layout does not run inside a map over {axes} (mappable is False)")
 
     def __call__(self, arriving: P | None = None):
         inside: list[str] = []

@@ -91,7 +91,8 @@ def _apart(mesh: Mesh, spec: StepSpec) -> accumulate.Apart | None:
     specs = jax.tree.map(lambda s: s.spec, placement.state.params)
     used = {a for p in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) for entry in p
             for a in ((entry,) if isinstance(entry, str) else entry or ())}
-    if placement.layout.zero_stage != 0 or placement.activations is None or used & set(axes):
+    if (placement.layout.zero_stage != 0 or placement.activations is None or not placement.activations.mappable
+            or used & set(axes)):
         return None
     return accumulate.Apart(mesh, axes, specs)
 
