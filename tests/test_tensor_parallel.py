@@ -254,5 +254,6 @@ def test_bad_input_is_refused_before_compiling(text):
     # tensor.* goes to parallel.name=tensor only.
     config = config_lib.base_config().unlock()
     config.tensor.sequence_parallel = True
-    with pytest.raises(config_lib.ConfigError, match="tensor.sequence_parallel=True applies to parallel.name=tensor, not .data."):
+    with pytest.raises(config_lib.ConfigError,
+                       match="tensor.sequence_parallel=True applies to parallel.name=tensor, not .data."):
         config_lib.validate(config)

@@ -317,7 +317,8 @@ class TensorLayout:
         projection; the partial outputs reduced once, the output bias added after."""
         x = args[0]
         others = list(args[1:3]) + [kwargs.get("inputs_k"), kwargs.get("inputs_v"), kwargs.get("inputs_kv")]
-        if any(o is not None and o is not x for o in others) or module.decode or kwargs.get("sow_weights") or module.normalize_qk:
+        if (any(o is not None and o is not x for o in others) or module.decode or kwargs.get("sow_weights")
+                or module.normalize_qk):
             raise PartitionError(f"parallel.name='tensor' splits self-attention; layer {path!r} is called with other "
                                  "keys/values, decode, sow_weights or normalize_qk, which it does not split")
         between = self._stream(x, path)
@@ -389,7 +390,8 @@ def tensor_layout(specs: Any, mesh: Mesh, sequence_parallel: bool = False) -> Te
 
 @register_check
 def check_config(config) -> None:
-    """``tensor.*`` holds only its settings (which layout takes the block: :func:`dtx.parallel.layouts.check_config`)."""
+    """``tensor.*`` holds only its settings (which layout takes the block: :func:`dtx.parallel.layouts.check_config`).
+    """
     block = config.get(BLOCK)
     unknown = sorted(set(block.keys()) - set(SETTINGS)) if block is not None else []
     if unknown:
