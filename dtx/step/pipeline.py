@@ -47,7 +47,7 @@ from dtx.parallel.pipeline_schedules import Schedule, make_schedule
 from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan
 from dtx.step import pipeline_optim
 from dtx.step.spec import StepError
-from dtx.precision import LossScaler
+from dtx.precision import LossScaler, Policy
 from dtx.step.state import TrainState, run_init
 
 
@@ -59,6 +59,8 @@ class Pipeline:
     plan: StagePlan
     schedule: Schedule
     task: task_lib.Task | None = None
+    policy: Policy = Policy()  # compute (and the activation buffer) in policy.compute, the all-reduce in .reduce
+    per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.step.pipeline_optim), not the row
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -108,16 +110,17 @@ def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: in
 
 
 def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records: int,
-            batch_bytes: tuple[int, ...] = ()) -> costmodel.Traffic:
+            batch_bytes: tuple[int, ...] = (), policy: Policy = Policy()) -> costmodel.Traffic:
     """What one device sends per step, the accountant's count (:mod:`dtx.comm.costmodel`): the all-gather over
     ``stage`` of its ``batch_bytes`` (each array's local part), the schedule's ``ppermute`` messages of one
-    micro-batch's buffer, the gradient row's all-reduce over the data axes, and the ``records`` float32
-    scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
+    micro-batch's buffer (in the policy's compute dtype), the gradient row's all-reduce over the data axes (in its
+    reduce dtype), and the ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
     data = math.prod(mesh.shape[a] for a in data_axes(mesh))
     sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, plan.devices) for n in batch_bytes))
     sent = costmodel.add_traffic(sent, costmodel.Traffic(schedule.messages,
-                                                         schedule.messages * plan.message_bytes(micro)))
-    row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), jnp.float32)
+                                                         schedule.messages * plan.message_bytes(
+                                                             micro, jnp.dtype(policy.compute).itemsize)))
+    row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), policy.reduce)
     scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
     for tree, p in ((row, data), (scalars, plan.devices), (scalars, data)):
         sent = costmodel.add_traffic(sent, comm_lib.pmean_traffic(tree, p))
@@ -130,7 +133,7 @@ def metric_names(task: task_lib.Task, plan: StagePlan) -> tuple[str, ...]:
     return tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(task, probe, jnp.zeros((1,), jnp.int32), None)[1]))
 
 
-def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int):
+def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: Policy = Policy()):
     """The forward and backward slots' work, one function per (virtual) stage, each its own layers at
     their own widths (stage 0 reads ``x0``, the others the first ``in_width`` columns of the received buffer;
     outputs padded to the buffer's width):
@@ -138,19 +141,22 @@ def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int):
     * ``forward(stage, row, x0, received, labels) -> (output buffer, loss, metrics)``;
     * ``backward(stage, row, x0, kept, labels, grad_in) -> (d_row, d_kept)``: the forward re-run on the kept input
       and pulled back from ``grad_in`` (the last stage: from the loss, ``1/M`` of the step's), the parameter
-      gradient taken with respect to the stage's own tree and laid out as its row (:meth:`StagePlan.flatten`)."""
+      gradient taken with respect to the stage's own tree and laid out as its row (:meth:`StagePlan.flatten`).
+
+    Parameters and inputs are cast to ``policy.compute`` (activations travel in it), the logits to
+    ``policy.output`` before the loss, as :func:`dtx.step.body.make_loss_fn` casts them."""
     width, last, names = plan.width, plan.num_stages - 1, metric_names(task, plan)
     zero_values = {n: jnp.zeros((), jnp.float32) for n in names}
 
     def apply(s, params, x0, received, labels):
         x = x0 if s == 0 else received[:, :plan.stage_layers(s)[0].in_width]
-        y = plan.apply_params(s, params, x)
+        y = plan.apply_params(s, policy.cast_to_compute(params), policy.cast_to_compute(x))
         if s < last:
             zero = jnp.zeros((), jnp.float32)
             return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in names}
-        loss, values = task_lib.batch_mean_terms(task, y, labels, None)
+        loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(y), labels, None)
         values = {n: lax.stop_gradient(v).astype(jnp.float32) for n, v in values.items()}
-        return jnp.zeros((y.shape[0], width), y.dtype), loss.astype(jnp.float32), values
+        return jnp.zeros((y.shape[0], width), policy.compute), loss.astype(jnp.float32), values
 
     def forward_branch(s):
         return lambda row, x0, received, labels: apply(s, plan.stage_params(s, row), x0, received, labels)
@@ -171,7 +177,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     the task's, averaged over the global batch."""
     check_mesh(mesh, pipeline)
     plan, schedule = pipeline.plan, pipeline.schedule
-    task = pipeline.task or task_lib.classification()
+    task, policy = pipeline.task or task_lib.classification(), pipeline.policy
     axes = data_axes(mesh)
     p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
     if schedule.chunks != plan.chunks or schedule.stages != p:
@@ -181,7 +187,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     forward_pairs = [(s, s + 1) for s in range(p - 1)] + ring
     backward_pairs = [(s + 1, s) for s in range(p - 1)] + [(b, a) for a, b in ring]
     names = metric_names(task, plan)
-    forward_branches, backward_branches = slot_functions(plan, task, m_count)
+    forward_branches, backward_branches = slot_functions(plan, task, m_count, policy)
     stage_fn = lambda stage, *args: lax.switch(stage, forward_branches, *args)  # noqa: E731
     stage_backward = lambda stage, *args: lax.switch(stage, backward_branches, *args)  # noqa: E731
 
@@ -203,7 +209,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         micro = inputs.shape[0] // m_count
         x0s = inputs.reshape((m_count, micro, -1)).astype(jnp.float32)
         ys = labels.reshape((m_count, micro) + labels.shape[1:])
-        zeros_buffer = jnp.zeros((micro, width), jnp.float32)
+        zeros_buffer = jnp.zeros((micro, width), policy.compute)
 
         def forward_slot(carry, m, send):
             kept, received, grad_in, grads, loss, values = carry
@@ -246,7 +252,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             return run
 
         zero = jnp.zeros((), jnp.float32)
-        carry = (jnp.zeros((slots, micro, width), jnp.float32), zeros_buffer, zeros_buffer, jnp.zeros_like(row),
+        carry = (jnp.zeros((slots, micro, width), policy.compute), zeros_buffer, zeros_buffer, jnp.zeros_like(row),
                  zero, {n: zero for n in names})
         for phase in schedule.phases:
             dummy = jnp.zeros((phase.ticks, p), jnp.int32)
@@ -254,18 +260,20 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             carry, _ = lax.scan(tick(phase), carry, tables)
         _, _, _, grads, loss, values = carry
         if axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
-            grads = lax.pmean(grads, axes)
+            grads = policy.cast_to_params(lax.pmean(policy.cast_to_reduce(grads), axes))
         # The last stage alone scored the micro-batches; the others add zeros.
         scalars = lax.psum(jnp.stack([loss, *(values[n] for n in names)]) / m_count, STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
-        # Each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask): dtx.step.pipeline_optim.
-        updates, opt_state = pipeline_optim.update(tx, plan, grads[None], state.opt_state, state.params, stage)
+        if pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
+            updates, opt_state = pipeline_optim.update(tx, plan, grads[None], state.opt_state, state.params, stage)
+        else:  # an element-wise optimizer acts on the row as on the tree
+            updates, opt_state = tx.update(grads[None], state.opt_state, state.params)
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
         metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(names)}}
-        sent = traffic(plan, schedule, micro, mesh, 1 + len(names), batch_bytes)
+        sent = traffic(plan, schedule, micro, mesh, 1 + len(names), batch_bytes, policy)
         return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
@@ -286,15 +294,16 @@ def gather_params(state: TrainState, plan: StagePlan):
 
 
 def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
-                  chunks: int = 1, task: task_lib.Task | None = None) -> Pipeline:
+                  chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False) -> Pipeline:
     """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
-    ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches."""
+    ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
+    optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`)."""
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
     plan = make_plan(model, abstract_params, stages, boundaries, chunks)
-    return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task)
+    return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor)
 
 
 def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):
@@ -304,7 +313,8 @@ def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline,
     problems = [what for what, bad in (
         (f"accum_steps={spec.accum_steps} must be the schedule's {pipeline.schedule.micro} micro-batches",
          spec.accum_steps != pipeline.schedule.micro),
-        ("a float32 policy", any(jnp.dtype(d) != jnp.float32 for d in dataclasses.astuple(spec.policy))),
+        ("float32 parameters and no float16 (it needs loss scaling)",
+         jnp.dtype(spec.policy.params) != jnp.float32 or spec.policy.needs_loss_scaling),
         ("no loss scaling", spec.loss_scaler.enabled),
         ("synchronous SGD without compression", not ((spec.strategy is None or spec.strategy.caps.identity)
                                                      and (spec.compressor is None or spec.compressor.caps.identity))),
@@ -313,7 +323,8 @@ def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline,
          "needs the global count)", spec.task is not None and spec.task.valid is not None)) if bad]
     if problems:
         raise StepError("the pipeline step takes " + ", ".join(problems))
-    return make_pipeline_step(tx, mesh, dataclasses.replace(pipeline, task=pipeline.task or spec.task), spec.donate)
+    return make_pipeline_step(tx, mesh, dataclasses.replace(pipeline, task=pipeline.task or spec.task,
+                                                            policy=spec.policy), spec.donate)
 
 
 def eval_step(evaluate, plan: StagePlan):

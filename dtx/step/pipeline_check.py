@@ -3,9 +3,8 @@
 The pipeline step (:mod:`dtx.step.pipeline`; GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021)
 places its own collectives — ``ppermute`` between stages, one gradient all-reduce over the data axes —
 and keeps each stage's parameters as one flattened row (:mod:`dtx.parallel.stages`). So it runs under
-the ``shard_map`` driver only, with synchronous SGD and no compression or custom allreduce, and with
-optimizers that act entry by entry (a per-tensor norm, as LARS/LAMB take, or a weight-decay mask by
-parameter name cannot see tensors in a row).
+the ``shard_map`` driver only, with synchronous SGD and no compression or custom allreduce. Every optimizer
+runs (each stage is updated as its own parameter tree: :mod:`dtx.step.pipeline_optim`).
 
 Its ``pipeline.microbatches`` ``M`` *are* the run's gradient accumulation — each data shard's batch splits into
 ``M`` micro-batches whose gradients are summed before the one all-reduce — so ``grad_accum_steps`` is left at 1
@@ -15,7 +14,6 @@ for another layout.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,9 +26,6 @@ from dtx.precision import parse_policy
 from dtx.parallel.stages import STAGE_AXIS
 from dtx.step.drivers import get_driver
 from dtx.step.spec import StepError
-
-ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
-
 
 def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Sequence[int] = (), num_layers: int,
                    virtual_stages: int = 1,
@@ -69,10 +64,6 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
     if not get_driver(driver).explicit:
         problems.append(f"driver={driver!r}: the pipeline places its own ppermutes, so it runs under a driver that "
                         "leaves the collectives to the step: set --config.driver=shard_map")
-    if optimizer not in ELEMENTWISE_OPTIMIZERS or weight_decay:
-        problems.append(f"optimizer.name={optimizer!r} with weight_decay={weight_decay}: a stage's parameters are one "
-                        f"row, so only optimizers acting entry by entry run ({', '.join(ELEMENTWISE_OPTIMIZERS)}, "
-                        "weight_decay=0): set --config.optimizer.name=adam --config.optimizer.weight_decay=0")
     for key, value, plain, fine in (("strategy.name", strategy, "sync", strategy == "sync"),
                                     ("compression.name", compression, "none", compression == "none"),
                                     ("allreduce", allreduce, "psum", get_algorithm(allreduce).native),
@@ -80,9 +71,10 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         if not fine:
             problems.append(f"{key}={value!r}: the pipeline reduces each stage's gradient once with psum over the "
                             f"data axes: set --config.{key}={plain}")
-    if precision and any(np.dtype(d) != np.float32 for d in dataclasses.astuple(parse_policy(precision))):
-        problems.append(f"precision={precision!r}: the pipeline computes in float32 for now; leave --config.precision "
-                        "at its default")
+    policy = parse_policy(precision) if precision else None
+    if policy is not None and (np.dtype(policy.params) != np.float32 or policy.needs_loss_scaling):
+        problems.append(f"precision={precision!r}: the pipeline keeps float32 parameters and runs no loss scaling, "
+                        "which float16 needs: compute in bfloat16 (--config.precision=p=f32,c=bf16) or float32")
     if loss_scale not in ("auto", "none"):
         problems.append(f"loss_scale.name={loss_scale!r}: no loss scaling under the pipeline; set "
                         "--config.loss_scale.name=auto")
@@ -101,6 +93,16 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
                             f"--config.pipeline.microbatches to at least {devices}")
     if problems:
         raise StepError("parallel.name='pipeline': " + "; ".join(problems))
+
+
+ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+
+
+def per_tensor(optimizer: str, weight_decay: float) -> bool:
+    """Whether optimizer ``optimizer`` (:mod:`dtx.optim`) needs each stage's tensors: LARS's and LAMB's trust
+    ratios are per tensor, and weight decay skips biases by name (``optimizer.exclude``); SGD, momentum, Nesterov
+    and Adam without it act entry by entry, so the pipeline updates its flat rows directly (less memory)."""
+    return optimizer not in ELEMENTWISE_OPTIMIZERS or bool(weight_decay)
 
 
 def _staged(config) -> bool:
