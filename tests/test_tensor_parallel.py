@@ -257,3 +257,35 @@ def test_bad_input_is_refused_before_compiling(text):
     with pytest.raises(config_lib.ConfigError,
                        match="tensor.sequence_parallel=True applies to parallel.name=tensor, not .data."):
         config_lib.validate(config)
+
+
+def test_a_tied_output_layer_runs_where_the_labels_are():
+    """GPT-2's tied embedding (``tie_embeddings``: the logits are ``Embed.attend``) is the head: under SP its logits
+    come out split by examples like the labels, so no collective moves logits (the largest activation); loss and
+    gradients equal one device's."""
+    model, task = _model(tie_embeddings=True, num_classes=256), tasks.next_token()
+    mesh = mesh_lib.make_mesh(MESH)
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 256, size=(BATCH, S)), jnp.int32)
+    params = jax.jit(lambda: model.init(jax.random.key(0), tokens[:1])["params"])()
+    placement = get_layout("tensor").place(abstract_train_state(model, TX, jax.ShapeDtypeStruct(tokens.shape,
+                                                                                             tokens.dtype)),
+                                           mesh, sequence_parallel=True)
+
+    def loss_and_grads(layout):
+        def loss(p, t):
+            with layout():
+                return task.loss(model.apply({"params": p}, t, train=True), t).mean()
+        return jax.value_and_grad(loss)
+
+    import contextlib
+    want = jax.jit(loss_and_grads(contextlib.nullcontext))(params, tokens)
+    split = mesh_lib.batch_sharding(mesh)
+    compiled = jax.jit(loss_and_grads(placement.activations), in_shardings=(placement.state.params, split)).lower(
+        params, tokens).compile()
+    logits = BATCH // D * S * 256 * 4 // T  # one device's share of a data shard's logits
+    assert all(c.operand_bytes < logits for c in hlo.collectives(compiled) if c.kind != "all-reduce")
+    got = compiled(jax.device_put(params, placement.state.params), tokens)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(g, w, **TOL, err_msg=jax.tree_util.keystr(path))

@@ -187,7 +187,11 @@ class TensorLayout:
 
         def intercept(next_fun, args, kwargs, context):
             module = context.module
-            if context.method_name != "__call__" or inside or not args:
+            if inside or not args:
+                return next_fun(*args, **kwargs)
+            if context.method_name == "attend" and isinstance(module, nn.Embed) and getattr(args[0], "ndim", 0) == 3:
+                return head(next_fun, args, kwargs)  # a tied output layer: the head's layout
+            if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
             path = "/".join(module.path)
             region = (self._attention if path in self.attention else self._column if path in self.columns
@@ -207,12 +211,18 @@ class TensorLayout:
             x = args[0]
             if not (hasattr(x, "ndim") and x.ndim == 3 and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)):
                 return next_fun(*args, **kwargs)
-            # A replicated Dense (the output head) is data parallel over every device, as in dtx.parallel.activations
-            # (1/T of its work each); the rest (LayerNorm, dropout, the blocks) keeps the stream where it lives.
-            head = isinstance(module, (nn.Dense, nn.DenseGeneral))
-            spec = P(mesh_lib.batch_axes(self.mesh), None, None) if head else self.between(3)
+            if isinstance(module, (nn.Dense, nn.DenseGeneral)):
+                return head(next_fun, args, kwargs)
+            # The rest (LayerNorm, dropout, the blocks) keeps the stream where it lives.
+            spec = self.between(3)
             out = next_fun(self._constrain(x, spec), *args[1:], **kwargs)
             return self._constrain(out, spec) if getattr(out, "ndim", 0) == 3 else out
+
+        def head(next_fun, args, kwargs):
+            """A replicated Dense (the output head, or a tied embedding's ``attend``) runs data parallel over every
+            device, as in dtx.parallel.activations: 1/T of its work each, its logits where the labels are."""
+            spec = P(mesh_lib.batch_axes(self.mesh), None, None)
+            return self._constrain(next_fun(self._constrain(args[0], spec), *args[1:], **kwargs), spec)
 
         return nn.intercept_methods(intercept)
 
