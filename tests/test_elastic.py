@@ -46,3 +46,11 @@ def test_the_membership_record_says_who_ran_and_what_was_recomputed(monkeypatch)
         "steps_recomputed": 2}}
     monkeypatch.setenv(elastic.ENV, json.dumps({"restart": 0, "processes": 2, "lost": [], "last_step": None}))
     assert elastic.record({"data": 4}, 1, 0)["membership"]["steps_recomputed"] == 0
+
+
+def test_a_process_set_aside_rejoins_at_the_next_restart_and_a_replacement_counts():
+    # 4 processes; one lost -> 3 left, the mesh uses 2 (plan above), one waits. Another of the 2 is lost: the
+    # next start has the waiting one back (2 processes), not 1; an announced replacement adds one, up to 4.
+    assert elastic.available(slots=3, lost=1, replacements=0, processes=4) == 2
+    assert elastic.available(slots=2, lost=0, replacements=1, processes=4) == 3
+    assert elastic.available(slots=4, lost=0, replacements=2, processes=4) == 4

@@ -112,3 +112,31 @@ def test_the_width_scaled_twin_trains():
     assert abs(losses[0] - math.log(gpt2_small.VOCAB)) < 1.0, shown  # tied logits start with variance ~1
     assert losses[-1] < losses[0] - 2.5 and np.all(np.isfinite(losses)), shown
     assert all(later < earlier + 0.2 for earlier, later in zip(losses, losses[1:])), shown
+
+
+def test_the_memory_model_at_full_size_and_where_it_is_not_checked(full_size):
+    """dtx.perf.memory's estimate of the full-size step's peak against XLA's (compiled_peak; both affine in the
+    block count: extrapolated from 1 and 2 blocks): 4.07 GB against 4.78 GB, 0.85. A bfloat16 compute dtype on
+    XLA:CPU (which computes in float32 and keeps converted copies) is a regime dtx says its estimate does not
+    cover within 15 % (memory.uncovered, the warning a run with memory_limit prints); this records where the
+    estimate stands there: inside the range that warning names (0.68-0.90)."""
+    from dtx.perf import memory
+
+    model, policy, compiled = full_size["model"], full_size["policy"], full_size["compiled"]
+    estimates = [memory.estimate_model(model.clone(num_layers=blocks), (SEQ,), "data", dtype=jnp.int32,
+                                       nodes=DEVICES, global_batch=DEVICES, optimizer="adamw", policy=policy).total
+                 for blocks in (1, 2)]
+    peaks = [memory.compiled_peak(_Stats(compiled[blocks]["memory"])) for blocks in (1, 2)]
+    ratio = at_full_depth(*estimates, model.num_layers) / at_full_depth(*peaks, model.num_layers)
+    assert "2-byte compute dtype on XLA:CPU" in memory.uncovered("data", policy=policy, backend="xla_cpu")
+    assert 0.68 <= ratio <= 0.90, ratio
+
+
+class _Stats:
+    """A compiled step's memory_analysis, as memory.compiled_peak reads it."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_analysis(self):
+        return self.stats

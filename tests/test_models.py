@@ -222,3 +222,25 @@ def test_synchronised_batch_norm_matches_the_whole_batch():
 
     unsynced = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")))(variables, x)
     assert not np.allclose(unsynced, expected_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_transformer_attention_is_causal_dot_product_attention():
+    """models/transformer.py attends with jax.nn.dot_product_attention (is_causal): the same numbers as flax's own
+    attention under the causal mask it used before, and no position sees a later one (changing the last token
+    leaves every earlier logit as it was)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from dtx.models.transformer import causal_attention
+
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 8)) for key in jax.random.split(jax.random.key(0), 3))
+    mask = nn.make_causal_mask(jnp.zeros((2, 16)))
+    np.testing.assert_allclose(causal_attention(q, k, v), nn.dot_product_attention(q, k, v, mask=mask),
+                               rtol=1e-5, atol=1e-6)
+    model = build_model("transformer", num_layers=2, d_model=16, num_heads=2, max_len=16, num_classes=32)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 32)
+    variables = model.init(jax.random.key(2), tokens)
+    changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % 32)
+    a, b = model.apply(variables, tokens), model.apply(variables, changed)
+    np.testing.assert_array_equal(a[:, :-1], b[:, :-1])
+    assert not np.allclose(a[:, -1], b[:, -1])

@@ -174,3 +174,57 @@ def test_xla_cpu_compiles_remat_without_the_pass_that_undoes_it():
     assert remat_lib.compiler_options("full", "cpu") == {"xla_disable_hlo_passes": "cse_barrier_expander"}
     assert remat_lib.compiler_options("none", "cpu") == {}
     assert remat_lib.compiler_options("dots", "gpu") == {}
+
+
+# The memory model (dtx.perf.remat's two rules, dtx.perf.memory's hook) was written from the 3-block model above
+# and a development case (2 blocks, width 64, 2 heads, 32 tokens: 0.955 / 0.980 / 0.968 of XLA's peak); these
+# cases were chosen before it was run on them (data x 8, jit, Adam; layers, width, heads, tokens, vocabulary,
+# global batch).
+HELD_OUT = {"b": (4, 48, 4, 96, 96, 8)}
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    from dtx.perf import memory
+    from dtx.run import verify
+
+    found = {}
+    for case, (layers, width, heads, seq, vocab, batch) in HELD_OUT.items():
+        for policy in POLICIES:
+            model = build_model("transformer", num_layers=layers, d_model=width, num_heads=heads, max_len=seq,
+                                num_classes=vocab, remat=policy)
+            compiled = verify.compile_layout_step(model, (seq,), "data", [("data", 8)], batch, dtype=jnp.int32,
+                                                  task=make_task("next_token"), labels_shape=(seq,))
+            estimate = memory.estimate_model(model, (seq,), "data", dtype=jnp.int32, nodes=8, global_batch=batch)
+            found[case, policy] = estimate.total / memory.compiled_peak(compiled)
+    return found
+
+
+@pytest.mark.parametrize("case", sorted(HELD_OUT))
+def test_the_memory_model_knows_each_policy_on_held_out_cases(held_out, case):
+    """dtx.perf.memory's estimate of the step's peak (fused residuals, plus one recomputed block under remat)
+    within 15 % of XLA's memory_analysis (compiled_peak) under every policy. Measured (estimate / XLA): case b
+    none 1.076, dots 1.076, full 1.011. Two more held-out cases, measured by the same code and left out of the
+    suite for its time (docs/remat.md): c (2 blocks, width 64, 4 heads, 64 tokens, vocabulary 64, 16 sequences)
+    0.987, 1.090, 0.994; d (4 blocks, width 32, 2 heads, 64 tokens, vocabulary 128, 16 sequences) 0.975, 1.092,
+    0.972."""
+    ratios = {policy: held_out[case, policy] for policy in POLICIES}
+    assert all(abs(ratio - 1) < 0.15 for ratio in ratios.values()), ratios
+
+
+def test_the_recomputation_term_is_one_block_of_what_the_policy_dropped():
+    """recompute_bytes: (what XLA keeps per example without remat − with the policy) / the recomputed blocks;
+    0 without a policy. For 3 alike blocks it is a third of the difference, and `full` drops more than `dots`."""
+    from dtx.perf import remat
+
+    def model(policy):
+        return tiny(policy, max_len=32)
+
+    assert remat.recompute_bytes(model("none"), (32,), jnp.int32) == 0.0
+    assert remat.recompute_bytes(build_model("mlp"), (8,)) == 0.0
+    kept = {policy: remat.residual_bytes(model(policy), (32,), jnp.int32) for policy in POLICIES}
+    assert kept["none"][1] == 0 and kept["full"][1] == kept["dots"][1] == LAYERS
+    for policy in ("dots", "full"):
+        assert remat.recompute_bytes(model(policy), (32,), jnp.int32) == pytest.approx(
+            (kept["none"][0] - kept[policy][0]) / LAYERS)
+    assert kept["none"][0] > kept["dots"][0] > kept["full"][0] > 0

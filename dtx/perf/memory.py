@@ -49,7 +49,8 @@ Peak (``total``): parameters, optimizer state and the batch live throughout; the
 rest in three phases (``stash_j`` = layer ``j``'s activations)::
 
     forward(i)  = Σ_{j≤i} stash_j + Σ_{j≥i} pool iotas_j + Σ_j flipped_j
-    backward(i) = Σ_{j≤i} (stash_j + flipped_j) + Σ_{j≥i} grad_j
+    backward(i) = Σ_{j≤i} (stash_j + flipped_j) + Σ_{j≥i} grad_j  (+ b·recompute: a rematerialised block,
+                  dtx.perf.remat)
     update      = Σ grad + Σ reduce buffers
     total       = params + optimizer + inputs + max(forward, backward, update)
 
@@ -70,6 +71,7 @@ import numpy as np
 from dtx.parallel.layouts import LAYOUTS, Layout, get_layout
 from dtx.paths import path_str
 from dtx.perf.model import Plan
+from dtx.perf import remat
 from dtx.perf.layers import Layer, analyze
 from dtx.precision import Policy
 
@@ -172,7 +174,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
              stash: Mapping[str, Stash] | None = None, input_bytes: float | None = None,
              other_params: int | Sequence[Sequence[int]] = 0,
              model_state_bytes: float = 0.0, accum_steps: int = 1, backend: str = "xla_cpu",
-             explicit: bool = False) -> MemoryEstimate:
+             explicit: bool = False, recompute: float = 0.0) -> MemoryEstimate:
     """Per-device memory of a training step of ``layers`` under ``layout``.
 
     Args:
@@ -196,6 +198,8 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
       explicit: the step driver places its own collectives (``shard_map``, ``Driver.explicit`` of
         :mod:`dtx.step.drivers`): ZeRO-1/2 reduce-scatter each gradient as the backward pass produces it
         (:func:`_scattered`); ``False``: XLA's SPMD partitioner places them (``jit``).
+      recompute: bytes per example a rematerialised block's recomputed forward holds in the backward pass
+        (:func:`dtx.perf.remat.recompute_bytes`; 0 without remat).
     """
     if backend not in BACKENDS:
         raise MemoryModelError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -279,6 +283,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
     count = range(len(layers))
     forward = max(sum(stash_[:i + 1]) + sum(held[i:]) for i in count) + sum(copies)
     backward = max(sum(stash_[:i + 1]) + sum(copies[:i + 1]) + _scattered(grads, kept, i) for i in count)
+    backward += b * recompute  # one block's recomputed residuals at a time (dtx.perf.remat)
     # After the last micro-batch its own gradient is folded in: the accumulator is the step's gradient.
     update = (carry if k > 1 else sum(kept)) + sum(reduce)
     phases = dict(forward=forward + compute_copy, backward=backward + compute_copy + carry, update=update)
@@ -331,7 +336,8 @@ def estimate_pipeline(stage_plan, schedule, *, micro: int, data: int, optimizer:
                           activations, e.work_bytes - e.params_bytes, e.memory_bytes, {}, {})
 
 
-def activation_profile(model: Any, input_shape: Sequence[int]) -> dict[str, Stash]:
+def activation_profile(model: Any, input_shape: Sequence[int], dtype: Any = np.float32,
+                       fused: bool = False) -> dict[str, Stash]:
     """Per Dense/Conv layer, the bytes per example the backward pass keeps (:class:`Stash`).
 
     Traces ``jax.vjp`` of the model's training forward pass at batch 1 and 2
@@ -340,14 +346,15 @@ def activation_profile(model: Any, input_shape: Sequence[int]) -> dict[str, Stas
     stack); per example = batch 2 − batch 1, so parameters, the input batch and
     per-channel statistics drop out. Each max pool adds XLA:CPU's arrays: ``4·out``
     int32 argmax indices to ``kept``, ``4·in`` int32 index iotas and one float32
-    broadcast of ``in`` to ``pool_in`` (read from the compiled buffer assignment).
+    broadcast of ``in`` to ``pool_in`` (read from the compiled buffer assignment). ``fused``: count what XLA
+    keeps of them instead, the roots of their cheap element-wise chains (:func:`dtx.perf.remat.fused_roots`).
     """
     import jax
     import jax.extend.core as jex
     import jax.numpy as jnp
 
-    names = [layer.name for layer in analyze(model, input_shape)]
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape)), train=False))
+    names = [layer.name for layer in analyze(model, input_shape, dtype=dtype)]
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape), dtype), train=False))
     state = {key: value for key, value in variables.items() if key != "params"}
 
     def loss(params, state, x):
@@ -356,12 +363,14 @@ def activation_profile(model: Any, input_shape: Sequence[int]) -> dict[str, Stas
         return (out[0] if state else out).astype(jnp.float32).sum()
 
     def per_layer(batch: int) -> dict[str, list[float]]:
-        x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
+        x = jax.ShapeDtypeStruct((batch, *input_shape), dtype)
         closed, shapes = jax.make_jaxpr(lambda p, s, x: jax.vjp(lambda p, x: loss(p, s, x), p, x),
                                         return_shape=True)(variables["params"], state, x)
         jaxpr = closed.jaxpr
         count = len(jax.tree.leaves(shapes[1]))  # the VJP closure's leaves are the residuals
         residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - count:] if not isinstance(v, jex.Literal)}
+        if fused:  # what XLA stores of them (their inputs are no equation's output: parameters, the batch)
+            residuals = remat.fused_roots(jaxpr, residuals)
         found, current = {name: [0.0, 0.0, 0.0] for name in names}, names[0]
         for eqn in jaxpr.eqns:
             stack = str(eqn.source_info.name_stack)
@@ -380,24 +389,31 @@ def activation_profile(model: Any, input_shape: Sequence[int]) -> dict[str, Stas
     return {name: Stash(*(b - a for a, b in zip(one[name], two[name]))) for name in names}
 
 
-def model_terms(model: Any, input_shape: Sequence[int]) -> dict[str, Any]:
-    """What :func:`estimate` needs of a flax model beyond its layers: residuals, other parameters, state, batch."""
+def model_terms(model: Any, input_shape: Sequence[int], dtype: Any = np.float32) -> dict[str, Any]:
+    """What :func:`estimate` needs of a flax model beyond its layers: residuals, other parameters, state, batch
+    (``dtype``: of the inputs; an integer one is token ids, each with an int32 label, :mod:`dtx.data.tasks`'s
+    ``next_token``), and a model's rematerialisation (:func:`dtx.perf.remat.recompute_bytes`)."""
     import jax
     import jax.numpy as jnp
 
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape)), train=False))
-    layers = {layer.name for layer in analyze(model, input_shape)}
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape), dtype), train=False))
+    layers = {layer.name for layer in analyze(model, input_shape, dtype=dtype)}
     other = [tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
              if path_str(path[:-1]) not in layers]
     state = sum(math.prod(v.shape) * v.dtype.itemsize for key, tree in variables.items() if key != "params"
                 for v in jax.tree.leaves(tree))
-    return dict(stash=activation_profile(model, input_shape), input_bytes=math.prod(input_shape) * 4 + 4,
-                other_params=other, model_state_bytes=state)
+    tokens = np.issubdtype(dtype, np.integer)
+    return dict(stash=activation_profile(model, input_shape, dtype, fused=remat.takes_policy(model)),
+                input_bytes=math.prod(input_shape) * 4 * (2 if tokens else 1) + (0 if tokens else 4),
+                other_params=other, model_state_bytes=state, recompute=remat.recompute_bytes(model, input_shape, dtype))
 
 
-def estimate_model(model: Any, input_shape: Sequence[int], layout: str, **kwargs) -> MemoryEstimate:
-    """:func:`estimate` for a flax model (:func:`model_terms`: residuals, norm parameters, batch-norm state)."""
-    return estimate(analyze(model, input_shape), layout, **{**model_terms(model, input_shape), **kwargs})
+def estimate_model(model: Any, input_shape: Sequence[int], layout: str, *, dtype: Any = np.float32,
+                   **kwargs) -> MemoryEstimate:
+    """:func:`estimate` for a flax model (:func:`model_terms`: residuals, norm parameters, batch-norm state;
+    ``dtype``: of its inputs)."""
+    return estimate(analyze(model, input_shape, dtype=dtype), layout,
+                    **{**model_terms(model, input_shape, dtype), **kwargs})
 
 
 def compiled_peak(compiled: Any) -> int:

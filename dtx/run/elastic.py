@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 ENV = "DTX_MEMBERSHIP"  # set by dtx launch --elastic for every rank: this start's membership (JSON)
 
@@ -72,6 +72,43 @@ def plan(available: int, devices_per_process: int, *, global_batch: int, grad_ac
     raise ElasticError(
         f"no job on {available} or fewer processes x {devices_per_process} devices splits global_batch_size="
         f"{global_batch} into micro-batches of {micro_batch(global_batch, data_parallel, grad_accum_steps)}")
+
+
+def available(slots: int, lost: int, replacements: int, processes: int) -> int:
+    """Processes the next start may use: the job's ``slots`` (running, or set aside because the mesh could not
+    use them: they rejoin now) less the ``lost``, plus announced ``replacements``, at most ``processes``."""
+    return min(processes, slots - lost + replacements)
+
+
+class Settings(NamedTuple):
+    """An elastic job's first start, and how it starts on ``n`` available processes (``plan(n)``)."""
+
+    start: Plan
+    plan: Callable[[int], Plan]
+
+
+def settings(experiment: str, overrides: list[str], processes: int, devices_per_process: int) -> Settings:
+    """What ``--elastic`` needs from the experiment (its global batch, accumulation and mesh), refused before any
+    process starts when it cannot work (:class:`ElasticError`, or the config's own error)."""
+    from dtx import config as config_lib
+    from dtx import mesh as mesh_lib
+
+    config = config_lib.load(experiment, overrides)
+    if not config.checkpoint.every_steps:
+        raise ElasticError("--elastic restarts from the newest checkpoint, and checkpoint.every_steps=0 saves none; "
+                           "set --config.checkpoint.every_steps=N")
+    fixed = fixed_axes(config.mesh)
+    model_axis = next((int(s) for n, s in config.mesh if n == mesh_lib.MODEL_AXIS and int(s) != -1), 1)
+    devices = processes * devices_per_process
+    if devices % fixed:
+        raise ElasticError(f"mesh={config.mesh!r}: its fixed axes ({fixed} devices) do not divide {devices} devices")
+
+    def on(available: int) -> Plan:
+        return plan(available, devices_per_process, global_batch=config.global_batch_size,
+                    grad_accum_steps=config.grad_accum_steps, data_parallel=devices // model_axis, fixed=fixed,
+                    model_axis=model_axis)
+
+    return Settings(on(processes), on)
 
 
 def environment(restart: int, processes: int, lost: list[int], last_step: int | None) -> dict[str, str]:

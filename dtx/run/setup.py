@@ -227,7 +227,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
     rules = parallel.LAYOUTS["rules"] if chosen.kernels != "none" and sharded else chosen
     try:
-        mine = memory.estimate_model(model, example.shape[1:], rules, group_size=group if rules.kernels != "none" else 1,
+        mine = memory.estimate_model(model, example.shape[1:], rules, dtype=example.dtype,
+                                     group_size=group if rules.kernels != "none" else 1,
                                      sharded=sharded if rules.kernels == "explicit" else (), **common)
     except (ValueError, TypeError):  # a model the memory model cannot analyse: nothing to refuse on
         return
@@ -246,7 +247,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                 or (other.needs_model_axis and group == 1)):
             continue
         try:
-            alternative = memory.estimate_model(model, example.shape[1:], other, group_size=group, **{
+            alternative = memory.estimate_model(model, example.shape[1:], other, dtype=example.dtype,
+                                                group_size=group, **{
                 **common, "explicit": get_driver(config.driver if config.driver in other.drivers
                                                  else other.drivers[0]).explicit})
         except (ValueError, TypeError):

@@ -82,7 +82,7 @@ def launch_main(argv: list[str]) -> int:
     elastic = None
     if args.elastic:
         try:
-            elastic = _elastic_settings(args, rest)
+            elastic = elastic_lib.settings(args.experiment, rest, args.processes, args.devices_per_process)
         except ValueError as e:  # ConfigError, ElasticError: said before any process starts
             print(f"dtx launch: error: {e}", file=sys.stderr)
             return 2
@@ -107,7 +107,8 @@ def launch_main(argv: list[str]) -> int:
     if _sigterm.take():
         job.terminated.append(signal.SIGTERM)
     try:
-        processes, restart, lost, last_step = args.processes, 0, [], None
+        # slots: the processes the job has, running or set aside because the mesh could not use them
+        processes, slots, restart, lost, last_step = args.processes, args.processes, 0, [], None
         plan = elastic.start if elastic else None
         while True:
             env = elastic_lib.environment(restart, plan.processes, lost, last_step) if elastic else {}
@@ -120,14 +121,14 @@ def launch_main(argv: list[str]) -> int:
                 print("dtx launch: not restarting: the failure is the program's own, not a lost process",
                       file=sys.stderr)
                 return ended.code
-            available = min(args.processes, plan.processes - len(ended.lost) + job.take_replacements())
+            available = elastic_lib.available(slots, len(ended.lost), job.take_replacements(), args.processes)
             why = (f"--max-restarts {args.max_restarts} reached" if restart >= args.max_restarts else
                    f"{available} processes left, fewer than --elastic {args.elastic}" if available < args.elastic
                    else None)
             if why:  # a job that stopped preempted saved first: run the same command to resume
                 print(f"dtx launch: not restarting: {why}", file=sys.stderr)
                 return ended.code
-            plan = elastic.plan(available)
+            slots, plan = available, elastic.plan(available)
             restart, lost, last_step = restart + 1, ended.lost, ended.last_step
             print(f"dtx launch: restart {restart} on {plan.processes} processes x {args.devices_per_process} "
                   f"devices, grad_accum_steps={plan.grad_accum_steps}"
@@ -140,36 +141,6 @@ def launch_main(argv: list[str]) -> int:
         job.kill()
         lock.release()
         _sigterm.settle()  # the job has ended: a SIGTERM while Python shuts down has nothing to stop
-
-
-class _Elastic(NamedTuple):
-    start: elastic_lib.Plan
-    plan: object  # available processes -> elastic_lib.Plan
-
-
-def _elastic_settings(args, overrides: list[str]) -> _Elastic:
-    """What ``--elastic`` needs from the experiment (its global batch, accumulation and mesh), refused before
-    any process starts when it cannot work."""
-    from dtx import config as config_lib
-
-    config = config_lib.load(args.experiment, overrides)
-    if not config.checkpoint.every_steps:
-        raise elastic_lib.ElasticError(
-            "--elastic restarts from the newest checkpoint, and checkpoint.every_steps=0 saves none; set "
-            "--config.checkpoint.every_steps=N")
-    fixed = elastic_lib.fixed_axes(config.mesh)
-    model_axis = next((int(s) for n, s in config.mesh if n == mesh_lib.MODEL_AXIS and int(s) != -1), 1)
-    devices = args.processes * args.devices_per_process
-    if devices % fixed:
-        raise elastic_lib.ElasticError(f"mesh={config.mesh!r}: its fixed axes ({fixed} devices) do not divide "
-                                       f"{devices} devices")
-
-    def plan(available: int) -> elastic_lib.Plan:
-        return elastic_lib.plan(available, args.devices_per_process, global_batch=config.global_batch_size,
-                                grad_accum_steps=config.grad_accum_steps, data_parallel=devices // model_axis,
-                                fixed=fixed, model_axis=model_axis)
-
-    return _Elastic(plan(args.processes), plan)
 
 
 class _Ended(NamedTuple):
