@@ -25,7 +25,7 @@ from dtx.data import TrainLoader, datasets, tasks
 from dtx.parallel.pipeline_schedules import IDLE, ScheduleError, diagram, make_schedule
 from dtx.parallel.stages import PipelineError, balance, make_plan
 from dtx.perf import clusters
-from dtx.precision import Policy, parse_policy
+from dtx.precision import LossScaler, Policy, parse_policy
 from dtx.perf import memory as memory_lib
 from dtx.perf import pipeline as pipeline_model
 from dtx.step import StepError, StepSpec, make_train_step
@@ -46,12 +46,14 @@ def _digits():
     return digits, jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
 
 
-def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1, policy=Policy(), per_tensor=False):
+def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1, policy=Policy(), per_tensor=False,
+         scaler=LossScaler()):
     digits, example = _digits()
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), digits.train.inputs[:1])["params"])
     plan = make_plan(model, abstract, stages, boundaries, chunks)
-    state = pp.init_state(model, tx, example, 0, mesh, plan)
-    step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule, policy=policy, per_tensor=per_tensor))
+    state = pp.init_state(model, tx, example, 0, mesh, plan, loss_scaler=scaler)
+    step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule, policy=policy, per_tensor=per_tensor,
+                                                       loss_scaler=scaler))
     loader = TrainLoader(digits.train, batch_size, mesh, seed=0)
     compiled = step.lower(state, loader.batch(0)).compile()
     losses = []
@@ -62,17 +64,17 @@ def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1,
                 schedule=schedule, metrics=jax.device_get(metrics))
 
 
-def _one_device(model, tx, batch_size, policy=Policy(), accum_steps=1):
+def _one_device(model, tx, batch_size, policy=Policy(), accum_steps=1, scaler=LossScaler()):
     digits, example = _digits()
     mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
-    state = init_train_state(model, tx, example, 0, mesh)
-    step = make_train_step(model, tx, mesh, StepSpec(policy=policy, accum_steps=accum_steps))
+    state = init_train_state(model, tx, example, 0, mesh, scaler)
+    step = make_train_step(model, tx, mesh, StepSpec(policy=policy, accum_steps=accum_steps, loss_scaler=scaler))
     loader = TrainLoader(digits.train, batch_size, mesh, seed=0)
     losses = []
     for s in range(STEPS):
         state, metrics = step(state, loader.batch(s))
         losses.append(float(jax.block_until_ready(metrics)["loss"]))
-    return dict(params=jax.device_get(state.params), losses=losses)
+    return dict(params=jax.device_get(state.params), losses=losses, metrics=jax.device_get(metrics))
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +195,31 @@ def test_a_bf16_pipeline_equals_one_device_within_bf16s_resolution(bf16_runs):
     assert gap > 0 and got < gap / 10, (got, gap)
     # 2M messages of 2 x 16 activations, bfloat16 in the program; XLA:CPU widens bfloat16 collectives to float32
     assert _permute_bytes(run["compiled"]) == 2 * 8 * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def f16_runs():
+    """bf16_runs' pipeline computing in float16 with dynamic loss scaling from 2^16, which overflows float16 at first
+    (Micikevicius et al. 2018: skip the step, halve the scale); one device under the same policy and scaler in the
+    same micro-batches; one device in float32."""
+    model, tx = models.build_model("speech_dnn", **SPEECH), optim.make_optimizer("sgd", 0.1)
+    f16 = models.build_model("speech_dnn", **SPEECH, dtype=jnp.float16)
+    mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
+    policy, scaler = parse_policy("p=f32,c=f16"), LossScaler(enabled=True, initial_scale=2.0**16, growth_interval=2)
+    return dict(pipeline=_run(model, tx, mesh, make_schedule("1f1b", 2, 8), 64, 2, boundaries=(2,), policy=policy,
+                              scaler=scaler),
+                one=_one_device(f16, tx, 64, policy, accum_steps=32, scaler=scaler), f32=_one_device(model, tx, 64))
+
+
+def test_loss_scaling_skips_the_same_steps_as_one_device(f16_runs):
+    """The pipeline seeds each micro-batch's backward with 1/M times the loss scale, unscales the reduced gradient,
+    and skips a step where any stage's overflowed: the steps one device skips, the same loss scale after them, and
+    parameters within a tenth of float16's own distance from float32."""
+    run, one, f32 = f16_runs["pipeline"], f16_runs["one"], f16_runs["f32"]
+    assert run["metrics"]["skipped_steps"] == one["metrics"]["skipped_steps"] > 0
+    assert run["metrics"]["loss_scale"] == one["metrics"]["loss_scale"]
+    diff = lambda a, b: max(float(np.abs(a[k][x] - b[k][x]).max()) for k in a for x in a[k])  # noqa: E731
+    assert diff(run["params"], one["params"]) < diff(one["params"], f32["params"]) / 10
 
 
 @pytest.mark.parametrize("name", ["lars", "lamb"])
@@ -375,7 +402,7 @@ def test_settings_a_pipeline_takes_pass():
     (dict(strategy="local_sgd"), "--config.strategy.name=sync"),
     (dict(compression="topk"), "--config.compression.name=none"),
     (dict(allreduce="ring"), "--config.allreduce=psum"),
-    (dict(precision="p=f32,c=f16"), "no loss scaling, which float16 needs.*c=bf16"),
+    (dict(precision="p=bf16"), "float32 parameters.*p=f32,c=bf16"),
     (dict(global_batch_size=60), "global_batch_size=60 must split over the 4 data shards"),
     (dict(microbatches=3), "pipeline.microbatches=3: change"),
     (dict(microbatches=1), "idle 50% of the step.*--config.pipeline.microbatches to at least 2"),

@@ -188,8 +188,7 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
             virtual_stages=block.virtual_stages, num_layers=len(layers), global_batch_size=config.global_batch_size,
             microbatches=block.microbatches, driver=config.driver, optimizer=opt.name,
             weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
-            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
-            loss_scale=config.loss_scale.name)
+            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision)
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
                                                boundaries=block.boundaries, micro=block.microbatches,
                                                chunks=block.virtual_stages,
@@ -344,7 +343,7 @@ def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
     """A fresh state of ``parts``, seeded by ``config.seed``, laid out on ``mesh``."""
     if parts.placement.pipeline is not None:
         return step_pipeline.init_state(parts.model, parts.tx, parts.example, config.seed, mesh,
-                                        parts.placement.pipeline.plan, parts.placement.state)
+                                        parts.placement.pipeline.plan, parts.placement.state, parts.loss_scaler)
     return init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
                             parts.placement.state, parts.strategy, parts.compressor)
 

@@ -47,7 +47,7 @@ from dtx.parallel.pipeline_schedules import Schedule, make_schedule
 from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan
 from dtx.step import pipeline_optim
 from dtx.step.spec import StepError
-from dtx.precision import LossScaler, Policy
+from dtx.precision import LossScaler, Policy, all_finite, select_tree
 from dtx.step.state import TrainState, run_init
 
 
@@ -61,6 +61,7 @@ class Pipeline:
     task: task_lib.Task | None = None
     policy: Policy = Policy()  # compute (and the activation buffer) in policy.compute, the all-reduce in .reduce
     per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.step.pipeline_optim), not the row
+    loss_scaler: LossScaler = LossScaler()  # dynamic loss scaling (float16 compute): scaled seeds, skipped steps
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -84,27 +85,29 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan) -> 
     return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
 
 
-def _init_fn(model, tx, example_inputs, plan: StagePlan):
+def _init_fn(model, tx, example_inputs, plan: StagePlan, loss_scaler: LossScaler = LossScaler()):
     def init(seed):
         init_rng, state_rng = jax.random.split(jax.random.key(seed))
         dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
         params = model.init({"params": init_rng}, dummy, train=False)["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=plan.pack(params), model_state={},
                           opt_state=pipeline_optim.init(tx, plan, params),
-                          rng=jax.random.key_data(state_rng), loss_scale=LossScaler().init())
+                          rng=jax.random.key_data(state_rng), loss_scale=loss_scaler.init())
     return init
 
 
-def abstract_state(model, tx: optax.GradientTransformation, example_inputs, plan: StagePlan) -> TrainState:
+def abstract_state(model, tx: optax.GradientTransformation, example_inputs, plan: StagePlan,
+                   loss_scaler: LossScaler = LossScaler()) -> TrainState:
     """The pipeline state's shapes, computed without allocating it: ``params`` the ``(P, row)`` rows."""
-    return jax.eval_shape(_init_fn(model, tx, example_inputs, plan), 0)
+    return jax.eval_shape(_init_fn(model, tx, example_inputs, plan, loss_scaler), 0)
 
 
 def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: int, mesh: Mesh,
-               plan: StagePlan, shardings: TrainState | None = None) -> TrainState:
+               plan: StagePlan, shardings: TrainState | None = None,
+               loss_scaler: LossScaler = LossScaler()) -> TrainState:
     """The train state with the parameters as the plan's rows, each stage's row (and its optimizer state) on
     that stage's devices. The parameters are the model's own initialisation (the same as one device's)."""
-    init = _init_fn(model, tx, example_inputs, plan)
+    init = _init_fn(model, tx, example_inputs, plan, loss_scaler)
     shardings = shardings or state_shardings(jax.eval_shape(init, seed), mesh, plan)
     return run_init(init, shardings, seed)
 
@@ -139,8 +142,9 @@ def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: P
     outputs padded to the buffer's width):
 
     * ``forward(stage, row, x0, received, labels) -> (output buffer, loss, metrics)``;
-    * ``backward(stage, row, x0, kept, labels, grad_in) -> (d_row, d_kept)``: the forward re-run on the kept input
-      and pulled back from ``grad_in`` (the last stage: from the loss, ``1/M`` of the step's), the parameter
+    * ``backward(stage, row, x0, kept, labels, grad_in, seed) -> (d_row, d_kept)``: the forward re-run on the kept
+      input and pulled back from ``grad_in`` (the last stage: from the loss, ``seed``: ``1/M`` of the step's, times
+      the loss scale), the parameter
       gradient taken with respect to the stage's own tree and laid out as its row (:meth:`StagePlan.flatten`).
 
     Parameters and inputs are cast to ``policy.compute`` (activations travel in it), the logits to
@@ -162,10 +166,9 @@ def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: P
         return lambda row, x0, received, labels: apply(s, plan.stage_params(s, row), x0, received, labels)
 
     def backward_branch(s):
-        def run(row, x0, kept, labels, grad_in):
+        def run(row, x0, kept, labels, grad_in, seed):
             _, vjp = jax.vjp(lambda params, x: apply(s, params, x0, x, labels), plan.stage_params(s, row), kept)
-            # d(step loss)/d(micro-batch loss) = 1/M: the step's loss is the micro-batches' mean.
-            d_params, d_kept = vjp((grad_in, jnp.asarray(1.0 / m_count, jnp.float32), zero_values))
+            d_params, d_kept = vjp((grad_in, seed, zero_values))
             return plan.flatten(s, d_params), d_kept
         return run
 
@@ -177,7 +180,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     the task's, averaged over the global batch."""
     check_mesh(mesh, pipeline)
     plan, schedule = pipeline.plan, pipeline.schedule
-    task, policy = pipeline.task or task_lib.classification(), pipeline.policy
+    task, policy, scaler = pipeline.task or task_lib.classification(), pipeline.policy, pipeline.loss_scaler
     axes = data_axes(mesh)
     p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
     if schedule.chunks != plan.chunks or schedule.stages != p:
@@ -210,6 +213,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         x0s = inputs.reshape((m_count, micro, -1)).astype(jnp.float32)
         ys = labels.reshape((m_count, micro) + labels.shape[1:])
         zeros_buffer = jnp.zeros((micro, width), policy.compute)
+        # The backward starts from the micro-batch's loss times the loss scale (one device's accumulation does the
+        # same; the step's 1/M is applied to the accumulated gradient, after the float16 products).
+        seed = state.loss_scale.scale if scaler.enabled else jnp.ones((), jnp.float32)
 
         def forward_slot(carry, m, send):
             kept, received, grad_in, grads, loss, values = carry
@@ -229,7 +235,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 
             def pull_back(grads):
                 x_in = kept[jnp.maximum(m, 0) % slots]
-                d_row, d_x = stage_backward(virtual, stage_row(row), x0s[index], x_in, ys[index], grad_in)
+                d_row, d_x = stage_backward(virtual, stage_row(row), x0s[index], x_in, ys[index], grad_in, seed)
                 if plan.chunks == 1:
                     return grads + d_row, d_x
                 offset = (jnp.maximum(m, 0) // m_count) * plan.row  # this chunk's part of the device's row
@@ -259,10 +265,14 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             tables = tuple(jnp.asarray(t) if t is not None else dummy for t in (phase.forward, phase.backward))
             carry, _ = lax.scan(tick(phase), carry, tables)
         _, _, _, grads, loss, values = carry
+        grads = grads * (1.0 / m_count)  # the step's loss is the micro-batches' mean
         if axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
             grads = policy.cast_to_params(lax.pmean(policy.cast_to_reduce(grads), axes))
-        # The last stage alone scored the micro-batches; the others add zeros.
-        scalars = lax.psum(jnp.stack([loss, *(values[n] for n in names)]) / m_count, STAGE_AXIS)
+        grads = scaler.unscale(state.loss_scale, grads)
+        # The last stage alone scored the micro-batches; the others add zeros. With loss scaling every stage adds
+        # whether its reduced gradient overflowed: the step is skipped on all of them alike.
+        overflow = [1.0 - all_finite(grads).astype(jnp.float32)] if scaler.enabled else []
+        scalars = lax.psum(jnp.stack([loss / m_count, *(values[n] / m_count for n in names), *overflow]), STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
         if pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
@@ -273,7 +283,14 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
         metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(names)}}
-        sent = traffic(plan, schedule, micro, mesh, 1 + len(names), batch_bytes, policy)
+        if scaler.enabled:  # Micikevicius et al. 2018, §3.2: skip an overflowing step, back off; grow when finite
+            finite = scalars[-1] == 0
+            new_state = new_state.replace(params=jnp.where(finite, new_state.params, state.params),
+                                          opt_state=select_tree(finite, new_state.opt_state, state.opt_state),
+                                          loss_scale=scaler.update(state.loss_scale, finite))
+            metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32),
+                           skipped_steps=new_state.loss_scale.skipped_steps)
+        sent = traffic(plan, schedule, micro, mesh, 1 + len(names) + scaler.enabled, batch_bytes, policy)
         return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
@@ -313,9 +330,7 @@ def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline,
     problems = [what for what, bad in (
         (f"accum_steps={spec.accum_steps} must be the schedule's {pipeline.schedule.micro} micro-batches",
          spec.accum_steps != pipeline.schedule.micro),
-        ("float32 parameters and no float16 (it needs loss scaling)",
-         jnp.dtype(spec.policy.params) != jnp.float32 or spec.policy.needs_loss_scaling),
-        ("no loss scaling", spec.loss_scaler.enabled),
+        ("float32 parameters", jnp.dtype(spec.policy.params) != jnp.float32),
         ("synchronous SGD without compression", not ((spec.strategy is None or spec.strategy.caps.identity)
                                                      and (spec.compressor is None or spec.compressor.caps.identity))),
         ("no grad_norm", spec.grad_norm), ("communicate=True", not spec.communicate),
@@ -324,7 +339,8 @@ def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline,
     if problems:
         raise StepError("the pipeline step takes " + ", ".join(problems))
     return make_pipeline_step(tx, mesh, dataclasses.replace(pipeline, task=pipeline.task or spec.task,
-                                                            policy=spec.policy), spec.donate)
+                                                            policy=spec.policy, loss_scaler=spec.loss_scaler),
+                              spec.donate)
 
 
 def eval_step(evaluate, plan: StagePlan):

@@ -32,7 +32,7 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
                    global_batch_size: int, microbatches: int = 1, driver: str = "shard_map",
                    optimizer: str = "adam", weight_decay: float = 0.0, strategy: str = "sync",
                    compression: str = "none", allreduce: str = "psum", bucket_bytes: int = 0,
-                   precision: str = "", loss_scale: str = "auto") -> None:
+                   precision: str = "") -> None:
     """Raise :class:`~dtx.step.spec.StepError` listing every setting a pipeline run cannot take, each with
     its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size; ``microbatches``:
     ``M`` (:func:`micro_batches` of the config)."""
@@ -71,13 +71,9 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         if not fine:
             problems.append(f"{key}={value!r}: the pipeline reduces each stage's gradient once with psum over the "
                             f"data axes: set --config.{key}={plain}")
-    policy = parse_policy(precision) if precision else None
-    if policy is not None and (np.dtype(policy.params) != np.float32 or policy.needs_loss_scaling):
-        problems.append(f"precision={precision!r}: the pipeline keeps float32 parameters and runs no loss scaling, "
-                        "which float16 needs: compute in bfloat16 (--config.precision=p=f32,c=bf16) or float32")
-    if loss_scale not in ("auto", "none"):
-        problems.append(f"loss_scale.name={loss_scale!r}: no loss scaling under the pipeline; set "
-                        "--config.loss_scale.name=auto")
+    if precision and np.dtype(parse_policy(precision).params) != np.float32:
+        problems.append(f"precision={precision!r}: the pipeline keeps float32 parameters (its rows); compute in "
+                        "bfloat16 or float16 with p=f32, e.g. --config.precision=p=f32,c=bf16")
     if stages:
         data = 1
         for name, size in mesh_shape.items():

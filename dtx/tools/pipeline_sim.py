@@ -174,6 +174,7 @@ def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan
     labels = jax.ShapeDtypeStruct((p.micro_batch,), jnp.int32)
     for s in range(plan.num_stages):  # the slots a stage runs M times: its forward; the forward re-run and the vjp
         total = (flops_lib.compiled_flops(jax.jit(forward[s]).lower(row, x0, buffer, labels).compile()) or 0.0) + (
-            flops_lib.compiled_flops(jax.jit(backward[s]).lower(row, x0, buffer, labels, buffer).compile()) or 0.0)
+            flops_lib.compiled_flops(jax.jit(backward[s]).lower(row, x0, buffer, labels, buffer, 1.0).compile())
+            or 0.0)
         busiest = max(busiest, total * p.micro)
     return busiest, sent
