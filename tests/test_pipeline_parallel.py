@@ -171,7 +171,7 @@ def optimizer_runs():
 
 
 @pytest.fixture(scope="module")
-def bf16_runs():
+def bf16_runs(speech_runs):
     """The speech DNN on 2 stages x 4 data shards, GPipe, M = 8, SGD, computing in bfloat16 (float32 parameters,
     the all-reduce in bfloat16): the pipeline; one device under the same policy in the same 32 micro-batches of 2
     (bfloat16 rounds each micro-batch's products: the whole batch at once differs by 7e-4 after 5 steps); and one
@@ -181,7 +181,7 @@ def bf16_runs():
     mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
     policy = parse_policy("p=f32,c=bf16,r=bf16")
     return dict(pipeline=_run(model, tx, mesh, make_schedule("gpipe", 2, 8), 64, 2, boundaries=(2,), policy=policy),
-                one=_one_device(bf16, tx, 64, policy, accum_steps=32), f32=_one_device(model, tx, 64))
+                one=_one_device(bf16, tx, 64, policy, accum_steps=32), f32=speech_runs["one"])
 
 
 def test_a_bf16_pipeline_equals_one_device_within_bf16s_resolution(bf16_runs):
@@ -198,7 +198,7 @@ def test_a_bf16_pipeline_equals_one_device_within_bf16s_resolution(bf16_runs):
 
 
 @pytest.fixture(scope="module")
-def f16_runs():
+def f16_runs(speech_runs):
     """bf16_runs' pipeline computing in float16 with dynamic loss scaling from 2^16, which overflows float16 at first
     (Micikevicius et al. 2018: skip the step, halve the scale); one device under the same policy and scaler in the
     same micro-batches; one device in float32."""
@@ -208,7 +208,7 @@ def f16_runs():
     policy, scaler = parse_policy("p=f32,c=f16"), LossScaler(enabled=True, initial_scale=2.0**16, growth_interval=2)
     return dict(pipeline=_run(model, tx, mesh, make_schedule("1f1b", 2, 8), 64, 2, boundaries=(2,), policy=policy,
                               scaler=scaler),
-                one=_one_device(f16, tx, 64, policy, accum_steps=32, scaler=scaler), f32=_one_device(model, tx, 64))
+                one=_one_device(f16, tx, 64, policy, accum_steps=32, scaler=scaler), f32=speech_runs["one"])
 
 
 def test_loss_scaling_skips_the_same_steps_as_one_device(f16_runs):
