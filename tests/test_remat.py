@@ -122,7 +122,9 @@ def test_remat_keeps_the_parameter_tree():
 
 def test_offload_computes_the_same_gradient():
     """``offload`` (dots kept in pinned host memory) compiles on XLA:CPU and gives the gradient of ``none``;
-    a run refuses it there (nothing leaves the device: the next test)."""
+    a run refuses it there (nothing leaves the device: the next test). Equal to the bit under jax 0.10; the XLA
+    of jax 0.11 fuses the offloading program differently (measured 4.5e-6 relative on one of 32 entries), so
+    the bound is float32 reassociation's, 1e-5."""
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 16)), jnp.int32)
     grads = {}
     for policy in ("none", "offload"):
@@ -130,7 +132,7 @@ def test_offload_computes_the_same_gradient():
         params = model.init(jax.random.key(0), tokens)
         grads[policy] = jax.jit(jax.grad(lambda p: model.apply(p, tokens, train=True).sum()))(params)
     for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads["offload"])):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _config(**overrides):
