@@ -9,13 +9,14 @@ reference run and trial, to ``benchmarks/logs/chaos.log``.
 
 Faults (seeded: the seed fixes the fault, the moment, the signal and the rank):
 
-- ``kill``: SIGKILL or SIGTERM to ``dtx train`` (one process, 8 emulated devices) at a moment drawn from the
-  reference run's wall time, then the same command again until it exits 0.
+- ``kill``: SIGKILL or SIGTERM to ``dtx train`` (one process, 8 emulated devices) 0-0.5 s after it completed a
+  drawn step (steps, saves every 7 steps, the final evaluation; the machine's load cannot move the moment
+  past the run's end), then the same command again until it exits 0.
 - ``start-up``: SIGTERM to ``dtx train`` or ``dtx launch`` (the whole process group) 0.05-3 s after it starts.
 - ``elastic``: SIGKILL or SIGTERM to one rank (rank 0 included) of ``dtx launch --elastic 1`` with 2 x 4, 3 x 2
-  or 4 x 2 processes x devices; the launcher is to restart on the others by itself.
-- ``hang``: one rank of such a job SIGSTOPped at a random moment, or sleeping in its input pipeline before a
-  random step (alive, heartbeating, outside the collective); the launcher must name it and go on without it.
+  or 4 x 2 processes x devices, drawn as above; the launcher is to restart on the others by itself.
+- ``hang``: one rank of such a job SIGSTOPped (drawn as above), or sleeping in its input pipeline before a
+  drawn step (alive, heartbeating, outside the collective); the launcher must name it and go on without it.
 
 A trial *held* when the run, rerun at most 3 times, ends with the uninterrupted run's batches (the chained
 data digest, exactly), per-step losses, final evaluation and final checkpoint (every array of the state):
@@ -177,7 +178,7 @@ def _verbatim(text: str) -> str:
 def trial(fault: str, seed: int, job: str, references: dict, root: str, experiment: str) -> dict:
     """One seeded trial of ``job``: the fault, the run until it exits 0 (at most 3 reruns), the comparison."""
     rng = random.Random(seed)
-    reference, wall = references[job]
+    reference = references[job][0]
     workdir = os.path.join(root, f"{fault}-{seed}")
     progress = os.path.join(root, f"{fault}-{seed}-progress")
     os.makedirs(progress)
@@ -189,18 +190,27 @@ def trial(fault: str, seed: int, job: str, references: dict, root: str, experime
         env["CHAOS_HANG"] = f"{rank}:{at}"
         what, moment, signum = f"rank {rank} sleeps before step {at}", None, None
     else:
-        moment = rng.uniform(0.05, 3.0) if fault == "start-up" else rng.uniform(0.1, 0.9) * wall
+        # Start-up: a moment in its first seconds. Otherwise a moment inside the loop, where the machine's load
+        # cannot move it past the end: when rank 0 has completed a drawn step (0 to 58; a save every 7),
+        # plus up to 0.5 s (later steps, a save under way, the final evaluation).
+        moment = rng.uniform(0.05, 3.0) if fault == "start-up" else None
+        target, delay = rng.randrange(0, STEPS - 1), rng.uniform(0.0, 0.5)
         signum = (signal.SIGTERM if fault == "start-up" else signal.SIGSTOP if fault == "hang"
                   else rng.choice([signal.SIGKILL, signal.SIGTERM]))
         rank = rng.randrange(JOBS[job][0]) if fault in ("elastic", "hang") else None
-        what = f"{signal.Signals(signum).name} to {'rank ' + str(rank) if rank is not None else 'the run'} " \
-               f"at {moment:.1f} s"
+        when = f"at {moment:.1f} s" if moment is not None else f"{delay:.2f} s after step {target}"
+        what = f"{signal.Signals(signum).name} to {'rank ' + str(rank) if rank is not None else 'the run'} {when}"
     out["what"] = what
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     hit = signum is None
-    if moment is not None:
-        time.sleep(moment)
+    if signum is not None:
+        if moment is not None:
+            time.sleep(moment)
+        else:
+            marks = os.path.join(progress if job == "train" else os.path.join(workdir, "logs"), "progress_0.json")
+            _wait_for_step(marks, target, process)
+            time.sleep(delay)
         if process.poll() is None:
             pids = _rank_pids(workdir) if rank is not None else {}
             try:
@@ -245,6 +255,19 @@ def trial(fault: str, seed: int, job: str, references: dict, root: str, experime
     out["lost"] = recomputed
     out["restarts"] = max((m["restart"] for m in outcome.starts), default=0)
     return out
+
+
+def _wait_for_step(path: str, target: int, process: subprocess.Popen) -> None:
+    """Until the progress file at ``path`` says ``target`` steps are done (or the run has ended)."""
+    while process.poll() is None:
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            if record.get("phase") == "training" and record.get("step", 0) >= target:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
 
 
 def _progress_step(directory: str) -> int | None:
