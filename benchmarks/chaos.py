@@ -107,8 +107,10 @@ class Outcome:
         self.resumed = [r["resumed_from"] for r in records if "resumed_from" in r]
         self.arrays = _final_arrays(os.path.join(workdir, "checkpoints"))
 
-    def mesh_changed(self) -> bool:
-        return len({json.dumps(m["mesh"]) for m in self.starts}) > 1
+    def mesh_changed(self, reference: Outcome) -> bool:
+        """Whether a start ran on another mesh than the uninterrupted run (a start that began again from step 0
+        moved its predecessor's records aside: compare with the reference, not only among the starts)."""
+        return any(m["mesh"] != r["mesh"] for m in self.starts for r in reference.starts[:1])
 
     def compare(self, reference: Outcome) -> str:
         """'' when it holds (bitwise without a mesh change, within tolerance across one), else what differs."""
@@ -118,7 +120,7 @@ class Outcome:
             return "other batches (data digest)"
         if len(self.losses) != len(reference.losses) or len(self.arrays) != len(reference.arrays):
             return f"{len(self.losses)} recorded steps, not {len(reference.losses)}"
-        if not self.mesh_changed():
+        if not self.mesh_changed(reference):
             same = (self.losses == reference.losses and (self.accuracy, self.test_loss) == (
                 reference.accuracy, reference.test_loss)
                 and all(a.tobytes() == b.tobytes() for a, b in zip(self.arrays, reference.arrays)))
@@ -248,7 +250,7 @@ def trial(fault: str, seed: int, job: str, references: dict, root: str, experime
         out["failed"] = f"unreadable outcome {_verbatim(f'{type(e).__name__}: {e}')}"
         return out
     out["failed"] = outcome.compare(reference)
-    out["mesh_changed"] = outcome.mesh_changed()
+    out["mesh_changed"] = outcome.mesh_changed(reference)
     recomputed = sum(m.get("steps_recomputed", 0) for m in outcome.starts)
     if job == "train" and out["reruns"] and last is not None:  # the rerun resumed from a checkpoint, or from 0
         recomputed += max(0, last - (outcome.resumed[-1] if outcome.resumed else 0))

@@ -137,3 +137,27 @@ def test_extras_add_their_fields_to_every_record_and_the_watchdog_sees_every_ste
         log.flush()
     assert [(s, r["sim_time_s"], r["loss_seen"]) for s, r in writer.records] == [(2, 1.0, 2.0), (3, 1.5, 3.0)]
     assert watchdog.steps == [1, 2, 3]
+
+
+def test_settle_records_a_saved_step_at_once_and_keeps_the_windows_right():
+    """The loop settles the step it just saved (a checkpoint must not commit before its step's record, which
+    lag-1 would write only at a next dispatch that a killed or stuck rank never reaches): a record step is
+    written at once, with the throughput of every step dispatched so far; other steps are only counted."""
+    writer, clock = Writer(), Clock()
+    with make_log(writer, clock, log_every=2) as log:
+        log.dispatched(1, metrics(1), batch(1))
+        clock.now = 1.0
+        log.dispatched(2, metrics(2), batch(2))
+        clock.now = 4.0
+        log.settle()  # step 2 saved: recorded now, steps 1-2 done in 4 s
+        assert [s for s, _ in writer.records] == [2]
+        assert writer.records[0][1]["examples_per_sec"] == 8 and writer.records[0][1]["step_time_ms"] == 2000
+        log.dispatched(3, metrics(3), batch(3))
+        log.settle()  # step 3 is no record step: counted, not written
+        assert log.comm.steps == 3 and [s for s, _ in writer.records] == [2]
+        clock.now = 6.0
+        log.dispatched(4, metrics(4), batch(4))
+        clock.now = 8.0
+        log.dispatched(5, metrics(5), batch(5))
+    # Step 4 at t=8 (step 5 in flight): the window from t=4 holds steps 3 and 4 -> 8 examples/s.
+    assert writer.records[1][0] == 4 and writer.records[1][1]["examples_per_sec"] == 8

@@ -6,7 +6,8 @@ unsynchronised steps deadlock its all-reduce; docs/data_parallel.md). :class:`St
 that pending step. When the next one is dispatched it reads the pending step's metrics to the
 host once, adds its bytes to the communication totals (:class:`CommTotals`), ticks the
 watchdog, halts a diverged run, and every ``log_every`` steps writes its record and moves
-the progress bar; :meth:`StepLog.flush` does the same for the last step.
+the progress bar; :meth:`StepLog.flush` does the same for the last step, and :meth:`StepLog.settle` at once
+for a step the loop has just checkpointed (a checkpoint never commits before its step's record).
 
 A record holds the step's metrics (``loss``, the task's, ``grad_norm``...), ``learning_rate``,
 ``batch_hash`` and ``data_digest``, the communication figures (``comm_steps``: each step's own bytes and
@@ -147,13 +148,22 @@ class StepLog:
         """The communication totals a checkpoint of the newest state stores (the pending step included)."""
         return self.comm.saved(self._pending.metrics if self._pending is not None else None)
 
+    def settle(self) -> None:
+        """The pending step settled now, not at the next dispatch: the loop has just saved a checkpoint of it, and
+        its record must not wait for a next step that may never come (a rank killed, or stuck until killed,
+        between the save and the next dispatch left a run resumed from that checkpoint without the step's
+        record). Recorded only on a record step, as the next dispatch would; nothing is in flight."""
+        if self._pending is not None:
+            self._settle(self._pending, last=False, in_flight=0)
+            self._pending = None
+
     def flush(self) -> None:
         """The last dispatched step, recorded whatever ``log_every`` says (the loop ended or was preempted)."""
         if self._pending is not None:
             self._settle(self._pending, last=True)
             self._pending = None
 
-    def _settle(self, pending: _Pending, *, last: bool) -> None:
+    def _settle(self, pending: _Pending, *, last: bool, in_flight: int = 1) -> None:
         host = to_host(pending.metrics)  # the step's one host read; it waits for the step (lag-1)
         self.comm.add(host)
         if self.watchdog is not None:
@@ -164,19 +174,20 @@ class StepLog:
             return
         record = {k: float(v) for k, v in host.items()}
         check_finite_loss(pending.step, record, self.loss_scaler, self.peak_learning_rate)
-        timing = None if last else self._close_window()
+        timing = None if last else self._close_window(in_flight)
         record = self._record(pending, record, timing)
         self.writer.write(pending.step, record)
         if self.bar is not None and "loss" in record:  # a step built without records has none
             self.bar.update(pending.step, record["loss"], self._rate)
 
-    def _close_window(self) -> dict:
-        """Throughput of the steps done since the previous record; the next window starts with the step in flight."""
+    def _close_window(self, in_flight: int = 1) -> dict:
+        """Throughput of the steps done since the previous record; the next window starts with the step in flight
+        (none when :meth:`settle` closes it)."""
         elapsed = self.clock() - self._window_start
-        done = self._window_steps - 1  # the step just dispatched is still running
+        done = self._window_steps - in_flight  # the step just dispatched is still running
         self._rate = done * self.global_batch_size / max(elapsed, 1e-9)
         step_seconds = elapsed / max(done, 1)
-        self._window_start, self._window_steps = self.clock(), 1
+        self._window_start, self._window_steps = self.clock(), in_flight
         return {"examples_per_sec": self._rate, "examples_per_sec_per_device": self._rate / self.num_devices,
                 "step_time_ms": 1e3 * step_seconds, **self.utilisation(step_seconds)}
 

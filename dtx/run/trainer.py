@@ -158,6 +158,8 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                                                              "user_data": run.user_data, "comm": log.comm_saved(),
                                                              **({"clock": run.clock.saved()} if run.clock else {})})
                 run.saves.saved(step + 1, started)  # the record whose window holds the save says so
+                if not preempted and step + 1 < run.num_steps:  # (those two are flushed below, whatever log_every)
+                    log.settle()  # the step's record now, not after a next step that may never come
             if preempted:
                 break
         log.flush()  # the last step, whatever log_every says
