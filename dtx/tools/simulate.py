@@ -44,7 +44,7 @@ from dtx.perf.report import plan_overrides  # noqa: F401 - documented here too
 from dtx.perf import layers as layers_lib
 from dtx.perf import memory as memory_lib
 from dtx.perf.clusters import LAYER_KINDS, PRESETS, Cluster, ClusterError, get_cluster
-from dtx.tools import pipeline_sim, plancheck
+from dtx.tools import lm_sim, pipeline_sim, plancheck
 
 _PHYSICAL = ("node_flops", "memory_bandwidth", "bandwidth", "latency")
 
@@ -90,7 +90,8 @@ def make_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model name from models/ (vgg_a, overfeat_fast, speech_dnn, "
                    "resnet18, resnet50, ...), or your flax module by import path, package.module:Class (with "
-                   "--input-shape)")
+                   "--input-shape), or a transformer experiment file (experiments/gpt2_small.py: planned over "
+                   "data x tensor x pipeline x ZeRO x remat, dtx.tools.lm_sim)")
     p.add_argument("--input-shape", type=_int_list, help="one example's shape, e.g. 224,224,3 (default: the model's)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=_positive(int), help="strong scaling at this global batch (default 512)")
@@ -260,6 +261,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         cluster = build_cluster(args)
+        if args.model.endswith(".py"):  # a transformer experiment: data x tensor x pipeline x ZeRO x remat
+            return lm_sim.main(args, cluster)
         layers = _analyze(args.model, args.input_shape)
         setting = dict(global_batch=args.global_batch, per_node_batch=args.per_node_batch, mode=args.plan,
                        overlap=args.overlap, algorithm=args.algorithm, group_size=args.group_size)

@@ -1,0 +1,360 @@
+"""Transformer plans: data × tensor × pipeline × ZeRO × remat per GPU count, under the device's memory.
+
+A GPT-shaped decoder (:class:`LMShape`: ``L`` blocks of width ``d``, ``a`` heads, ``S`` positions, vocabulary
+``V``, MLP ``f = 4d``, the output layer tied to the embedding as GPT-2's) on ``N = D·T·P`` GPUs: ``D`` data
+shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; within one NVLink node, ``T ≤``
+``Cluster.local_size``), ``P`` pipeline stages of ``L/P`` blocks (1F1B, ``M`` micro-batches), ZeRO stage
+``z`` over the data axis and a remat policy (:mod:`dtx.models.remat`). Per step and device:
+
+* **compute**: the matmul FLOPs per token ``6·(L·(4d² + 2fd) + dV) + 12·L·d·S`` (Kaplan et al. 2020's
+  ``6N``, attention's scores counted whole as XLA does), the recomputed forward of the policy (docs/remat.md:
+  ``full`` ``L·(2·(4d² + fd) + 4Sd)``, ``dots`` ``L·4Sd``) and the element-wise work XLA counts
+  (:data:`ELEMENTWISE`), on ``1/N`` of the tokens (TP splits the blocks by ``T`` and runs the head split by
+  examples over every device), at ``efficiency["dense"]`` of the roofline's peak; a pipeline's ticks carry
+  the bubble ``(M + P − 1)/M`` (:mod:`dtx.perf.pipeline_plan`'s schedule);
+* **tensor collectives**: :func:`dtx.perf.tensor.block_bytes` per block and micro-batch in the compute dtype on
+  the node's NVLink (α-β), the forward ones once more under ``full`` (the block's recomputation re-runs them);
+* **pipeline messages**: :mod:`dtx.perf.pipeline_plan`'s ``2(M + P − 2)`` boundary messages of ``b·S·d``;
+* **gradients**: each device's parameter bytes in the reduce dtype, all-reduced over ``D`` (ring, hierarchical
+  on the cluster; ZeRO 1–2 as reduce-scatter + all-gather, the same bytes; ZeRO 3 gathers the parameters once
+  more: ``3(D−1)/D``);
+* **memory** (against ``Cluster.device_memory``): float32 parameters (4 B), gradients (4 B) and AdamW's two
+  moments (8 B) per parameter a device holds — the blocks' ``1/(T·P)``; the embedding, positions and
+  LayerNorms whole under TP (dtx replicates them) — divided by ``D`` from ZeRO stage 3, 2, 1 on; the compute
+  copy (2 B); activations per block and token in bytes by Korthikanti et al. (arXiv 2205.05198, Table 2,
+  16-bit): ``d·(34 + 5aS/d)`` without remat, ``d·(10 + 24/T + 5aS/(dT))`` under TP, ``/T`` of it all under
+  SP; ``dots`` (their selective recomputation) drops the ``5aS/d`` scores; ``full`` keeps the block input
+  ``2d`` and holds one block's activations again while it recomputes; the logits in the compute dtype and
+  float32 (the loss), split as the head is; 1F1B keeps ``min(M, P)`` micro-batches of a stage in flight.
+
+:func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs today: data
+parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
+``tensor.zero_stage`` under ``driver=jit``, and any remat policy; a pipeline (``P > 1``) of the transformer is
+modelled only (it declares no ``pipeline_layers()``, and tensor does not combine with pipeline yet), as is
+``offload``, whose host transfers are not modelled (not planned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from dtx.parallel.pipeline_schedules import make_schedule
+from dtx.perf import tensor as tensor_model
+from dtx.perf.clusters import Cluster
+from dtx.perf.pipeline_plan import SCHEDULE, _hop
+
+POLICIES = ("none", "dots", "full")
+ZERO_LAYOUT = {0: "data", 1: "zero1", 2: "zero2", 3: "fsdp"}  # parallel.name of ZeRO stage z without tensor
+MICRO = (1, 2, 4, 8, 16, 32, 64)  # gradient accumulation steps (or pipeline micro-batches) tried
+# Element-wise FLOPs XLA's cost analysis counts beside the matmuls (LayerNorm, GELU, softmax, residual adds,
+# the loss's softmax, AdamW's update), per token per logit, per token per block and width, per token per block
+# per head and position (attention's scores), per parameter updated: read from XLA:CPU's cost analysis of the
+# compiled bf16 AdamW step, data x 8, of the development cases (tests/test_lm_plan.py: 2 blocks of width 256, 4
+# heads, 128 positions, V = 50257, 16 sequences; and each of 32 sequences, V = 25000, 3 blocks, 256 positions),
+# checked on held-out shapes and on the tensor, SP, ZeRO and remat plans (`dtx simulate --verify`).
+ELEMENTWISE = dict(logit=19.7, width=381.0, score=36.5, update=27.3)
+PARAM, GRAD, ADAM, COMPUTE = 4, 4, 8, 2  # bytes per parameter: float32 master, gradient, AdamW moments; bf16 copy
+
+
+class PlanError(ValueError):
+    """A shape or setting the planner cannot plan."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LMShape:
+    """A GPT-2-style decoder (``models/transformer.py``): ``layers`` pre-LayerNorm blocks, tied output layer."""
+
+    layers: int
+    width: int
+    heads: int
+    seq: int
+    vocab: int = 50257
+    mlp_ratio: int = 4
+    name: str = "gpt"
+
+    @classmethod
+    def from_config(cls, config, name: str = "gpt") -> LMShape:
+        m = config.model
+        if m.get("name") != "transformer" or not m.get("tie_embeddings", False):
+            raise PlanError(f"model.name={m.get('name')!r}: the LM planner plans models/transformer.py with "
+                            "model.tie_embeddings=True (GPT-2's)")
+        return cls(m.num_layers, m.d_model, m.num_heads, config.dataset.seq_len, 50257, m.mlp_ratio, name)
+
+    @property
+    def block_params(self) -> int:
+        d, f = self.width, self.mlp_ratio * self.width
+        return 4 * d * d + 4 * d + 2 * f * d + f + d + 4 * d  # QKV + out, the MLP pair, two LayerNorms
+
+    @property
+    def params(self) -> int:
+        """Every parameter: the blocks, the token embedding (= the head), the positions, the last LayerNorm."""
+        return self.layers * self.block_params + self.vocab * self.width + self.seq * self.width + 2 * self.width
+
+    def matmul_flops(self, policy: str = "none") -> float:
+        """Training matmul FLOPs per token, the policy's recomputed forward included (module docstring)."""
+        d, f, s, n = self.width, self.mlp_ratio * self.width, self.seq, self.layers
+        train = 6 * (n * (4 * d * d + 2 * f * d) + d * self.vocab) + 12 * n * d * s
+        again = {"none": 0, "dots": n * 4 * s * d, "full": n * (2 * (4 * d * d + f * d) + 4 * s * d)}[policy]
+        return float(train + again)
+
+    def elementwise_flops(self) -> float:
+        """Element-wise FLOPs per token XLA counts (:data:`ELEMENTWISE`), the update aside."""
+        e = ELEMENTWISE
+        return (e["logit"] * self.vocab + self.layers * (e["width"] * self.width + e["score"] * self.heads * self.seq))
+
+    def activation_bytes(self, tensor: int, sp: bool, policy: str) -> float:
+        """Bytes one block keeps per token (Korthikanti et al., Table 2; module docstring), on one device."""
+        d, t, ratio = self.width, tensor, 5 * self.heads * self.seq / self.width
+        if policy == "full":
+            return 2 * d / (t if sp else 1)
+        scores = 0.0 if policy == "dots" else ratio
+        if sp:
+            return d * (34 + scores) / t
+        return d * (10 + 24 / t + scores / t)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMPlan:
+    """One plan: ``data`` × ``tensor`` × ``stages`` GPUs; per device per step."""
+
+    shape: LMShape
+    nodes: int
+    global_batch: int  # sequences
+    data: int
+    tensor: int
+    stages: int
+    zero: int
+    policy: str
+    sp: bool
+    micro: int  # accumulation steps (P = 1) or pipeline micro-batches
+    flops: float  # per device per step (the busiest stage's)
+    compute_s: float
+    tensor_s: float
+    p2p_s: float
+    grad_s: float
+    tensor_bytes: float
+    p2p_bytes: float
+    grad_bytes: float
+    memory: dict
+
+    @property
+    def time(self) -> float:
+        return self.compute_s + self.tensor_s + self.p2p_s + self.grad_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def bytes_sent(self) -> float:
+        return self.tensor_bytes + self.p2p_bytes + self.grad_bytes
+
+    @property
+    def runnable(self) -> bool:
+        """Whether ``dtx train`` takes it (module docstring)."""
+        return self.stages == 1
+
+    def text(self) -> str:
+        parts = [f"D{self.data}"] + ([f"T{self.tensor}" + ("+SP" if self.sp else "")] if self.tensor > 1 else [])
+        parts += [f"P{self.stages}"] if self.stages > 1 else []
+        extra = [f"ZeRO-{self.zero}"] if self.zero else []
+        extra += [f"remat {self.policy}"] if self.policy != "none" else []
+        extra += [f"M={self.micro}"] if self.micro > 1 else []
+        return "x".join(parts) + (" " + ", ".join(extra) if extra else "")
+
+    def overrides(self) -> list[str]:
+        """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
+        if not self.runnable:
+            raise PlanError(f"{self.text()} is modelled only: dtx does not run a transformer pipeline yet")
+        out = []
+        if self.tensor > 1:
+            out += [f"--config.mesh='((\"data\", {self.data}), (\"model\", {self.tensor}))'",
+                    "--config.parallel.name=tensor", "--config.driver=jit"]
+            out += ["--config.tensor.sequence_parallel=True"] if self.sp else []
+            out += [f"--config.tensor.zero_stage={self.zero}"] if self.zero else []
+        else:
+            out += [f"--config.mesh='((\"data\", {self.data}),)'", f"--config.parallel.name={ZERO_LAYOUT[self.zero]}"]
+        out += [f"--config.global_batch_size={self.global_batch}"]
+        out += [f"--config.grad_accum_steps={self.micro}"] if self.micro > 1 else []
+        out += [f"--config.remat.policy={self.policy}"] if self.policy != "none" else []
+        return out
+
+
+def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, tensor: int = 1, stages: int = 1,
+         zero: int = 0, policy: str = "none", sp: bool = False, micro: int = 1, reduce_bytes: int = 4) -> LMPlan:
+    """The plan's time, bytes and memory (module docstring); ``reduce_bytes``: the gradients' element size
+    (GPT-2 small's experiment reduces in float32)."""
+    if nodes % (tensor * stages) or shape.layers % stages or shape.heads % tensor:
+        raise PlanError(f"{nodes} GPUs as tensor {tensor} x stages {stages} of {shape.layers} blocks, "
+                        f"{shape.heads} heads: does not divide")
+    data = nodes // (tensor * stages)
+    if global_batch % (data * micro):
+        raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
+    e, s, d = COMPUTE, shape.seq, shape.width
+    b = global_batch // (data * micro)  # sequences per micro-batch of a data shard
+    shard_tokens = global_batch * s / data  # the tokens of one data shard per step
+    # The busiest stage: its L/P blocks and the tied head with the loss (the last stage; all of it when P = 1).
+    head = 6 * d * shape.vocab + ELEMENTWISE["logit"] * shape.vocab
+    recomputed = recomputes(policy, tensor)
+    per_token = (shape.matmul_flops(recomputed) + shape.elementwise_flops() - head) / stages + head
+    blocks_params = shape.layers * shape.block_params
+    held = blocks_params / (tensor * stages) + (shape.params - blocks_params)  # the rest whole (TP replicates it)
+    update = ELEMENTWISE["update"] * held / (data if zero else 1)  # each device updates what it holds
+    flops = per_token * shard_tokens / tensor + update
+    rate = cluster.node_flops * cluster.efficiency["dense"]
+    schedule = make_schedule(SCHEDULE, stages, micro) if stages > 1 else None
+    compute_s = flops / rate * ((micro + stages - 1) / micro if stages > 1 else 1.0)
+    x = reduce_bytes  # the element the collectives move (module docstring)
+    tensor_bytes, collectives = _tensor_bytes(shape, b, tensor, sp, recomputed, x)
+    tensor_bytes *= micro / stages
+    tensor_s = tensor_bytes / cluster.local_bandwidth + micro * collectives / stages * cluster.local_latency
+    message = b * s * d * e
+    p2p_bytes = schedule.messages * message if schedule else 0.0
+    p2p_s = schedule.messages * _hop(cluster, message, stages) if schedule else 0.0
+    grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x)
+    if tensor > 1:  # dtx's tensor layout reduces each micro-batch's gradient (docs/tensor_parallel.md)
+        grad_bytes, grad_s = grad_bytes * micro, grad_s * micro
+    in_flight = min(micro, stages) if stages > 1 else 1
+    act = shape.layers // stages * b * s * shape.activation_bytes(tensor, sp, policy) * in_flight
+    if policy == "full":  # the block being recomputed holds its activations again
+        act += b * s * shape.activation_bytes(tensor, sp, "none")
+    logits = b * s * shape.vocab * (e + 4) / tensor  # bf16 logits and the loss's float32 softmax
+    memory = dict(params=PARAM * held / (data if zero == 3 else 1), grads=GRAD * held / (data if zero >= 2 else 1),
+                  optimizer=ADAM * held / (data if zero >= 1 else 1), compute_copy=COMPUTE * held,
+                  activations=act + logits)
+    return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, flops, compute_s,
+                  tensor_s, p2p_s, grad_s, tensor_bytes, p2p_bytes, grad_bytes, memory)
+
+
+def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, reduce_bytes: int = 4,
+               policies: Sequence[str] = POLICIES) -> list[LMPlan]:
+    """Every plan of ``nodes`` GPUs: ``T`` a power of two up to the node (dividing the heads), ``P`` dividing the
+    blocks, ZeRO 0–3, each policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline)."""
+    out = []
+    tensors = [t for t in (1, 2, 4, 8, 16) if t <= cluster.local_size and shape.heads % t == 0 and nodes % t == 0]
+    for t in tensors:
+        for p in (q for q in range(1, shape.layers + 1) if shape.layers % q == 0 and nodes % (t * q) == 0):
+            data = nodes // (t * p)
+            for m in MICRO:
+                if global_batch % (data * m) or (p > 1 and m < p):
+                    continue
+                for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
+                    if p > 1 and zero:
+                        continue  # dtx's pipeline has no ZeRO; not planned
+                    for policy in policies:
+                        for sp in ((False, True) if t > 1 else (False,)):
+                            if sp and shape.seq % t:
+                                continue
+                            out.append(plan(shape, cluster, nodes, global_batch, tensor=t, stages=p, zero=zero,
+                                            policy=policy, sp=sp, micro=m, reduce_bytes=reduce_bytes))
+    return out
+
+
+def _key(p: LMPlan) -> tuple:
+    # The fastest; among equal times, the simplest (fewest micro-batches, no ZeRO, no remat, fewer splits).
+    return (round(p.time, 12), p.micro, p.zero, POLICIES.index(p.policy), p.tensor * p.stages, p.sp)
+
+
+def best(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, **kwargs) -> dict:
+    """The fastest plan that fits the device's memory (``chosen``), the fastest one dtx runs (``runnable``), the
+    fastest data-parallel plan without ZeRO or remat and whether it fits (``plain``), and every candidate."""
+    every = candidates(shape, cluster, nodes, global_batch, **kwargs)
+    fitting = sorted((p for p in every if p.memory_bytes <= cluster.device_memory), key=_key)
+    plain = min((p for p in every if p.tensor == p.stages == 1 and not p.zero and p.policy == "none"),
+                key=lambda p: (not p.memory_bytes <= cluster.device_memory, _key(p)), default=None)
+    return dict(chosen=fitting[0] if fitting else None, fastest=min(every, key=_key, default=None),
+                runnable=next((p for p in fitting if p.runnable), None), plain=plain, fitting=fitting)
+
+
+def why(found: dict, cluster: Cluster) -> str:
+    """One sentence: why the chosen plan won over plain data parallelism (and what it trades)."""
+    chosen, plain = found["chosen"], found["plain"]
+    if chosen is None:
+        return "nothing fits the device's memory"
+    if plain is None:
+        return (f"{chosen.global_batch} sequences do not split over {chosen.nodes} data shards; {chosen.text()} is "
+                f"the fastest split that fits ({chosen.memory_bytes / 2**30:.1f} GiB)" + _trade(chosen, found["fastest"]))
+    gib = cluster.device_memory / 2**30
+    if chosen is plain:
+        return (f"plain data parallelism fits ({plain.memory_bytes / 2**30:.1f} of {gib:.0f} GiB) and nothing is "
+                f"faster: its gradient all-reduce {plain.grad_s * 1e3:.3g} ms beside {plain.compute_s * 1e3:.3g} ms "
+                "of compute")
+    if plain.memory_bytes > cluster.device_memory:
+        over = max(plain.memory, key=plain.memory.get)
+        return (f"plain data parallelism needs {plain.memory_bytes / 2**30:.1f} GiB (> {gib:.0f}; {over} "
+                f"{plain.memory[over] / 2**30:.1f} GiB); {chosen.text()} is the fastest that fits "
+                f"({chosen.memory_bytes / 2**30:.1f} GiB)" + _trade(chosen, found["fastest"]))
+    return (f"{plain.time / chosen.time:.2f}x faster than plain data parallelism ({plain.time * 1e3:.3g} ms: "
+            f"gradients {plain.grad_s * 1e3:.3g} ms); {chosen.text()}: compute {chosen.compute_s * 1e3:.3g} ms, "
+            f"tensor {chosen.tensor_s * 1e3:.3g} ms, gradients {chosen.grad_s * 1e3:.3g} ms")
+
+
+def _trade(chosen: LMPlan, fastest: LMPlan) -> str:
+    if fastest is chosen:
+        return ""
+    return (f", {chosen.time / fastest.time:.2f}x the time of {fastest.text()}, which needs "
+            f"{fastest.memory_bytes / 2**30:.1f} GiB")
+
+
+def recomputes(policy: str, tensor: int) -> str:
+    """What the backward pass recomputes: the policy's own, but ``dots`` under tensor parallelism recomputes as
+    ``full`` does (measured: the Megatron regions' projections are ``shard_map`` outputs, which
+    ``dots_with_no_batch_dims_saveable`` does not save, so the region's forward runs again with its collectives)."""
+    return "full" if policy == "dots" and tensor > 1 else policy
+
+
+def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x: int) -> tuple[float, int]:
+    """Bytes one device sends over ``model`` per micro-batch, and how many collectives: the blocks'
+    (:func:`dtx.perf.tensor.block_bytes`; under ``full`` the forward ones again) and the ends' (the token ids and
+    the head's input gradient: :mod:`dtx.perf.tensor`'s docstring)."""
+    if tensor == 1:
+        return 0.0, 0
+    s, d, send = shape.seq, shape.width, tensor_model.bytes_sent
+    block = tensor_model.block_bytes(b, s, d, tensor, sp, x)
+    # The recomputed forward re-runs the block's forward collectives but the MLP's closing one, whose output only
+    # the residual sum uses (XLA drops it as dead code): TP one all-reduce, SP one reduce-scatter, two all-gathers.
+    n = b * s * d * x
+    again = ({"all-reduce": [n]} if not sp else {"reduce-scatter": [n], "all-gather": [n // tensor] * 2}
+             ) if policy == "full" else {}
+    again_bytes = sum(send(kind, o, tensor) for kind, ops in again.items() for o in ops)
+    count = (10 if sp else 4) + sum(map(len, again.values()))
+    tokens = b * s * 4
+    if sp:
+        ends = send("all-to-all", tokens // tensor, tensor) + 2 * send("all-to-all", n // tensor, tensor)
+    else:
+        ends = send("all-gather", tokens // tensor, tensor) + send("all-gather", n // tensor, tensor)
+    return shape.layers * (block + again_bytes) + ends, shape.layers * count + 3
+
+
+def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor: int, stages: int, zero: int,
+               sp: bool, x: int) -> tuple[float, float]:
+    """Bytes one device sends for the gradients per step and their time (module docstring): the parameters it
+    holds all-reduced over ``D``, and the tied head's gradient over every device (XLA reduces the embedding's
+    two uses apart); ZeRO all-reduces the gradients and all-gathers the updated parameters (``3(D−1)/D``; under
+    TP the head's ``1/T`` summed over ``model``, held out and fixed: D4×T2 FSDP read 1.21x before); SP sums the replicated parameters used on split positions over ``T`` first."""
+    def send(kind: str, nbytes: float, group: int) -> float:  # whole elements (a share of V·d need not divide)
+        return tensor_model.bytes_sent(kind, int(nbytes // x) * x, group)
+
+    devices = data * tensor * stages
+    local = max(1, cluster.local_size // (tensor * stages))
+    head = shape.vocab * shape.width * x
+    sent = send("all-reduce", held * x, data) if data > 1 else 0.0
+    seconds = cluster.allreduce_time(held * x, data, local)
+    if zero:
+        sent += send("all-gather", held * x / data, data)
+        seconds *= 1.5
+        if tensor > 1 and not sp:  # the tied head's gradient, as the embedding's optimizer state is split (1/D),
+            # summed over model; the lookup's part over data beside the rest (SP: both in the stream's)
+            sent += send("all-reduce", head / data, tensor) + send("all-reduce", head / data, data)
+            seconds += cluster.allreduce_time(head / data, tensor, tensor) + cluster.allreduce_time(
+                head / data, data, local)
+    else:
+        sent += send("all-reduce", head, devices)
+        seconds += cluster.allreduce_time(head, devices, cluster.local_size)
+    if sp:
+        stream = (shape.params - shape.layers * shape.block_params + 6 * shape.layers * shape.width) * x
+        sent += send("all-reduce", stream, tensor)
+        seconds += cluster.allreduce_time(stream, tensor, tensor)
+    return sent, seconds

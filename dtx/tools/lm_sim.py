@@ -1,0 +1,171 @@
+"""``dtx simulate --model EXPERIMENT.py``: a transformer experiment planned over data × tensor × pipeline × ZeRO ×
+remat (:mod:`dtx.perf.lm_plan`), and ``--verify`` of the printed plans compiled at 8 devices.
+
+Per node count: the fastest plan that fits the device's memory, why, and the ``dtx train`` overrides that run it
+(a plan dtx cannot run yet, a pipeline of the transformer, is marked "modelled only", beside the fastest plan dtx
+runs). ``--verify`` compiles, on 8 emulated CPU devices (nothing runs), the plans of 8 nodes it printed and one of
+each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat policy), as overrides of the
+experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
+twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
+loop trip counts included: :mod:`dtx.comm.hlo`) to the planner's within
+:data:`dtx.tools.plancheck.VERIFY_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from dtx.perf import lm_plan
+from dtx.perf.clusters import Cluster
+from dtx.tools.plancheck import VERIFY_TOLERANCE
+
+# The width-scaled twin --verify compiles: 2 blocks of width 256, 8 heads, 128 positions, 16 sequences (seconds).
+TWIN = dict(layers=2, width=256, heads=8, seq=128)
+TWIN_BATCH = 16
+VERIFY_NODES = 8
+# One plan of each kind dtx runs, as (tensor, zero, policy, sp), compiled beside the printed ones.
+KINDS = ((1, 0, "none", False), (1, 1, "none", False), (1, 3, "none", False), (1, 0, "full", False),
+         (2, 0, "none", False), (4, 1, "dots", True), (8, 0, "full", True))
+
+
+def load_shape(path: str) -> tuple[lm_plan.LMShape, object]:
+    """The experiment's shape and config."""
+    import os
+
+    from dtx import config as config_lib
+
+    config = config_lib.load(path, [])
+    return lm_plan.LMShape.from_config(config, os.path.splitext(os.path.basename(path))[0]), config
+
+
+def reduce_bytes(config) -> int:
+    from dtx.precision import parse_policy
+    import numpy as np
+
+    return np.dtype(parse_policy(config.precision).reduce).itemsize
+
+
+def rows(shape: lm_plan.LMShape, cluster: Cluster, nodes, global_batch: int, reduce: int = 4) -> list[dict]:
+    out = []
+    for n in nodes:
+        found = lm_plan.best(shape, cluster, n, global_batch, reduce_bytes=reduce)
+        out.append(dict(nodes=n, why=lm_plan.why(found, cluster), **found))
+    return out
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], global_batch: int) -> None:
+    print(f"{shape.name}: {shape.layers} blocks of width {shape.width}, {shape.heads} heads, {shape.seq} positions, "
+          f"vocabulary {shape.vocab}, {shape.params / 1e6:.1f} M parameters; {global_batch} sequences per step on "
+          f"{cluster.name} ({_gib(cluster.device_memory)} per GPU; dtx.perf.lm_plan)")
+    print(f"{'GPUs':>6} {'chosen':<34} {'step':>9} {'memory':>10}  why")
+    for row in table:
+        p = row["chosen"]
+        if p is None:
+            print(f"{row['nodes']:>6} {'nothing fits':<34}")
+            continue
+        print(f"{row['nodes']:>6} {p.text():<34} {p.time * 1e3:>6.4g} ms {_gib(p.memory_bytes):>10}  {row['why']}")
+        runs = row["runnable"]
+        if not p.runnable:
+            print(f"{'':>6} (modelled only: dtx does not run a transformer pipeline yet)")
+            if runs is not None:
+                print(f"{'':>6} fastest dtx runs: {runs.text()}, {runs.time * 1e3:.4g} ms, {_gib(runs.memory_bytes)}")
+        if runs is not None:
+            print(f"{'':>6} dtx train ... {' '.join(runs.overrides())}")
+
+
+def as_json(table: list[dict]) -> list[dict]:
+    def one(p):
+        return None if p is None else dict(plan=p.text(), data=p.data, tensor=p.tensor, stages=p.stages,
+                                           zero=p.zero, remat=p.policy, sequence_parallel=p.sp, micro=p.micro,
+                                           time=p.time, memory=p.memory_bytes, runnable=p.runnable,
+                                           overrides=p.overrides() if p.runnable else None)
+    return [dict(nodes=r["nodes"], chosen=one(r["chosen"]), runnable=one(r["runnable"]), why=r["why"])
+            for r in table]
+
+
+def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4) -> list[dict]:
+    """Compile the printed runnable plans of 8 nodes and :data:`KINDS` at the twin's shape (module docstring)."""
+    twin = dataclasses.replace(load_shape(path)[0], **TWIN)
+    wanted = []
+    for row in table:
+        if row["nodes"] == VERIFY_NODES and row["runnable"] is not None:
+            p = row["runnable"]
+            wanted.append((p.tensor, p.zero, p.policy, p.sp))
+    wanted += [k for k in KINDS if k not in wanted]
+    out = []
+    for tensor, zero, policy, sp in wanted:
+        p = lm_plan.plan(twin, cluster, VERIFY_NODES, TWIN_BATCH, tensor=tensor, zero=zero, policy=policy, sp=sp,
+                         reduce_bytes=reduce)
+        start = time.perf_counter()
+        flops, sent = compiled_figures(path, p)
+        ratios = (flops / p.flops, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
+        out.append(dict(plan=p.text(), predicted_flops=p.flops, compiled_flops=flops, flops_ratio=ratios[0],
+                        predicted_bytes=p.bytes_sent, compiled_bytes=sent, bytes_ratio=ratios[1],
+                        within=all(abs(r - 1) <= VERIFY_TOLERANCE for r in ratios),
+                        compile_s=time.perf_counter() - start))
+    return out
+
+
+def twin_overrides(p: lm_plan.LMPlan) -> list[str]:
+    """The twin's shape as overrides of the experiment, then the plan's own."""
+    s = p.shape
+    return [f"--config.model.num_layers={s.layers}", f"--config.model.d_model={s.width}",
+            f"--config.model.num_heads={s.heads}", f"--config.model.max_len={s.seq}",
+            f"--config.dataset.seq_len={s.seq}"] + [o.replace("'", "") for o in p.overrides()]
+
+
+def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float]:
+    """``(FLOPs, bytes sent)`` per device of the plan's compiled step (``dtx train``'s own parts)."""
+    import jax
+
+    from dtx import config as config_lib
+    from dtx.comm import hlo
+    from dtx.perf import flops as flops_lib
+    from dtx.run import setup
+
+    config = config_lib.load(path, twin_overrides(p))
+    mesh = setup.make_mesh(config)
+    inputs = setup.load_data(config, mesh)
+    parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), parts.abstract_state,
+                         parts.placement.state)
+    compiled = setup.compile_step(setup.make_step(config, parts, mesh), state, inputs.loader.batch(0))
+    return float(flops_lib.compiled_flops(compiled)), float(hlo.total(compiled).bytes_sent)
+
+
+def print_verified(verified: list[dict]) -> None:
+    print(f"\nverify: each plan compiled at {VERIFY_NODES} emulated CPU devices (nothing runs) at the width-scaled "
+          f"twin ({TWIN}, {TWIN_BATCH} sequences); per device per step, XLA's FLOPs and the HLO's bytes sent against "
+          "dtx.perf.lm_plan")
+    for row in verified:
+        flag = "" if row["within"] else f"  outside {VERIFY_TOLERANCE:.0%}"
+        print(f"  {row['plan']:<30} GFLOP model {row['predicted_flops'] / 1e9:.4f} XLA {row['compiled_flops'] / 1e9:.4f}"
+              f" ratio {row['flops_ratio']:.4f}; MB model {row['predicted_bytes'] / 1e6:.3f} XLA "
+              f"{row['compiled_bytes'] / 1e6:.3f} ratio {row['bytes_ratio']:.4f}{flag} ({row['compile_s']:.0f} s)")
+
+
+def main(args, cluster: Cluster) -> int:
+    """``dtx simulate --model EXPERIMENT.py [--global-batch B | --per-node-batch b] [--verify] [--json]``."""
+    import json
+
+    shape, config = load_shape(args.model)
+    reduce = reduce_bytes(config)
+    table = []
+    for n in args.nodes:
+        batch = args.global_batch if args.per_node_batch is None else args.per_node_batch * n
+        table += rows(shape, cluster, [n], batch, reduce)
+    verified = verify_plans(args.model, cluster, table, reduce) if args.verify else []
+    if args.json:
+        print(json.dumps(dict(model=args.model, cluster=cluster.name, plans=as_json(table),
+                              **({"verify": verified} if args.verify else {})), indent=1, default=float))
+    else:
+        print_rows(shape, cluster, table, args.global_batch or args.per_node_batch)
+        if args.verify:
+            print_verified(verified)
+    return 0 if all(row["within"] for row in verified) else 1
