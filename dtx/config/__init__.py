@@ -1,4 +1,5 @@
-"""Experiment configs: the shared defaults and their checks (:mod:`dtx.config.defaults`), reading
+"""Experiment configs: the shared defaults and their checks (:mod:`dtx.config.defaults`, the numbers'
+ranges in :mod:`dtx.config.numbers`), reading
 experiment files and ``--config.KEY=VALUE`` overrides (:mod:`dtx.config.files`), and your own parts by
 import path (:mod:`dtx.config.parts`)."""
 
