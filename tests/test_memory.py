@@ -232,7 +232,7 @@ def test_shard_map_zero2_reduce_scatters_each_gradient_as_the_backward_pass_prod
 
 
 def test_uncovered_names_the_regimes_the_held_out_rows_miss():
-    # benchmarks/memory_model.py's held-out table: FSDP 0.68-1.68, accumulation under jit 0.72-1.20.
+    # benchmarks/memory_model.py's held-out table: FSDP 0.62-1.41, accumulation under jit 0.72-1.01.
     assert "FSDP" in memory.uncovered("fsdp")
     assert "accumulation" in memory.uncovered("zero1", accum_steps=2)
     assert memory.uncovered("zero2", accum_steps=2, explicit=True) == ""

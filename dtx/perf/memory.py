@@ -300,17 +300,18 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
 
     Measured (benchmarks/memory_model.py, held-out table; docs/memory.md): FSDP, whose peak depends on
     which layers XLA's SPMD partitioner runs on gathered weights, gathered activations or contracted
-    slices and on when it gathers them (held-out rows 0.68 to 1.68 of XLA's); accumulation under ``jit``
-    (0.72 to 1.20: the per-shard accumulator of :mod:`dtx.step.accumulate` is not modelled); a compute dtype
+    slices and on when it gathers them (held-out rows 0.62 to 1.41 of XLA's); accumulation under ``jit``
+    (0.72 to 1.01: an MLP's per-shard accumulator, :mod:`dtx.step.accumulate`, holds; a ZeRO-1 VGG-A's compiled
+    step keeps more than it); a compute dtype
     narrower than float32 on XLA:CPU, which computes in float32 and keeps converted copies (0.68 to 0.90).
     """
     lay = get_layout(layout)
     if lay.zero_stage == 3:
         return ("FSDP: XLA's partitioner chooses per layer whether to gather weights or activations and when; "
-                "held-out FSDP rows were 0.68-1.68x the compiled peak")
+                "held-out FSDP rows were 0.62-1.41x the compiled peak")
     if accum_steps > 1 and not explicit:
         return ("gradient accumulation under jit (each shard's gradient summed apart, dtx/step/accumulate.py): "
-                "held-out rows measured 0.72-1.20x the compiled peak")
+                "held-out rows measured 0.72-1.01x the compiled peak")
     if backend == "xla_cpu" and np.dtype(policy.compute).itemsize < 4:
         return "a 2-byte compute dtype on XLA:CPU (computed in float32): measured 0.68-0.90x the compiled peak"
     return ""
