@@ -39,14 +39,14 @@ BIG = lm_plan.LMShape(32, 4096, 32, 2048, name="gpt_7b")
 def test_the_experiment_is_read_as_gpt2_small():
     """The shape read from experiments/gpt2_small.py: GPT-2 small's 124,439,808 parameters; its matmul FLOPs per
     token are 6·(L·12d² + dV) + 12·L·d·S, and with the element-wise terms and AdamW's update over one 1024-token
-    sequence per device they are within 1 % of the 865.8 M FLOPs per token XLA counts at full size (a held-out
+    sequence per device they are within 0.5 % (measured 1.0021; 0.9907 without the element-wise terms) of the 865.8 M FLOPs per token XLA counts at full size (a held-out
     case: tests/test_gpt2.py compiles it)."""
     shape, _ = lm_sim.load_shape(GPT2)
     assert dataclasses.replace(shape, name="gpt2_small") == SMALL and shape.params == 124_439_808
     d, s, v = 768, 1024, 50257
     assert SMALL.matmul_flops() == 6 * (12 * 12 * d * d + d * v) + 12 * 12 * d * s
     per_token = SMALL.matmul_flops() + SMALL.elementwise_flops() + lm_plan.ELEMENTWISE["update"] * SMALL.params / s
-    assert abs(per_token / 865.8e6 - 1) < 0.01
+    assert abs(per_token / 865.8e6 - 1) < 0.005
 
 
 def test_remat_recomputes_the_forward_docs_remat_states():
