@@ -15,7 +15,6 @@ FLOPs and bytes, modelled and compiled (dtx.tools.lm_sim).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time

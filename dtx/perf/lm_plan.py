@@ -37,7 +37,6 @@ modelled only (it declares no ``pipeline_layers()``, and tensor does not combine
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from dtx.parallel.pipeline_schedules import make_schedule
@@ -275,7 +274,8 @@ def why(found: dict, cluster: Cluster) -> str:
         return "nothing fits the device's memory"
     if plain is None:
         return (f"{chosen.global_batch} sequences do not split over {chosen.nodes} data shards; {chosen.text()} is "
-                f"the fastest split that fits ({chosen.memory_bytes / 2**30:.1f} GiB)" + _trade(chosen, found["fastest"]))
+                f"the fastest split that fits ({chosen.memory_bytes / 2**30:.1f} GiB)"
+                + _trade(chosen, found["fastest"]))
     gib = cluster.device_memory / 2**30
     if chosen is plain:
         return (f"plain data parallelism fits ({plain.memory_bytes / 2**30:.1f} of {gib:.0f} GiB) and nothing is "
@@ -332,9 +332,11 @@ def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor:
                sp: bool, x: int) -> tuple[float, float]:
     """Bytes one device sends for the gradients per step and their time (module docstring): the parameters it
     holds all-reduced over ``D``, and the tied head's gradient over every device (XLA reduces the embedding's
-    two uses apart); ZeRO all-reduces the gradients and all-gathers the updated parameters (``3(D−1)/D``; under
-    TP the head's ``1/T`` summed over ``model``, held out and fixed: D4×T2 FSDP read 1.21x before); SP sums the replicated parameters used on split positions over ``T`` first."""
-    def send(kind: str, nbytes: float, group: int) -> float:  # whole elements (a share of V·d need not divide)
+    two uses apart); ZeRO all-reduces the gradients and all-gathers the updated parameters (``3(D−1)/D``), and
+    under TP reduces the tied embedding's ``1/D`` share over ``model`` and over ``data`` apart (D4×T2 FSDP read
+    1.21x without it); SP sums the replicated parameters used on split positions over ``T`` first."""
+
+    def send(kind: str, nbytes: float, group: int) -> float:  # whole elements (a V·d share need not divide)
         return tensor_model.bytes_sent(kind, int(nbytes // x) * x, group)
 
     devices = data * tensor * stages

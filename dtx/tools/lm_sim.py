@@ -145,7 +145,8 @@ def print_verified(verified: list[dict]) -> None:
           "dtx.perf.lm_plan")
     for row in verified:
         flag = "" if row["within"] else f"  outside {VERIFY_TOLERANCE:.0%}"
-        print(f"  {row['plan']:<30} GFLOP model {row['predicted_flops'] / 1e9:.4f} XLA {row['compiled_flops'] / 1e9:.4f}"
+        print(f"  {row['plan']:<30} GFLOP model {row['predicted_flops'] / 1e9:.4f} XLA "
+              f"{row['compiled_flops'] / 1e9:.4f}"
               f" ratio {row['flops_ratio']:.4f}; MB model {row['predicted_bytes'] / 1e6:.3f} XLA "
               f"{row['compiled_bytes'] / 1e6:.3f} ratio {row['bytes_ratio']:.4f}{flag} ({row['compile_s']:.0f} s)")
 
