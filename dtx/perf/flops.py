@@ -3,8 +3,9 @@
 Two utilisations, as Chowdhery et al. (*PaLM*, arXiv 2204.02311, App. B) define them:
 
 * **MFU, model FLOPs utilisation**: the *useful* work — forward + backward of the
-  model on the global batch, counted analytically per Dense/Conv layer as
-  :mod:`dtx.perf.model` counts it (6 × multiply-accumulates per example) — over the
+  model on the global batch, counted analytically over every matrix product
+  (:func:`dtx.perf.layers.model_flops`: Dense/Conv layers, attention's projections and
+  score and value products, a tied output layer; 6 × multiply-accumulates per example) — over the
   whole mesh's peak: ``model_flops / (step_seconds · peak · num_devices)``. Redundant
   work (a layer computed twice, recomputation) does not raise it.
 * **HFU, hardware FLOPs utilisation**: what the devices actually execute, from
@@ -14,8 +15,9 @@ Two utilisations, as Chowdhery et al. (*PaLM*, arXiv 2204.02311, App. B) define 
   ``compiled_flops_per_device / (step_seconds · peak)``.
 
 HFU above MFU means work the model does not need — or work the analytic count does
-not see: only Dense/Conv layers are counted, so attention score products written as
-``einsum`` are missing from MFU. HFU can also sit a little below MFU: by convention
+not see: element-wise layers, and matrix products outside flax's Dense/Conv/DenseGeneral,
+``Embed.attend`` and ``MultiHeadDotProductAttention`` (an ``einsum`` in a model's own code).
+HFU can also sit a little below MFU: by convention
 the model counts the first layer's input gradient, which no program computes.
 
 What XLA reports, checked on jax 0.10 (``tests/test_flops.py``):

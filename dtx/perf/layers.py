@@ -9,8 +9,11 @@ Convention: forward = 2·MACs FLOPs; backward = 2× forward (one GEMM for the in
 for the weight gradient), so a training step is 6·MACs. MACs count only the kernel taps that land
 inside the (unpadded) input — what a device computes, and what XLA's cost analysis counts; the
 papers' tables count every tap (:attr:`Layer.macs`), 1–2 % more for VGG-A at 224×224, but 2× more
-for a 3×3 map padded to 2×2. Only Dense/Conv layers are counted: element-wise layers are ≲1 % of
-the FLOPs and XLA fuses them into their neighbours.
+for a 3×3 map padded to 2×2. :func:`analyze` gives the Dense/Conv layers (what dtx's layouts split,
+what the planner and the memory model see); :func:`matmuls` every matrix product, attention's too, and
+:func:`model_flops` their training FLOPs, MFU's numerator (:mod:`dtx.perf.flops`). Element-wise layers
+are not counted: ≲1 % of a CNN's FLOPs, and XLA fuses them into their neighbours (for a width-32
+transformer ~10 %: softmax, GELU, LayerNorm; tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -73,33 +76,98 @@ def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
     ``model.init`` runs under ``jax.eval_shape`` with every Dense/Conv ``__call__``
     intercepted to record its input, output and parameter shapes, so a full-size
     VGG-A costs a trace, never a FLOP. MACs per output element = ``prod(kernel[:-1])``
-    (for Dense ``in``, for Conv ``kh·kw·C_in/groups``).
+    (for Dense ``in``, for Conv ``kh·kw·C_in/groups``). These are the layers dtx's layouts split over the
+    ``model`` axis, as the planner and the memory model see them; :func:`matmuls` adds the model's other
+    matrix products (attention), which :func:`model_flops` counts.
     """
+    layers = tuple(layer for layer in _trace(model, input_shape, dtype) if layer.kind in ("dense", "conv"))
+    if not layers:
+        raise PerfModelError(f"{type(model).__name__} has no nn.Dense or nn.Conv layers to model")
+    return layers
+
+
+def matmuls(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.float32) -> tuple[Layer, ...]:
+    """Every matrix product of ``model``'s forward pass on one example, in call order, abstractly.
+
+    :func:`analyze`'s Dense/Conv layers and, of kind ``"projection"``, ``nn.DenseGeneral`` (attention's
+    query/key/value/out projections) and ``nn.Embed.attend`` (a tied output layer: logits against the
+    embedding table), and, of kind ``"attention"`` (no weights), each ``nn.MultiHeadDotProductAttention``'s
+    score and value products: ``QKᵀ`` and ``AV``, ``S_q·S_kv·H·head_dim`` MACs each, whatever the mask. A
+    causal mask does not halve them: the convention of Chowdhery et al. (*PaLM*, arXiv 2204.02311, App. B;
+    ``12·L·d·S`` FLOPs per token for a training step) and what XLA runs for ``jax.nn.dot_product_attention``
+    (the full product, then the mask). The planner and the memory model take :func:`analyze`'s layers only.
+    """
+    layers = _trace(model, input_shape, dtype)
+    if not layers:
+        raise PerfModelError(f"{type(model).__name__} has no matrix products to model")
+    return layers
+
+
+def model_flops(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.float32) -> int:
+    """Model FLOPs of one training example: forward + backward of every matrix product (:func:`matmuls`),
+    ``6·MACs``. For a transformer LM of ``L`` blocks of width ``d`` on ``S`` tokens this is Kaplan et al.'s
+    (arXiv 2001.08361, §2.1) and PaLM's ``S·(6·N + 12·L·d·S)``, ``N`` the weights of its matrix products
+    (the output layer's included, tied or not; biases, norms and position embeddings are not matmuls)."""
+    return sum(layer.train_flops for layer in matmuls(model, input_shape, dtype=dtype))
+
+
+def _trace(model: nn.Module, input_shape: Sequence[int], dtype: Any) -> tuple[Layer, ...]:
+    """The matrix products of one abstract ``model.init`` (see :func:`matmuls`), each summed over its calls."""
     found: dict[str, dict[str, Any]] = {}
+    pending: list[dict[str, tuple[int, ...]]] = []  # per attention call in progress: its projections' outputs
+
+    def add(name, kind, macs, weights, in_elements, out_elements, kernel, valid=None):
+        entry = found.setdefault(name, dict(kind=kind, macs=0, valid_macs=0, weights=weights, in_elements=in_elements,
+                                            out_elements=0, kernel_shape=kernel))
+        entry["macs"] += macs
+        entry["valid_macs"] += macs if valid is None else valid
+        entry["out_elements"] += out_elements
 
     def record(next_fun, args, kwargs, context):
+        module, method = context.module, context.method_name
+        attention = method == "__call__" and isinstance(module, nn.MultiHeadDotProductAttention)
+        if attention:
+            pending.append({})
         out = next_fun(*args, **kwargs)
-        module = context.module
-        if context.method_name == "__call__" and isinstance(module, (nn.Dense, nn.Conv)):
-            name = "/".join(module.path)
+        name = "/".join(module.path)
+        if method == "__call__" and isinstance(module, (nn.Dense, nn.Conv)):
             params = module.variables["params"]
             kernel = tuple(params["kernel"].shape)
             macs = math.prod(out.shape[1:]) * math.prod(kernel[:-1])
             valid = macs if isinstance(module, nn.Dense) else _valid_conv_macs(module, args[0].shape, out.shape, kernel)
-            entry = found.setdefault(name, dict(
-                kind="dense" if isinstance(module, nn.Dense) else "conv", macs=0, valid_macs=0,
-                weights=sum(math.prod(p.shape) for p in jax.tree.leaves(params)),
-                in_elements=math.prod(args[0].shape[1:]), out_elements=0, kernel_shape=kernel))
-            entry["macs"] += macs
-            entry["valid_macs"] += valid
-            entry["out_elements"] += math.prod(out.shape[1:])
+            add(name, "dense" if isinstance(module, nn.Dense) else "conv", macs,
+                sum(math.prod(p.shape) for p in jax.tree.leaves(params)), math.prod(args[0].shape[1:]),
+                math.prod(out.shape[1:]), kernel, valid)
+        elif method == "__call__" and isinstance(module, nn.DenseGeneral):
+            params = module.variables["params"]
+            kernel = tuple(params["kernel"].shape)
+            features = (module.features,) if isinstance(module.features, int) else tuple(module.features)
+            batch = (module.batch_dims,) if isinstance(module.batch_dims, int) else tuple(module.batch_dims)
+            batch_size = math.prod(args[0].shape[d] for d in batch)
+            contracted = math.prod(kernel) // (math.prod(features) * batch_size)
+            add(name, "projection", math.prod(out.shape[1:]) * contracted,
+                sum(math.prod(p.shape) for p in jax.tree.leaves(params)), math.prod(args[0].shape[1:]),
+                math.prod(out.shape[1:]), kernel)
+            if pending and module.name in ("query", "key", "value"):
+                pending[-1][module.name] = tuple(out.shape)
+        elif method == "attend" and isinstance(module, nn.Embed):
+            table = tuple(module.variables["params"]["embedding"].shape)  # (vocab, features)
+            add(name + "/attend", "projection", math.prod(out.shape[1:]) * table[1], math.prod(table),
+                math.prod(args[0].shape[1:]), math.prod(out.shape[1:]), table[::-1])
+        elif attention:
+            shapes = pending.pop()
+            if set(shapes) != {"query", "key", "value"}:
+                raise PerfModelError(f"{name}: its query/key/value projections were not seen; dtx.perf.layers "
+                                     "counts flax's nn.MultiHeadDotProductAttention as it is written")
+            q, k, v = shapes["query"], shapes["key"], shapes["value"]  # (batch, ..., length, heads, head_dim)
+            scores = math.prod(q[1:-1]) * k[-3]  # per example: S_q·H score rows of S_kv entries
+            add(name + "/attention", "attention", scores * q[-1] + scores * v[-1], 0, math.prod(q[1:]) +
+                math.prod(k[1:]) + math.prod(v[1:]), math.prod(out.shape[1:]), ())
         return out
 
     x = jax.ShapeDtypeStruct((1, *map(int, input_shape)), dtype)
     with nn.intercept_methods(record):
         jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), x)  # the key too: nothing runs
-    if not found:
-        raise PerfModelError(f"{type(model).__name__} has no nn.Dense or nn.Conv layers to model")
     return tuple(Layer(name=name, **entry) for name, entry in found.items())
 
 

@@ -376,18 +376,21 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
     ``comm_bytes_compiled_per_step`` / ``comm_rounds_compiled_per_step``: what the compiled
     program's collectives send per device per step (:mod:`dtx.comm.hlo`; a collective in a
     conditional branch counts as if taken, one in a loop once per trip). ``model_flops_per_step``:
-    forward + backward of the model's Dense/Conv layers on the global batch, and
+    forward + backward of the model's matrix products on the global batch (Dense/Conv layers, attention's
+    projections and score and value products, a tied output layer: :func:`dtx.perf.layers.model_flops`), and
     ``comm_bytes_modelled_per_step``: the bytes :mod:`dtx.perf.model` predicts for this
     layout (data, model, hybrid or rules over Dense/Conv kernels; synchronous SGD without
     compression), for models it can analyse.
     """
     sent = hlo.total(compiled)
     out = {"comm_bytes_compiled_per_step": float(sent.bytes_sent), "comm_rounds_compiled_per_step": float(sent.rounds)}
+    shape, dtype = parts.example.shape[1:], parts.example.dtype  # token ids stay integers (a transformer's input)
+    dtype = dtype if np.issubdtype(dtype, np.integer) else parts.policy.compute
     try:
-        layers = layers_lib.analyze(model, parts.example.shape[1:], dtype=parts.policy.compute)
+        out["model_flops_per_step"] = float(layers_lib.model_flops(model, shape, dtype=dtype) * global_batch)
+        layers = layers_lib.analyze(model, shape, dtype=dtype)
     except (layers_lib.PerfModelError, TypeError, ValueError):  # no Dense/Conv, or a model analyze cannot trace
         return out
-    out["model_flops_per_step"] = float(sum(layer.train_flops for layer in layers) * global_batch)
     # The perf model covers synchronous SGD over data-parallel and column-split (model-parallel) layers.
     activations = parts.placement.activations
     kernels = dict(activations.kernels) if activations is not None else {}
