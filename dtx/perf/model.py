@@ -79,7 +79,13 @@ def compute_time(layer: Layer, cluster: Cluster, batch: float, shards: int = 1,
     flops = layer.train_flops * batch / shards
     elements = batch * layer.in_elements + (batch * layer.out_elements + layer.weights) / shards
     traffic = 3 * cluster.bytes_per_element * elements
-    return max(flops / (cluster.node_flops * cluster.efficiency[layer.kind]), traffic / cluster.memory_bandwidth)
+    return max(flops / (cluster.node_flops * efficiency(cluster, layer)), traffic / cluster.memory_bandwidth)
+
+
+def efficiency(cluster: Cluster, layer: Layer) -> float:
+    """The fraction of peak ``layer`` sustains: a convolution's, else a matrix multiply's (``dense``: Dense layers,
+    and the projections and attention products of :func:`dtx.perf.layers.matmuls`)."""
+    return cluster.efficiency["conv" if layer.kind == "conv" else "dense"]
 
 
 class LayerCost(NamedTuple):
@@ -176,7 +182,7 @@ def balance(layer: Layer, cluster: Cluster, nodes: int, per_node_batch: int, alg
     """
     comm = cluster.allreduce_time(layer.weights * cluster.bytes_per_element, nodes, cluster.local_size, algorithm)
     compute = compute_time(layer, cluster, per_node_batch)
-    by_flops = comm * cluster.node_flops * cluster.efficiency[layer.kind] / layer.train_flops
+    by_flops = comm * cluster.node_flops * efficiency(cluster, layer) / layer.train_flops
     by_bytes = (comm * cluster.memory_bandwidth / (3 * cluster.bytes_per_element) - layer.weights) / (
         layer.in_elements + layer.out_elements)
     min_batch = max(1, math.ceil(min(by_flops, by_bytes) * (1 - 1e-12)))

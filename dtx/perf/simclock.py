@@ -9,8 +9,8 @@ it saves. With ``--config.cluster.name=NAME`` (a preset of ``dtx simulate``,
 * **compute** — each worker's forward + backward from the perf model's per-layer
   roofline (:func:`dtx.perf.model.layer_cost`, the function ``dtx simulate``'s plans are
   made of: ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)`` per Dense or
-  Conv layer at the worker's batch; element-wise layers and attention's einsums are not
-  counted). Modelled, never measured on this machine — unless ``cluster.compute_s``
+  Conv layer, attention projection and product at the worker's batch, :func:`dtx.perf.layers.matmuls`;
+  element-wise layers are not counted). Modelled, never measured on this machine — unless ``cluster.compute_s``
   gives the step's compute in seconds as measured on the real node (your model on
   your GPU, at the run's per-worker batch): the clock then uses that figure for every
   worker and step, before stragglers.
@@ -293,7 +293,7 @@ def recorder_for_run(spec: ClusterSpec | None, model: Any, input_shape: Sequence
                      saved: dict | None = None) -> Recorder | None:
     """The run's :class:`Recorder` (``None`` without a cluster).
 
-    ``model`` is analysed by :func:`dtx.perf.layers.analyze` on examples of ``input_shape``;
+    ``model``'s matrix products (:func:`dtx.perf.layers.matmuls`) on examples of ``input_shape``;
     ``workers`` is the data-parallel size; ``caps`` the strategy's
     :class:`dtx.comm.Capabilities` (who waits for whom). Compute is timed as data parallel
     (every worker computes its share of every layer, as in ``dtx simulate --plan data``).
@@ -308,7 +308,7 @@ def model_for_run(spec: ClusterSpec, model: Any, input_shape: Sequence[int], dty
                   global_batch: int, accum_steps: int = 1, algorithm: str = "psum", caps: Any) -> ClockModel:
     """The :class:`ClockModel` of a run on ``spec``'s cluster (arguments as :func:`recorder_for_run`'s)."""
     try:  # a measured compute needs no roofline, so any model works with it
-        layers = () if spec.compute_s else layers_lib.analyze(model, input_shape, dtype=dtype)
+        layers = () if spec.compute_s else layers_lib.matmuls(model, input_shape, dtype=dtype)
     except (layers_lib.PerfModelError, TypeError, ValueError) as e:
         raise ClockError(f"cluster.name={spec.cluster.name!r}: the simulated clock times compute with the perf "
                          f"model's per-layer roofline, which cannot analyse this model ({e}); give the step's "
