@@ -184,9 +184,9 @@ def test_transformer_model_flops_against_xla(tied, lm_steps):
     """A run records the formula's FLOPs for a transformer (it recorded none before: its token ids were analysed
     as floats, which the model refuses), and XLA's count of the compiled train step and forward pass is that
     plus element-wise work (softmax over 4·64 scores per token and layer, GELU, LayerNorm, the 256-way loss, SGD),
-    which is large beside matrix products of width 32: measured 1.106x (untied) and 1.110x (tied) for the step,
+    which is large beside matrix products of width 32: measured 1.110x (untied) and 1.106x (tied) for the step,
     1.091x and 1.088x for the forward. The bound, 1.15, tells the count apart from the old one: without
-    attention's QKᵀ and AV XLA would read 1.38x, without the projections too (Dense layers only) 1.84x."""
+    attention's QKᵀ and AV XLA would read 1.39x, without the projections too (Dense layers only) 1.85x."""
     run = lm_steps[tied, "none"]
     model = run["model"]
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32)))["params"]
