@@ -8,7 +8,8 @@ each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat po
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
 twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
 loop trip counts included: :mod:`dtx.comm.hlo`) to the planner's within
-:data:`dtx.tools.plancheck.VERIFY_TOLERANCE`.
+:data:`dtx.tools.plancheck.VERIFY_TOLERANCE`; the per-device memory, modelled over XLA:CPU's compiled peak, is
+reported beside them (not held: the planner's activation terms are Korthikanti et al.'s GPU figures).
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4
         p = lm_plan.plan(twin, cluster, VERIFY_NODES, TWIN_BATCH, tensor=tensor, zero=zero, policy=policy, sp=sp,
                          reduce_bytes=reduce)
         start = time.perf_counter()
-        flops, sent = compiled_figures(path, p)
+        flops, sent, peak = compiled_figures(path, p)
         ratios = (flops / p.flops, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
         out.append(dict(plan=p.text(), predicted_flops=p.flops, compiled_flops=flops, flops_ratio=ratios[0],
                         predicted_bytes=p.bytes_sent, compiled_bytes=sent, bytes_ratio=ratios[1],
+                        predicted_memory=p.memory_bytes, compiled_memory=peak, memory_ratio=p.memory_bytes / peak,
                         within=all(abs(r - 1) <= VERIFY_TOLERANCE for r in ratios),
                         compile_s=time.perf_counter() - start))
     return out
@@ -120,13 +122,15 @@ def twin_overrides(p: lm_plan.LMPlan) -> list[str]:
             f"--config.dataset.seq_len={s.seq}"] + [o.replace("'", "") for o in p.overrides()]
 
 
-def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float]:
-    """``(FLOPs, bytes sent)`` per device of the plan's compiled step (``dtx train``'s own parts)."""
+def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float, float]:
+    """``(FLOPs, bytes sent, peak memory)`` per device of the plan's compiled step (``dtx train``'s own parts;
+    the peak as :func:`dtx.perf.memory.compiled_peak` reads XLA's ``memory_analysis``)."""
     import jax
 
     from dtx import config as config_lib
     from dtx.comm import hlo
     from dtx.perf import flops as flops_lib
+    from dtx.perf import memory as memory_lib
     from dtx.run import setup
 
     config = config_lib.load(path, twin_overrides(p))
@@ -136,7 +140,8 @@ def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float]:
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), parts.abstract_state,
                          parts.placement.state)
     compiled = setup.compile_step(setup.make_step(config, parts, mesh), state, inputs.loader.batch(0))
-    return float(flops_lib.compiled_flops(compiled)), float(hlo.total(compiled).bytes_sent)
+    return (float(flops_lib.compiled_flops(compiled)), float(hlo.total(compiled).bytes_sent),
+            float(memory_lib.compiled_peak(compiled)))
 
 
 def print_verified(verified: list[dict]) -> None:
@@ -148,7 +153,8 @@ def print_verified(verified: list[dict]) -> None:
         print(f"  {row['plan']:<30} GFLOP model {row['predicted_flops'] / 1e9:.4f} XLA "
               f"{row['compiled_flops'] / 1e9:.4f}"
               f" ratio {row['flops_ratio']:.4f}; MB model {row['predicted_bytes'] / 1e6:.3f} XLA "
-              f"{row['compiled_bytes'] / 1e6:.3f} ratio {row['bytes_ratio']:.4f}{flag} ({row['compile_s']:.0f} s)")
+              f"{row['compiled_bytes'] / 1e6:.3f} ratio {row['bytes_ratio']:.4f}{flag}; memory model/XLA:CPU "
+              f"{row['memory_ratio']:.3f} ({row['compile_s']:.0f} s)")
 
 
 def main(args, cluster: Cluster) -> int:
