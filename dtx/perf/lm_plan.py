@@ -24,8 +24,8 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   copy (2 B); activations per block and token in bytes by Korthikanti et al. (arXiv 2205.05198, Table 2,
   16-bit): ``d·(34 + 5aS/d)`` without remat, ``d·(10 + 24/T + 5aS/(dT))`` under TP, ``/T`` of it all under
   SP; ``dots`` (their selective recomputation) drops the ``5aS/d`` scores; ``full`` keeps the block input
-  ``2d`` and holds one block's activations again while it recomputes; the logits in the compute dtype, the
-  loss's float32 softmax and its float32 gradient, split as the head is; 1F1B keeps ``min(M, P)``
+  ``2d`` and holds one block's activations again while it recomputes; the logits in the compute dtype and
+  the loss's float32 softmax, split as the head is; 1F1B keeps ``min(M, P)``
   micro-batches of a stage in flight.
 
 :func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs today: data
@@ -220,7 +220,7 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     act = shape.layers // stages * b * s * shape.activation_bytes(tensor, sp, policy) * in_flight
     if policy == "full":  # the block being recomputed holds its activations again
         act += b * s * shape.activation_bytes(tensor, sp, "none")
-    logits = b * s * shape.vocab * (e + 8) / tensor  # bf16 logits, the loss's float32 softmax and its gradient
+    logits = b * s * shape.vocab * (e + 4) / tensor  # bf16 logits and the loss's float32 softmax
     memory = dict(params=PARAM * held / (data if zero == 3 else 1), grads=GRAD * held / (data if zero >= 2 else 1),
                   optimizer=ADAM * held / (data if zero >= 1 else 1), compute_copy=COMPUTE * held,
                   activations=act + logits)
