@@ -266,6 +266,15 @@ def test_after_a_watchdog_abort_the_rank_that_got_least_far_is_named(tmp_path):
     assert launch._stuck(str(tmp_path), 0, launch.WATCHDOG_EXIT, [], records) == ([1], "stopped making progress first")
     assert launch._stuck(str(tmp_path), 0, 1, [], records)[0] == [0]  # a crash: the crashed rank
     assert launch._stuck(str(tmp_path), 0, launch.WATCHDOG_EXIT, [2], records)[0] == [2]  # a stopped process
+    # As many steps done (the chaos benchmark's rank 0, asleep in its input pipeline right after the checkpoint
+    # of step 49, and rank 1 in the collective of step 50): the rank that dispatched fewer steps is the one.
+    waits, sleeps = progress.Progress(str(tmp_path), 5), progress.Progress(str(tmp_path), 6)
+    waits.mark("training", 49)
+    waits.mark("training", 49, dispatched=50)
+    time.sleep(0.01)
+    sleeps.mark("training", 49)  # its last mark the latest: the time alone would blame the waiting rank
+    records = {r: progress.read(str(tmp_path), r, spawned_at=0.0) for r in (5, 6)}
+    assert progress.behind(records)[0] == 6
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):

@@ -124,10 +124,13 @@ def test_a_non_finite_loss_halts_at_the_next_record_naming_its_step():
 
 def test_extras_add_their_fields_to_every_record_and_the_watchdog_sees_every_step():
     class Watchdog:
-        steps = []
+        steps, sent = [], []
 
         def tick(self, step):
             self.steps.append(step)
+
+        def dispatched(self, step):  # marked in the progress file: who waits in whose collective
+            self.sent.append(step)
 
     writer, watchdog = Writer(), Watchdog()
     extra = lambda step, record: {"sim_time_s": 0.5 * step, "loss_seen": record["loss"]}  # noqa: E731
@@ -136,7 +139,7 @@ def test_extras_add_their_fields_to_every_record_and_the_watchdog_sees_every_ste
             log.dispatched(step, metrics(step), batch(step))
         log.flush()
     assert [(s, r["sim_time_s"], r["loss_seen"]) for s, r in writer.records] == [(2, 1.0, 2.0), (3, 1.5, 3.0)]
-    assert watchdog.steps == [1, 2, 3]
+    assert watchdog.steps == [1, 2, 3] and watchdog.sent == [1, 2, 3]
 
 
 def test_settle_records_a_saved_step_at_once_and_keeps_the_windows_right():

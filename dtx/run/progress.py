@@ -25,19 +25,24 @@ class Progress:
     def __init__(self, directory: str | None, rank: int, limits: dict | None = None):
         self.path = os.path.join(directory, f"progress_{rank}.json") if directory else None
         self.limits = dict(limits or {})  # the run's own bounds (watchdog_seconds, startup_seconds): the launcher's
+        self.step = self.dispatched = 0  # the last marked
 
     @classmethod
     def from_env(cls, rank: int, limits: dict | None = None) -> Progress:
         return cls(os.environ.get(ENV_DIR), rank, limits)
 
-    def mark(self, phase: str, step: int = 0) -> None:
-        """Record ``phase`` (one of :data:`PHASES`) and ``step``, the steps completed so far."""
+    def mark(self, phase: str, step: int = 0, dispatched: int | None = None) -> None:
+        """Record ``phase`` (one of :data:`PHASES`), ``step``, the steps completed so far, and ``dispatched``, the
+        steps handed to the devices (default ``step``): of two ranks that completed as many steps, the one that
+        dispatched fewer is the one the other waits for in a collective."""
         if self.path is None:
             return
+        self.step, self.dispatched = int(step), max(int(step), self.dispatched if dispatched is None else int(dispatched))
         # Written aside, then renamed: the launcher never reads half a file.
         partial = self.path + ".tmp"
         with open(partial, "w") as f:
-            json.dump({"phase": phase, "step": int(step), "time": time.time(), **self.limits}, f)
+            json.dump({"phase": phase, "step": int(step), "dispatched": self.dispatched, "time": time.time(),
+                       **self.limits}, f)
         os.replace(partial, self.path)
 
 
@@ -54,9 +59,10 @@ def read(directory: str, rank: int, spawned_at: float) -> dict:
 
 
 def behind(records: dict[int, dict]) -> list[int]:
-    """Ranks ordered from the one that got least far (phase, then steps) and, at a tie, stopped
-    advancing earliest: the first is the rank that stopped making progress first."""
-    return sorted(records, key=lambda r: (PHASES.index(records[r]["phase"]), records[r]["step"], records[r]["time"]))
+    """Ranks ordered from the one that got least far (phase, then steps completed, then steps dispatched) and,
+    at a tie, stopped advancing earliest: the first is the rank that stopped making progress first."""
+    return sorted(records, key=lambda r: (PHASES.index(records[r]["phase"]), records[r]["step"],
+                                          records[r].get("dispatched", records[r]["step"]), records[r]["time"]))
 
 
 def describe(record: dict) -> str:

@@ -140,6 +140,8 @@ class StepLog:
     def dispatched(self, step: int, metrics: dict, batch: dict) -> None:
         """Step ``step`` (``state.step`` once done) was just dispatched: settle the one before, hold this one."""
         self._window_steps += 1
+        if self.watchdog is not None:  # a rank waiting in this step's collective is ahead of one that never got here
+            self.watchdog.dispatched(step)
         if self._pending is not None:
             self._settle(self._pending, last=False)
         self._pending = _Pending(step, metrics, batch)

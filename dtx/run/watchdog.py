@@ -28,6 +28,11 @@ class StepWatchdog:
         self._stop = threading.Event()
         self._thread = None
 
+    def dispatched(self, step: int) -> None:
+        """Step ``step`` was handed to the devices (marked in the progress file; the clock is the tick's)."""
+        if self.progress is not None:
+            self.progress.mark("training", max(self._step, self.progress.step), dispatched=step)
+
     def tick(self, step: int) -> None:
         self._step, self._last = step, time.monotonic()
         if self.progress is not None:  # dtx.run.progress: what the launcher reads to name a stalled rank
