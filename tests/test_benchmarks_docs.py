@@ -203,23 +203,29 @@ def test_a_hand_edited_section_is_caught():
     script = os.path.join(BENCHMARKS, "chaos.py")
     source = script_text(script, os.path.join(BENCHMARKS, "report.py"), rendered=(_machine(),))
     written = ("`python benchmarks/chaos.py` on 2-core x86_64 host, 8 emulated CPU devices per run, Python 3.11.7, "
-               "jax 0.10.2, 2026-11-30; 1813 s, load average 2.5 at the start (other jobs on the machine slow the "
-               "runs and move where each kill lands). Each trial kills a run (SIGKILL or SIGTERM to the whole process "
-               "group, at a seeded moment within the reference run's wall time), runs the same command again, and "
-               "compares per-step losses, the final record and the last checkpoint bit for bit with an uninterrupted "
-               "run.\n\n| run | trials | held | failed |\n|---|---|---|---|\n"
-               "| dtx train, 1 process x 8 devices | 40 | 40 | 0 |\n| dtx launch, 2 processes x 4 | 12 | 12 | 0 |")
+               "jax 0.10.2, 2026-12-02; 1940 s, load average 11.9 at the start (other jobs on the machine slow the "
+               "runs and move where each fault lands); 2 trials at a time. 60-step runs of the default experiment "
+               "(MLP width 64, checkpoints every 7 steps); launches are `--elastic 1` with heartbeat_seconds=10, "
+               "watchdog_seconds=15, startup_seconds=40. A trial held when the run (rerun at most 3 times) ends with "
+               "the uninterrupted run's batches exactly and its losses, final evaluation and every array of its final "
+               "checkpoint bit for bit, or, where a restart changed the mesh, within rtol 1e-5 (one test example of "
+               "accuracy). Steps lost: steps computed again after a restart (the membership records) or a rerun. Every "
+               "trial: `benchmarks/logs/chaos.log`.\n\n"
+               "| fault | trials | held | failed | bitwise / within tolerance (mesh changed) | reruns needed: 0 / 1 / 2+ "
+               "| restarts by the launcher | steps lost: total (max) | hangs named |\n"
+               "|---|---|---|---|---|---|---|---|---|\n"
+               "| SIGKILL/SIGTERM to `dtx train` (1 process x 8) | 30 | 30 | 0 | 30 / 0 | 0 / 30 / 0 | 0 | 124 (13) | - |")
     assert handwritten(written, source) == []
-    failed = (written + "\n\nFailed trials:\n\n| run | seed | what happened |\n|---|---|---|\n"
-              "| train | 0 | SIGTERM at 5.5s: resume exited 1: `ValueError: what the process said` |")
+    failed = (written + "\n\nFailed trials:\n\n| fault | seed | what happened |\n|---|---|---|\n"
+              "| hang | 6000 | rank 0 sleeps before step 49: the hung rank was not named |")
     assert handwritten(failed, source) == []
     for edit, caught in [
-        (written.replace("2026-11-30;", "2026-11-30 (the machine shared with other jobs);"),
+        (written.replace("2026-12-02;", "2026-12-02 (the machine shared with other jobs);"),
          "the machine shared with other jobs"),
-        (written.replace("runs the same command again", "runs the same command twice"), "runs the same command twice"),
-        (written.replace("| 12 | 12 | 0 |", "| 12 | 12 | 0 |\n\nAll trials held on a quiet machine."),
+        (written.replace("rerun at most 3 times", "rerun at most twice"), "rerun at most twice"),
+        (written.replace("| 124 (13) | - |", "| 124 (13) | - |\n\nAll trials held on a quiet machine."),
          "All trials held on a quiet machine"),
-        (written.replace("dtx launch, 2 processes", "dtx launch, two processes"), "dtx launch, two processes"),
+        (written.replace("(1 process x 8)", "(one process x 8)"), "one process x 8"),
     ]:
         assert handwritten(edit, source), f"not caught: {caught!r}"
 
