@@ -22,6 +22,8 @@ And the values: the per-shard accumulation under ``jit`` trains a batch-norm CNN
 ``shard_map``'s synchronised batch norm does (statistics of each whole micro-batch).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -37,8 +39,8 @@ from dtx.step.state import abstract_train_state, init_train_state
 BATCH = 64
 KS = (1, 2, 4)
 CASES = [("data", "shard_map"), ("zero1", "shard_map"), ("zero2", "shard_map"),
-         ("data", "jit"), ("zero1", "jit"), ("zero2", "jit"), ("fsdp", "jit"), ("model", "jit"), ("hybrid", "jit"),
-         ("rules", "jit")]
+         ("data", "jit"), ("zero1", "jit"), ("zero2", "jit"), ("fsdp", "jit"), ("fsdp:once", "jit"), ("model", "jit"),
+         ("hybrid", "jit"), ("rules", "jit")]
 RULES = (("Dense_0/kernel", (None, "model")),)  # the hidden layer split, the output layer data parallel
 GRADIENT_KINDS = ("all-reduce", "reduce-scatter")
 
@@ -48,8 +50,14 @@ def _mesh(layout):
                               else [("data", 8)])
 
 
+def _layout(layout):
+    """A layout by name, ``fsdp:once`` being FSDP with ``parallel.reduce=once``."""
+    name, _, reduce = layout.partition(":")
+    return dataclasses.replace(get_layout(name), reduce=reduce) if reduce else get_layout(name)
+
+
 def _place(layout, model, tx, example, mesh):
-    return get_layout(layout).place(abstract_train_state(model, tx, example), mesh, RULES if layout == "rules" else ())
+    return _layout(layout).place(abstract_train_state(model, tx, example), mesh, RULES if layout == "rules" else ())
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +143,37 @@ def test_split_layers_gradients_are_reduced_once_per_step(programs, layout, k):
     assert across and 0 <= operands(across) - operands(once) <= 8
 
 
+def test_fsdp_reduce_once_reduces_the_gradient_once_per_step(programs):
+    """``parallel.reduce=once`` ("no sync" accumulation): each device sums its own whole gradient over the
+    micro-batches, and the gradient's one reduction (XLA:CPU writes the reduce-scatter as an all-reduce of the
+    whole and a slice) runs once, after the loop: the bytes of k = 1 at any k, 1/k of ``per_microbatch``'s
+    (the same all-reduce, k trips). The weights' and activations' gathers stay per micro-batch."""
+    once_k1 = _bytes(_gradient_collectives(programs["fsdp", "jit", 1][0]))
+    for k in (2, 4):
+        once = _gradient_collectives(programs["fsdp:once", "jit", k][0])
+        per = _gradient_collectives(programs["fsdp", "jit", k][0])
+        assert once and all(c.trips == 1 for c in once), once
+        assert _bytes(once) == once_k1 and _bytes(per) == k * once_k1
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.name=zero2", "grad_accum_steps=2"], r"parallel.reduce='once' applies to parallel.name=fsdp only, "
+                                                    r"not 'zero2' \(ZeRO-2 .* is parallel.name=zero1\)"),
+    (["parallel.name=data", "grad_accum_steps=2"], r"parallel.reduce='once' applies to parallel.name=fsdp only, "
+                                                   r"not 'data'"),
+    (["parallel.name=fsdp", "driver=jit"], r"grad_accum_steps=1 has one: set --config.grad_accum_steps"),
+])
+def test_parallel_reduce_once_is_refused_where_it_does_not_apply(overrides, message):
+    from dtx import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.load("digits_mlp", ["parallel.reduce=once"] + overrides)
+    with pytest.raises(config_lib.ConfigError, match=r"parallel.reduce='never' is unknown; choose one of "
+                                                     r"per_microbatch, once"):
+        config_lib.load("digits_mlp", ["parallel.name=fsdp", "driver=jit", "grad_accum_steps=2",
+                                       "parallel.reduce=never"])
+
+
 def test_rules_reduce_split_layers_once_and_data_parallel_layers_in_their_group(programs):
     """``rules`` splitting the hidden layer only: the gradient crossing the model groups is reduced once
     (trips 1); inside the loop only the data-parallel output layer's gradient (32·10 + 10 floats) is summed,
@@ -182,11 +221,12 @@ def test_jit_accumulation_with_batch_norm_trains_as_shard_map(digits):
     assert not np.allclose(jax.tree.leaves(finals["jit"][1])[0], 0.0)  # the statistics moved
 
 
-@pytest.mark.parametrize("layout", ["model", "hybrid", "rules"])
+@pytest.mark.parametrize("layout", ["model", "hybrid", "rules", "fsdp", "fsdp:once"])
 def test_model_parallel_accumulation_equals_one_device(digits, layout):
     """The MLP under a model-parallel layout, 4 micro-batches mapped over the model groups, 2 steps of
     momentum: the parameters and loss of one device's whole-batch steps (no batch norm: k does not change
-    the mathematics). Held to 1e-6 (float32 sums in another order)."""
+    the mathematics); FSDP likewise, reducing per micro-batch or once (each device's whole gradient summed
+    over the micro-batches). Held to 1e-6 (float32 sums in another order)."""
     tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
     model = models.build_model("mlp", features=(32,))
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
@@ -224,3 +264,29 @@ def test_hybrid_accumulation_with_batch_norm_trains_as_shard_map(digits):
         finals[layout] = jax.device_get((state.params, state.model_state, metrics["loss"]))
     for a, b in zip(jax.tree.leaves(finals["hybrid"]), jax.tree.leaves(finals["data"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_dtx_train_run_with_fsdp_reducing_once_records_and_charges_what_the_program_sends(programs, tmp_path):
+    """``dtx train`` with ``parallel.reduce=once`` (FSDP, k = 4, the fixture's MLP, batch and optimizer): every
+    record's bytes and rounds are the compiled program's (collectives times trips: one gradient reduction), and
+    the simulated clock charges exactly them, step after step (a per-micro-batch run's records are 2.8x these)."""
+    from dtx import config as config_lib
+    from dtx import strategies
+    from dtx.perf import clusters, simclock
+    from dtx.run import metrics as metrics_lib
+    from dtx.run.trainer import train
+
+    overrides = ["parallel.name=fsdp", "driver=jit", "grad_accum_steps=4", "parallel.reduce=once", "num_steps=2",
+                 "log_every=1", "model.features=(32,)", f"global_batch_size={BATCH}", "optimizer.name=momentum",
+                 "optimizer.learning_rate=0.1", "cluster.name=cloud_10gbe", "progress=False"]
+    train(config_lib.load("digits_mlp", overrides), tmp_path)
+    records = [r for r in metrics_lib.read_metrics(str(tmp_path)) if "sim_time_s" in r]
+    compiled, recorded = programs["fsdp:once", "jit", 4]
+    sent = hlo.total(compiled)
+    assert recorded == sent.bytes_sent < programs["fsdp", "jit", 4][1] / 2
+    assert [(r["comm_bytes"], r["comm_rounds"]) for r in records] == [(sent.bytes_sent, sent.rounds)] * 2
+    clock = simclock.SimClock(simclock.model_for_run(
+        simclock.ClusterSpec(clusters.get_cluster("cloud_10gbe")), models.build_model("mlp", features=(32,)),
+        (64,), np.float32, workers=8, global_batch=BATCH, accum_steps=4, caps=strategies.sync().caps))
+    for step, r in enumerate(records):
+        assert r["sim_time_s"] == pytest.approx(clock.advance(step, sent.bytes_sent, sent.rounds), rel=1e-12)

@@ -88,6 +88,9 @@ def base_config() -> ConfigDict:
     c.parallel = ConfigDict()
     c.parallel.name = "data"  # data|model|hybrid|fsdp|zero1|zero2|rules|pipeline|tensor (model..rules, tensor: jit)
     c.parallel.rules = ()  # for name=rules: ((regex, (axis or None, ...)), ...), first match wins
+    # for name=fsdp with grad_accum_steps > 1: per_microbatch (reduce-scatter each micro-batch's gradient into a 1/N
+    # accumulator) | once (each device sums its whole gradient, one reduce-scatter per step; docs/large_batch.md)
+    c.parallel.reduce = "per_microbatch"
 
     # parallel.name=pipeline (a "stage" mesh axis; docs/pipeline.md): M micro-batches per step (they are the run's
     # gradient accumulation: grad_accum_steps stays 1 or equals M), the schedule, the layer indices where stages

@@ -51,6 +51,7 @@ from dtx.parallel.rules import PartitionError
 from dtx.parallel.stages import STAGE_AXIS
 
 KERNEL_SPLITS = ("none", "all", "dense", "explicit", "paired")
+REDUCE = ("per_microbatch", "once")  # parallel.reduce: when FSDP reduces the gradients under accumulation
 
 
 class Placement(NamedTuple):
@@ -65,8 +66,9 @@ class Placement(NamedTuple):
     @property
     def whole_gradients(self) -> bool:
         """Whether each device can hold its own whole, unreduced gradient between micro-batches: whole
-        parameters and no split accumulator (data parallelism and ZeRO-1)."""
-        return self.layout.kernels == "none" and self.layout.zero_stage in (0, 1)
+        parameters and no split accumulator (data parallelism and ZeRO-1), or FSDP accumulating whole
+        gradients (``reduce="once"``)."""
+        return self.layout.kernels == "none" and (self.layout.zero_stage in (0, 1) or self.layout.reduce == "once")
 
     @property
     def shard_accumulator(self) -> bool:
@@ -94,6 +96,10 @@ class Layout:
         stages' parameter rows (:mod:`dtx.parallel.stages`), placed by :meth:`place` from an abstract state
         already in rows.
       block: the config block of its own settings (``tensor``), passed to :meth:`place` as keywords.
+      reduce: FSDP under gradient accumulation (``parallel.reduce``): ``per_microbatch`` reduce-scatters every
+        micro-batch's gradient into a ``1/N`` accumulator; ``once`` ("no sync" accumulation, as PyTorch FSDP's
+        ``no_sync``) sums each device's whole, unreduced gradient over the micro-batches (``W`` bytes per device
+        instead of ``W/N``) and reduce-scatters once per step (:mod:`dtx.step.accumulate`).
     """
 
     name: str
@@ -104,10 +110,19 @@ class Layout:
     settings: tuple[str, ...] = ()
     stages: bool = False
     block: str = ""
+    reduce: str = "per_microbatch"
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
             raise PartitionError(f"layout {self.name!r}: kernels must be one of {KERNEL_SPLITS} and zero_stage 0-3")
+        if self.reduce not in REDUCE:
+            raise PartitionError(f"parallel.reduce={self.reduce!r} is unknown; choose one of {', '.join(REDUCE)}")
+        if self.reduce == "once" and (self.zero_stage != 3 or self.kernels != "none" or self.stages):
+            raise PartitionError(f"parallel.reduce='once' applies to parallel.name=fsdp only, not {self.name!r} "
+                                 + ("(ZeRO-2 accumulating whole gradients and reducing once is "
+                                    "parallel.name=zero1)" if self.zero_stage == 2 else
+                                    "(its gradients are reduced as its layout says)")
+                                 + "; leave parallel.reduce at its default 'per_microbatch'")
 
     @property
     def needs_model_axis(self) -> bool:
@@ -190,7 +205,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("zero2", zero_stage=2, cost_rank=2),
     Layout("hybrid", kernels="dense", drivers=("jit",), cost_rank=3),
     Layout("model", kernels="all", drivers=("jit",), cost_rank=4),
-    Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5),
+    Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5, settings=("reduce",)),
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
     Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True),
     Layout("tensor", kernels="paired", drivers=("jit",), cost_rank=4, block="tensor"),
@@ -204,6 +219,15 @@ def get_layout(layout: str | Layout) -> Layout:
     if layout not in LAYOUTS:
         raise PartitionError(f"unknown parallel.name {layout!r}; choose one of {list(LAYOUTS)}")
     return LAYOUTS[layout]
+
+
+def configured(config) -> Layout:
+    """The layout ``config.parallel.name`` with the ``parallel.*`` settings that are fields of its declaration
+    (``parallel.reduce``) applied."""
+    chosen = get_layout(config.parallel.name)
+    own = {key: config.parallel[key] for key in chosen.settings if key in config.parallel
+           and key in {field.name for field in dataclasses.fields(Layout)}}
+    return dataclasses.replace(chosen, **own) if own else chosen
 
 
 # The functions of the layouts by name, for code that holds a name (configs, the memory model's callers).
@@ -223,6 +247,16 @@ def check_config(config) -> None:
     """``parallel.name`` is a registered layout, and a ``parallel.*`` setting goes only to a layout that takes it
     (``parallel.rules``: to ``rules``), a layout's own block (``tensor.*``) only to that layout."""
     chosen = get_layout(config.parallel.name)
+    reduce = config.parallel.get("reduce", REDUCE[0])
+    if reduce != REDUCE[0]:  # before the generic refusal: zero2's own hint, an unknown value, k = 1
+        try:
+            dataclasses.replace(chosen, reduce=reduce)
+        except PartitionError as error:
+            raise ConfigError(str(error)) from None
+        if config.get("grad_accum_steps", 1) == 1:
+            raise ConfigError(f"parallel.reduce={reduce!r} chooses when FSDP reduces the gradients of several "
+                              "micro-batches, and grad_accum_steps=1 has one: set --config.grad_accum_steps=k > 1 "
+                              "or leave parallel.reduce at its default 'per_microbatch'")
     check_block(config, "parallel", {name: layout.settings for name, layout in LAYOUTS.items()})
     for layout in LAYOUTS.values():  # a layout's own block (tensor.*) is set only for it
         for key, value in (config.get(layout.block) or {}).items() if layout.block != chosen.block else ():

@@ -158,7 +158,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
             "DGC momentum) of loss-scaled gradients, which goes stale whenever the float16 loss scale changes; "
             "use compute=bfloat16 (no loss scaling), or an unbiased compressor without it (compression.name=terngrad "
             "or qsgd, or randomk with compression.error_feedback=False)")
-    chosen, pipeline = parallel.get_layout(config.parallel.name), None
+    chosen, pipeline = parallel.configured(config), None  # with its parallel.* fields (parallel.reduce)
     if chosen.stages:  # the model's layers cut into stages; the state is their parameter rows
         pipeline, abstract_state = _pipeline(config, model, tx, example, abstract_state.params, mesh)
     settings = dict(config[chosen.block]) if chosen.block else {}  # the layout's own block (tensor.*)
@@ -207,7 +207,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     capacity = config.memory_limit or _device_memory()
     if not capacity:
         return
-    chosen = parallel.get_layout(config.parallel.name)
+    chosen = parallel.configured(config)
     if chosen.stages:  # a pipeline's own model (dtx.perf.pipeline, through dtx.perf.memory)
         try:
             pipeline_check.check_memory(pipeline, mesh, config.global_batch_size, example, config.optimizer.name,
@@ -242,7 +242,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     biggest = ", ".join(f"{what} {_gib(value)}" for value, what in parts[:3])
     fits = []
     for other in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank):
-        if (other is chosen or other.kernels == "explicit" or other.stages
+        if (other.name == chosen.name or other.kernels == "explicit" or other.stages
                 or (other.needs_model_axis and group == 1)):
             continue
         try:
