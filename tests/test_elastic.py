@@ -54,3 +54,66 @@ def test_a_process_set_aside_rejoins_at_the_next_restart_and_a_replacement_count
     assert elastic.available(slots=3, lost=1, replacements=0, processes=4) == 2
     assert elastic.available(slots=2, lost=0, replacements=1, processes=4) == 3
     assert elastic.available(slots=4, lost=0, replacements=2, processes=4) == 4
+
+
+def _settings(*overrides, processes=4, devices=2, minimum=1):
+    import os
+
+    experiment = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                              "digits_mlp.py")
+    return elastic.settings(experiment, ["--config.checkpoint.every_steps=5", *overrides], processes, devices, minimum)
+
+
+def test_the_restart_mesh_keeps_the_eval_batch_split_or_the_launch_is_refused():
+    # 6 processes x 1 device, global batch 96 with grad_accum_steps=2: 12 micro-batches of 8. With 5 left, 4
+    # devices split the 12 micro-batches but not an eval batch of 30 (test batches go over every device): the
+    # restart takes the next mesh that splits both, 3 devices (4 micro-batches each), not 4.
+    plan = lambda n, **eval_batch: elastic.plan(n, 1, global_batch=96, grad_accum_steps=2,  # noqa: E731
+                                                data_parallel=6, **eval_batch)
+    assert plan(5) == elastic.Plan(4, 4, 4, 3)
+    assert plan(5, eval_batch=30) == elastic.Plan(3, 3, 3, 4)
+    assert plan(5, eval_batch=60) == elastic.Plan(4, 4, 4, 3)
+    # From an experiment: eval_batch_size=12 does not split over the first start's 8 devices: refused at launch,
+    # naming the key and a size every mesh down to --elastic MIN splits.
+    with pytest.raises(elastic.ElasticError, match=r"first start.*eval_batch_size=12.*multiple of every device "
+                                                   r"count.*\(e\.g\. 24\)"):
+        _settings("--config.eval_batch_size=12")
+    assert _settings("--config.eval_batch_size=24").plan(3) == elastic.Plan(2, 4, 4, 2)
+
+
+def test_state_kept_per_worker_is_refused_at_launch_naming_what_works():
+    with pytest.raises(elastic.ElasticError) as refused:
+        _settings("--config.strategy.name=local_sgd")
+    said = str(refused.value)
+    assert "strategy.name='local_sgd'" in said and "worker.strategy" in said
+    assert "strategy.name=sync" in said and "strategy.name=local_sgd" not in said.split("works with")[1]
+    with pytest.raises(elastic.ElasticError, match=r"compression.name='topk'.*worker.compress.*"
+                                                   r"compression.name=topk with compression.error_feedback=False"):
+        _settings("--config.compression.name=topk")
+    assert _settings("--config.compression.name=topk", "--config.compression.error_feedback=False").start.processes == 4
+
+
+def test_batch_norm_is_refused_at_launch_naming_the_switch():
+    with pytest.raises(elastic.ElasticError, match=r"model.name='lenet'.*batch_stats.*"
+                                                   r"--config.model.use_batch_norm=False"):
+        _settings("--config.model.name=lenet")
+    assert _settings("--config.model.name=lenet", "--config.model.use_batch_norm=False").start.processes == 4
+
+
+def test_without_a_launcher_the_membership_is_read_from_the_runs_records(tmp_path, monkeypatch):
+    """One `dtx train` per host (SLURM): no launcher says who ran before. A multi-process first start records
+    restart 0; a later start counts the starts recorded (kept, or moved aside by a resume), and the steps
+    recorded past its restored step are the ones it computes again; which rank was lost is not knowable."""
+    monkeypatch.delenv(elastic.ENV, raising=False)
+    assert elastic.record({"data": 4}, 1, 0, processes=1, workdir=str(tmp_path)) == {}  # one process: its own run
+    assert elastic.record({"data": 4}, 1, 0, processes=2, workdir=str(tmp_path))["membership"] == {
+        "restart": 0, "processes": 2, "mesh": {"data": 4}, "grad_accum_steps": 1, "restored_step": 0, "lost": [],
+        "steps_recomputed": 0}
+    first = {"restart": 0, "processes": 2, "mesh": {"data": 4}}
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"step": 0, "membership": first}, {"step": 1, "loss": 2.0}, {"step": 6, "loss": 1.0})) + '\n{"step": 7, "lo')
+    # (the half-written last line: a killed run's)
+    (tmp_path / "metrics.superseded.jsonl").write_text(json.dumps({"step": 3, "membership": first}) + "\n")
+    assert elastic.record({"data": 2}, 2, 4, processes=1, workdir=str(tmp_path))["membership"] == {
+        "restart": 2, "processes": 1, "mesh": {"data": 2}, "grad_accum_steps": 2, "restored_step": 4, "lost": None,
+        "steps_recomputed": 2}

@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from dtx.ckpt import handlers, integrity
+from dtx.ckpt import barrier, handlers, integrity
 from dtx.ckpt.integrity import CheckpointDamaged, CheckpointError, flatten
 
 MANIFEST_VERSION = integrity.MANIFEST_VERSION
@@ -82,10 +82,13 @@ class Checkpointer:
         temporaries — a run may still be writing into ``directory``.
       timeout_s: how long a save may take before it fails, and how long :meth:`wait` waits for one
         (storage that stalls ends the run with an error, never an endless wait).
+      barrier_s: how long the processes' agreements at a restore wait for a rank that does not arrive
+        (:mod:`dtx.ckpt.barrier`: the error names it); orbax's own barriers keep its 300 s.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
-                 hmac_key: bytes | None = None, read_only: bool = False, timeout_s: int = SAVE_TIMEOUT_S):
+                 hmac_key: bytes | None = None, read_only: bool = False, timeout_s: int = SAVE_TIMEOUT_S,
+                 barrier_s: float = barrier.DEFAULT_TIMEOUT_S):
         if keep < 1:
             raise CheckpointError(f"checkpoint.keep={keep} must be >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -100,10 +103,15 @@ class Checkpointer:
         self._key = hmac_key or None
         self._closed = False
         # read_only: orbax's own read_only flag only logs warnings on every start; nothing here saves or deletes.
-        self._timeout_s = timeout_s
+        self._timeout_s, self._barrier_s = timeout_s, barrier_s
+        # Several processes: orbax's barriers through the coordination service, bounded (dtx.ckpt.barrier); the
+        # directory exists already (made above), which orbax needs of a job that names its processes.
+        processes = barrier.orbax_options()
         options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
-                                               enable_async_checkpointing=async_save, create=not read_only,
-                                               async_options=ocp.AsyncOptions(timeout_secs=timeout_s))
+                                               enable_async_checkpointing=async_save,
+                                               create=not read_only and processes is None,
+                                               async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
+                                               **({"multiprocessing_options": processes} if processes else {}))
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": handlers.state_handler(), "manifest": handlers.ManifestHandler()})
@@ -222,7 +230,7 @@ class Checkpointer:
             restored, manifest, error = *self._attempt(step, target, relayout=relayout), None
         except CheckpointDamaged as e:
             error = e
-        if not _everyone(error is None):
+        if not barrier.agree(error is None, f"the restore of checkpoint step {step}", self._barrier_s):
             raise error or CheckpointDamaged(f"checkpoint {self._step_dir(step)} failed verification on another "
                                              "process (see that process's log)")
         return restored, manifest.metadata
@@ -249,7 +257,7 @@ class Checkpointer:
                 restored, manifest, error = *self._attempt(candidate, target, check, relayout), None
             except CheckpointDamaged as e:
                 error = e
-            if _everyone(error is None):
+            if barrier.agree(error is None, f"the restore of checkpoint step {candidate}", self._barrier_s):
                 self._set_aside_newer(candidate)
                 return Resumed(restored, manifest.metadata, candidate, skipped)
             why = str(error) if error else "its shards failed verification on another process (see its log)"
@@ -320,7 +328,7 @@ class Checkpointer:
                 os.rename(self._step_dir(s), os.path.join(aside, name))
             print(f"dtx: moved checkpoint steps {newer} (newer than the resumed step {step}) to {aside}; dtx never "
                   "deletes them", file=sys.stderr, flush=True)
-        _everyone(True)  # a barrier: nobody saves before they are gone
+        barrier.wait(f"the move of steps {newer} aside", self._barrier_s)  # nobody saves before they are gone
         self._manager.reload()
 
     def _remove_stale_temporaries(self) -> None:
@@ -329,13 +337,6 @@ class Checkpointer:
         for name in os.listdir(self.directory):
             if ".orbax-checkpoint-tmp" in name:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-
-
-def _everyone(ok: bool) -> bool:
-    """Whether ``ok`` holds on every process (one pmax); the answer is the same everywhere."""
-    if jax.process_count() == 1:
-        return ok
-    return ocp.multihost.global_max([0 if ok else 1])[0] == 0
 
 
 def abstract_target(abstract_state: Any, shardings: Any) -> Any:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from dtx.ckpt import barrier as barrier_lib
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx import config as config_lib
 from dtx.run import metrics as metrics_lib
@@ -43,9 +44,10 @@ def prepare(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process
         check_same_config(config)
     resuming = decide_resume(config.checkpoint.resume, checkpoint_dir, workdir, config.checkpoint.resume_step)
     key = hmac_key(config.checkpoint.hmac_key_env)
-    barrier("dtx: every process has checked the workdir")  # before anyone writes to it
+    bound = barrier_seconds(config)
+    barrier_lib.wait("the check of the workdir", bound)  # before anyone writes to it
     if multi_process and (config.checkpoint.every_steps or resuming):
-        check_shared_directory(checkpoint_dir)
+        check_shared_directory(checkpoint_dir, bound)
     return resuming, key
 
 
@@ -147,11 +149,10 @@ def hmac_key(variable: str) -> bytes | None:
     return value.encode()
 
 
-def barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+def barrier_seconds(config: ConfigDict) -> float:
+    """How long a checkpoint's agreement between processes waits for a rank (:mod:`dtx.ckpt.barrier`): the step
+    watchdog's bound, ``watchdog_seconds`` (orbax's 300 s where the watchdog is off)."""
+    return float(config.watchdog_seconds) if config.watchdog_seconds > 0 else barrier_lib.DEFAULT_TIMEOUT_S
 
 
 def check_same_config(config: ConfigDict) -> None:
@@ -164,19 +165,19 @@ def check_same_config(config: ConfigDict) -> None:
         "every process must be started with the same experiment and overrides")
 
 
-def check_shared_directory(directory: str) -> None:
+def check_shared_directory(directory: str, bound: float = barrier_lib.DEFAULT_TIMEOUT_S) -> None:
     """Checkpoints need one directory that every process sees (a shared file system)."""
     token = os.path.join(directory, ".dtx-shared-check")
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
         with open(token, "w") as f:
             f.write(str(os.getpid()))
-    barrier("dtx: shared-directory token written")
+    barrier_lib.wait("the check that the checkpoint directory is shared", bound)
     if not os.path.exists(token):
         raise FileNotFoundError(
             f"process {jax.process_index()} cannot see {directory} written by process 0: the checkpoint "
             "directory must be on storage shared by every process (set --config.checkpoint.dir)")
-    barrier("dtx: shared-directory token checked")
+    barrier_lib.wait("the check that every process saw the shared directory", bound)
 
 
 # Keys a resumed run may change: run length, logging, checkpointing and how (not what) it computes.

@@ -237,7 +237,8 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     checkpointer = None
     if config.checkpoint.every_steps or resuming:
         checkpointer = checkpoint_lib.Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
-                                                   async_save=config.checkpoint.async_save, hmac_key=hmac_key)
+                                                   async_save=config.checkpoint.async_save, hmac_key=hmac_key,
+                                                   barrier_s=rundir.barrier_seconds(config))
     resumed = rundir.resume(checkpointer, config, parts.abstract_state, parts.placement.state, parts.workers,
                             user_data, setup.relayout(parts, mesh)) if resuming else None
     state = resumed.state if resuming else setup.init_state(config, parts, mesh)
@@ -268,6 +269,9 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(ran.config, f, indent=2)  # the config, naming the module/optimizer that replaced its blocks
+    # Who this start runs on (dtx.run.elastic; dtx plot marks it): read before the resume drops any record.
+    membership = elastic.record(dict(mesh.shape), config.grad_accum_steps, start_step,
+                                processes=jax.process_count(), workdir=workdir)
     # A resume drops the records past its step (a killed run's abandoned future): one history per step.
     writer = metrics_lib.MetricWriter(workdir, enabled=main_process, resumed_from=start_step if resuming else None,
                                       wandb=config.wandb.to_dict(), run_config=ran.config)
@@ -277,8 +281,7 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
                               **flops.header(program.get("model_flops_per_step"), step_flops, peak_flops),
                               **{k: v for k, v in program.items() if k != "model_flops_per_step"},
                               **({"resumed_from": start_step} if resuming else {}),
-                              # dtx launch --elastic: who this start runs on (dtx.run.elastic; dtx plot marks it)
-                              **elastic.record(dict(mesh.shape), config.grad_accum_steps, start_step),
+                              **membership,
                               **(compiling.record("startup_") if compiling else {}),
                               **({"resume_skipped": [{"step": s, "reason": why} for s, why in resumed.skipped]}
                                  if resuming and resumed.skipped else {})})

@@ -69,7 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _unless_a_save_is_stuck(code: int) -> int:
     """``code``; but where a checkpoint save stalled (dtx.ckpt.checkpoint.stalled), exit now: the interpreter
     would wait for orbax's stuck thread forever. What that save wrote was never committed."""
-    checkpoint = sys.modules.get("dtx.ckpt.checkpoint")
+    checkpoint, barrier = sys.modules.get("dtx.ckpt.checkpoint"), sys.modules.get("dtx.ckpt.barrier")
+    if barrier is not None and barrier.abandoned():  # JAX's shutdown would wait for the rank that never came
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 4)
     if checkpoint is not None and checkpoint.stalled():
         print("dtx: a checkpoint save is stuck; exiting without it (it was never committed)", file=sys.stderr)
         sys.stdout.flush()

@@ -82,7 +82,8 @@ def launch_main(argv: list[str]) -> int:
     elastic = None
     if args.elastic:
         try:
-            elastic = elastic_lib.settings(args.experiment, rest, args.processes, args.devices_per_process)
+            elastic = elastic_lib.settings(args.experiment, rest, args.processes, args.devices_per_process,
+                                            args.elastic)
         except ValueError as e:  # ConfigError, ElasticError: said before any process starts
             print(f"dtx launch: error: {e}", file=sys.stderr)
             return 2

@@ -1,0 +1,131 @@
+"""dtx.ckpt.barrier: under SLURM-style start (one `dtx train` per host with the multi-host environment, no
+launcher to bound anything) a rank that never arrives at a restore ends the job within the bound, named, with
+nothing written; and every start records who it ran on (membership) though no launcher told it. One job of
+2 processes x 2 devices, tiny MLP, three starts (each costs JAX start-up twice: kept to these)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dtx.run import metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
+TINY = ["--config.model.features=(16,)", "--config.log_every=1", "--config.progress=False",
+        "--config.checkpoint.every_steps=2", "--config.heartbeat_seconds=10"]
+BOUND = 10  # watchdog_seconds: the restore's agreement waits this long for a rank
+
+# rank 1 of the second start is alive but never reaches the restore (asleep before it, heartbeats going on)
+_ASLEEP_AT_RESTORE = """
+import os, time
+from dtx.ckpt import checkpoint
+
+_resume = checkpoint.Checkpointer.resume
+
+
+def _resume_late(self, *args, **kwargs):
+    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("ASLEEP_AT_RESTORE"):
+        time.sleep(600)
+    return _resume(self, *args, **kwargs)
+
+
+checkpoint.Checkpointer.resume = _resume_late
+
+
+def get_config():
+    default = {}
+    exec(open(%r).read(), default)
+    return default["get_config"]()
+""" % DEFAULT
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_style(experiment, workdir, *overrides, processes=2, extra_env=None):
+    """``processes`` x ``dtx train`` as a SLURM job script starts them: the coordinator, the count and each rank's
+    index in its environment, nothing watching them."""
+    port, started = _port(), []
+    for rank in range(processes):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(extra_env or {})}
+        env.pop("DTX_PROGRESS_DIR", None)
+        if processes > 1:
+            env.update(DTX_COORDINATOR=f"127.0.0.1:{port}", DTX_NUM_PROCESSES=str(processes),
+                       DTX_PROCESS_ID=str(rank))
+        started.append(subprocess.Popen(
+            [sys.executable, "-m", "dtx.tools.cli", "train", experiment, "--workdir", str(workdir), *TINY,
+             *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return started
+
+
+def _finish(processes, timeout):
+    """Each process's (exit code, stderr, seconds it took from now), killing any still running at ``timeout``."""
+    start, ended = time.monotonic(), []
+    for p in processes:
+        try:
+            _, err = p.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        ended.append((p.returncode, err, time.monotonic() - start))
+    return ended
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The first start: 2 processes x 2 devices train 4 steps, checkpoints at 2 and 4."""
+    root = tmp_path_factory.mktemp("slurm")
+    experiment = root / "asleep_at_restore.py"
+    experiment.write_text(_ASLEEP_AT_RESTORE)
+    workdir = root / "run"
+    ended = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=4",
+                                 "--config.emulate_cpu_devices=2"), timeout=300)
+    assert all(code == 0 for code, _, _ in ended), ended
+    return experiment, workdir
+
+
+def _files(directory):
+    return sorted(os.path.relpath(os.path.join(root, name), directory)
+                  for root, dirs, names in os.walk(directory) for name in dirs + names
+                  if "logs" not in root and not name.startswith(".dtx-lock"))
+
+
+def test_a_rank_that_never_arrives_at_the_restore_is_named_within_the_bound(job):
+    """Rank 1 sleeps before the restore (alive: its heartbeats go on, so JAX sees nothing wrong). Rank 0 waits for
+    it at the restore's agreement for watchdog_seconds, then fails naming rank 1 (a collective there waited
+    forever); rank 1 loses the coordinator and ends within heartbeat_seconds. Nothing is written: the same files,
+    the same records, no checkpoint moved aside."""
+    experiment, workdir = job
+    before = _files(workdir), (workdir / "metrics.jsonl").read_bytes()
+    rank0, rank1 = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=6",
+                                        "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
+                                        extra_env={"ASLEEP_AT_RESTORE": "1"}), timeout=240)
+    assert rank0[0] == 4, rank0[1]  # dtx's checkpoint error
+    assert f"rank 1 did not reach the restore of checkpoint step 4 within {BOUND} s" in rank0[1], rank0[1]
+    assert rank1[0] != 0 and rank1[2] < 200, rank1  # ended, not asleep for its 600 s
+    assert (_files(workdir), (workdir / "metrics.jsonl").read_bytes()) == before
+
+
+def test_every_start_records_who_it_ran_on_without_a_launcher(job):
+    """The first start (2 processes, no launcher) recorded its membership; a start on one host of the two
+    (SLURM restarted on the node left, grad_accum_steps doubled by the job script) records restart 1, 1 process,
+    its mesh and accumulation, the step it restored and the steps recomputed past it (2, read from the records);
+    which rank was lost no one told it: ``None``."""
+    experiment, workdir = job
+    first = [r["membership"] for r in metrics.read_metrics(workdir) if "membership" in r]
+    assert first == [{"restart": 0, "processes": 2, "mesh": {"data": 4}, "grad_accum_steps": 1, "restored_step": 0,
+                      "lost": [], "steps_recomputed": 0}]
+    (ended,) = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=6", "--config.emulate_cpu_devices=2",
+                                    "--config.grad_accum_steps=2", "--config.checkpoint.resume_step=2",
+                                    processes=1), timeout=300)
+    assert ended[0] == 0, ended[1]
+    starts = [r["membership"] for r in metrics.read_metrics(workdir) if "membership" in r]
+    assert starts[1:] == [{"restart": 1, "processes": 1, "mesh": {"data": 2}, "grad_accum_steps": 2,
+                           "restored_step": 2, "lost": None, "steps_recomputed": 2}], starts
