@@ -34,6 +34,34 @@ class LeNet(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def pipeline_layers(self) -> list:
+        """The pieces in order, for pipeline stages (:mod:`dtx.parallel.stages`): each convolution with its ReLU and
+        pooling, then the Dense layers (the first flattens its input). Batch norm is refused: a stage sees one
+        micro-batch at a time, whose statistics are not the batch's that one device normalises with."""
+        if self.use_batch_norm:
+            raise ValueError("model.use_batch_norm=True: a pipeline stage normalises one micro-batch at a time, whose "
+                             "statistics differ from the whole batch's (one device's); set "
+                             "--config.model.use_batch_norm=False for parallel.name=pipeline")
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+
+        def conv(channels):
+            def apply(params, x):
+                x = nn.relu(nn.Conv(channels, (5, 5), padding="SAME", **dense).apply(
+                    {"params": next(iter(params.values()))}, x.astype(self.dtype)))
+                return nn.max_pool(x, (2, 2), strides=(2, 2)) if min(x.shape[1:3]) >= 4 else x
+            return apply
+
+        def fc(width, last):
+            def apply(params, x):
+                x = nn.Dense(width, **dense).apply({"params": next(iter(params.values()))},
+                                                   x.reshape((x.shape[0], -1)))
+                return x if last else nn.relu(x)
+            return apply
+
+        widths = list(self.dense_features) + [self.num_classes]
+        return ([((f"Conv_{i}",), conv(c)) for i, c in enumerate(self.conv_features)]
+                + [((f"Dense_{i}",), fc(w, i == len(widths) - 1)) for i, w in enumerate(widths)])
+
     @nn.compact
     def __call__(self, x, train: bool = False):
         x = x.astype(self.dtype)

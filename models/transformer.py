@@ -85,6 +85,38 @@ class Transformer(nn.Module):
     tie_embeddings: bool = False
     remat: str = "none"
 
+    def pipeline_layers(self) -> list:
+        """The pieces in order, for pipeline stages (:mod:`dtx.parallel.stages`): the token embedding with the
+        learned positions (on the first stage), each block (causal attention inside it), and the final LayerNorm with
+        the output layer (on the last stage); every boundary carries the ``(time, d_model)`` residual stream.
+        Refused: ``tie_embeddings`` (the first and last stages would share the embedding, and its two gradients
+        would need summing across the ring) and dropout (the micro-batches' masks are not one device's). Under a
+        pipeline each stage's backward re-runs its forward from the kept input, so ``remat.policy`` adds nothing."""
+        if self.tie_embeddings:
+            raise ValueError("model.tie_embeddings=True: under a pipeline the embedding lives on the first stage and "
+                             "the output layer on the last, so they cannot be one matrix; set "
+                             "--config.model.tie_embeddings=False for parallel.name=pipeline")
+        if self.dropout_rate:
+            raise ValueError(f"model.dropout_rate={self.dropout_rate}: pipeline stages draw no dropout masks (one "
+                             "device's would differ from the micro-batches'); set --config.model.dropout_rate=0 for "
+                             "parallel.name=pipeline")
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+
+        def embed(params, tokens):
+            x = nn.Embed(self.num_classes, self.d_model, **dense).apply({"params": params["Embed_0"]}, tokens)
+            return x + params["positions"][: tokens.shape[1]].astype(self.dtype)
+
+        def block(i):
+            module = Block(self.d_model, self.num_heads, self.mlp_ratio, 0.0, self.dtype, self.param_dtype, parent=None)
+            return lambda params, x: module.apply({"params": params[f"Block_{i}"]}, x, None, False)
+
+        def head(params, x):
+            x = nn.LayerNorm(**dense).apply({"params": params["LayerNorm_0"]}, x)
+            return nn.Dense(self.num_classes, **dense).apply({"params": params["Dense_0"]}, x)
+
+        return ([(("Embed_0", "positions"), embed)] + [((f"Block_{i}",), block(i)) for i in range(self.num_layers)]
+                + [(("LayerNorm_0", "Dense_0"), head)])
+
     @nn.compact
     def __call__(self, tokens, train: bool = False):
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -48,6 +48,38 @@ class VGGA(nn.Module):
 
     default_input_shape = (224, 224, 3)  # per example, HWC (class constant, not a setting)
 
+    def pipeline_layers(self) -> list:
+        """The 11 weight layers in order, for pipeline stages (:mod:`dtx.parallel.stages`): each convolution with its
+        ReLU and the pooling that closes its block, fc6-fc8 (fc6 flattens its input). Dropout is refused: a stage's
+        micro-batches would draw other masks than one device's batch."""
+        if self.dropout_rate:
+            raise ValueError(f"model.dropout_rate={self.dropout_rate}: pipeline stages draw no dropout masks (one "
+                             "device's would differ from the micro-batches'); set --config.model.dropout_rate=0 for "
+                             "parallel.name=pipeline")
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+
+        def conv(channels, pool):
+            def apply(params, x):
+                x = nn.relu(nn.Conv(channels, (3, 3), padding=((1, 1), (1, 1)), **dense).apply(
+                    {"params": next(iter(params.values()))}, x.astype(self.dtype)))
+                return nn.max_pool(x, (2, 2), strides=(2, 2)) if pool and min(x.shape[1:3]) >= 2 else x
+            return apply
+
+        def fc(width, last):
+            def apply(params, x):
+                x = nn.Dense(width, **dense).apply({"params": next(iter(params.values()))},
+                                                   x.reshape((x.shape[0], -1)))
+                return x if last else nn.relu(x)
+            return apply
+
+        pieces = []
+        for i, layer in enumerate(VGG_A_CONVS):
+            if layer != "pool":
+                name, channels = layer
+                pieces.append(((name,), conv(max(1, round(channels * self.width)), VGG_A_CONVS[i + 1] == "pool")))
+        return pieces + [((name,), fc(width, name == "fc8")) for name, width in
+                         (("fc6", self.fc_features), ("fc7", self.fc_features), ("fc8", self.num_classes))]
+
     @nn.compact
     def __call__(self, x, train: bool = False):
         x = x.astype(self.dtype)

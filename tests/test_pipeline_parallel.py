@@ -354,10 +354,10 @@ def test_balanced_cut_and_given_boundaries():
 
 
 def test_refusals_name_the_fix():
-    lenet = models.build_model("lenet")
-    params = jax.eval_shape(lambda: lenet.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"])
+    resnet = models.build_model("resnet18")  # residual: not a sequence of pieces
+    params = jax.eval_shape(lambda: resnet.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"])
     with pytest.raises(PipelineError, match="pipeline_layers"):
-        make_plan(lenet, params, 2)
+        make_plan(resnet, params, 2)
     mlp = models.build_model("mlp", **MLP)
     params = jax.eval_shape(lambda: mlp.init(jax.random.key(0), np.zeros((1, 64), np.float32))["params"])
     with pytest.raises(PipelineError, match=r"pipeline.boundaries=\(3, 1\) must be 2 increasing"):
@@ -463,7 +463,7 @@ def test_dtx_train_runs_the_pipeline_like_one_device(tmp_path, mlp_runs):
     (PIPELINE + ("--config.grad_accum_steps=2",),
      "grad_accum_steps=2 with pipeline.microbatches=4.*--config.pipeline.microbatches=8"),
     (PIPELINE[:2] + ("--config.grad_accum_steps=4",), "--config.pipeline.microbatches=4 .*grad_accum_steps at 1"),
-    (PIPELINE + ("--config.model.name=lenet",), "pipeline_layers"),
+    (PIPELINE + ("--config.model.name=lenet",), "model.use_batch_norm=True.*--config.model.use_batch_norm=False"),
     (PIPELINE + ("--config.allreduce=ring", "--config.driver=jit"), "driver='jit'.*shard_map; allreduce='ring'"),
     (PIPELINE + ("--config.pipeline.boundaries=(5,)",), r"pipeline.boundaries=\(5,\)"),
 ])
@@ -569,9 +569,9 @@ def test_memory_limit_refuses_a_pipeline_that_does_not_fit(tmp_path):
 
 def _equal_plan(stages, chunks=1, width=64):
     """``stages·chunks`` equal Dense layers of ``width``, one per (virtual) stage."""
-    from dtx.parallel.stages import Layer, StagePlan
+    from dtx.parallel.stages import StagePlan, dense_layer
 
-    layers = tuple(Layer(f"fc{i}", width, width, relu=True) for i in range(stages * chunks))
+    layers = tuple(dense_layer(f"fc{i}", width, width, relu=True) for i in range(stages * chunks))
     return StagePlan(layers, tuple(range(stages * chunks + 1)), chunks)
 
 

@@ -97,3 +97,48 @@ def test_transformer_blocks_as_layers():
     assert sum(layer.weights for layer in layers[:-1]) == pytest.approx(124e6, rel=0.01)
     p = pipeline_plan.plan(layers, clusters.get_cluster("h100_nvlink_ndr"), 8, 64, 4, 8, example_bytes=8 * 1024)
     assert p.message_bytes == 4 * 1024 * 768 * 2  # b = 64 / (2 x 8) = 4 sequences of 1024 x 768 bf16
+
+
+@pytest.mark.parametrize("stages,micro,chunks", [(2, 4, 2), (4, 8, 2)])
+def test_interleaved_plans_carry_their_bubble_and_messages(stages, micro, chunks):
+    """V virtual stages per device (Narayanan et al. 2021, §2.2.2): the 8 layers cut into P·V stages, each tick the
+    slowest of them (1/V of a device's work) on V·M + P - 1 ticks, so the busy share is V·M/(V·M + P - 1); V times
+    the 1F1B plan's point-to-point messages (plus the ring's wrap on the bubble ticks: the schedule's count), the
+    device's V stage rows in its all-reduce, and V·M kept inputs (GPipe's order)."""
+    p = pipeline_plan.plan(STACK, FAST, stages, 64, stages, micro, chunks=chunks)
+    one = pipeline_plan.plan(STACK, FAST, stages, 64, stages, micro)
+    per_chunk = 8 // (stages * chunks)
+    tick = sum(perfmodel.compute_time(layer, FAST, 64 // micro) for layer in STACK[:per_chunk]) * 4 / 3
+    assert p.compute_s == pytest.approx((chunks * micro + stages - 1) * tick)
+    assert 1 - p.bubble == pytest.approx(chunks * micro / (chunks * micro + stages - 1))
+    assert p.compute_s < one.compute_s  # the smaller bubble
+    schedule = make_schedule("interleaved", stages, micro, chunks)
+    assert p.p2p_bytes == schedule.messages * p.message_bytes and p.message_bytes == one.message_bytes
+    assert chunks * 2 * micro <= schedule.messages <= chunks * one.p2p_bytes / one.message_bytes + 2 * (stages - 1)
+    assert p.row_bytes == one.row_bytes and p.kept_bytes == chunks * micro * p.message_bytes
+    assert p.stage_flops == pytest.approx(one.stage_flops)  # the same layers per device, in V pieces
+    flags = " ".join(p.overrides())
+    assert "pipeline.schedule=interleaved" in flags and f"pipeline.virtual_stages={chunks}" in flags
+    assert len(p.boundaries) == stages * chunks - 1 and p.text().endswith(f"V={chunks}")
+
+
+def test_the_planner_interleaves_where_the_bubble_costs_most():
+    """On free links and 16 examples over 4 nodes, no number of micro-batches removes the bubble (2 stages x 2 data
+    shards with M = 2: 1/3 of the ticks), and virtual stages shrink it (V = 4: 1/9): the planner interleaves, faster
+    than its best 1F1B plan (and its overrides load and pass the pipeline's checks); where each message costs a
+    network round trip, 1F1B's fewer messages win."""
+    from dtx import config as config_lib
+    from dtx.step.pipeline_check import check_settings
+
+    chosen, fitting = pipeline_plan.best(STACK, FAST, 4, 16, None, das_memory=0.0)
+    assert chosen is fitting[0] and chosen.chunks > 1
+    assert chosen.bubble == pytest.approx((chosen.stages - 1) / (chosen.chunks * chosen.micro + chosen.stages - 1))
+    assert chosen.time < min(p.time for p in fitting if p.chunks == 1)
+    config = config_lib.load("digits_mlp", [shlex.split(flag)[0] for flag in chosen.overrides()])
+    block = config.pipeline
+    check_settings(mesh_shape=dict(config.mesh), schedule=block.schedule, boundaries=block.boundaries,
+                   num_layers=len(STACK), global_batch_size=16, microbatches=block.microbatches,
+                   virtual_stages=block.virtual_stages)
+    slow = dataclasses.replace(FAST, latency=1e-2, bandwidth=1e9, local_size=1)
+    chosen, _ = pipeline_plan.best(STACK, slow, 4, 16, None, das_memory=0.0)
+    assert chosen.chunks == 1

@@ -54,3 +54,21 @@ def test_the_table_prints(capsys):
     assert simulate_main(ARGV) == 0
     text = capsys.readouterr().out
     assert "data x pipeline" in text and "pipeline 2x2" in text
+
+
+def test_an_interleaved_plan_compiles_to_its_predicted_flops_and_bytes():
+    """An interleaved plan (the speech DNN's 7 layers as 2 devices x 2 virtual stages x 2 data shards, M = 4),
+    compiled as --verify compiles the printed ones: each device's two chunks' slots times M, and the step's bytes
+    (V times 1F1B's messages, the two stage rows' all-reduce, the batch's gather) within 2 % of the planner's."""
+    import jax
+
+    from dtx.perf import clusters, pipeline_plan
+    from dtx.perf.report import model_layers
+    from dtx.tools import pipeline_sim
+
+    layers = model_layers("speech_dnn", (64,))
+    p = pipeline_plan.plan(layers, clusters.get_cluster("cloud_10gbe"), 4, 32, 2, 4, chunks=2)
+    assert p.schedule == "interleaved" and len(p.boundaries) == 3
+    flops, sent = pipeline_sim.compiled_figures("speech_dnn", (64,), p, jax.devices())
+    assert abs(flops / p.stage_flops - 1) <= VERIFY_TOLERANCE, (flops, p.stage_flops)
+    assert abs(sent / p.bytes_sent - 1) <= VERIFY_TOLERANCE, (sent, p.bytes_sent)

@@ -12,21 +12,26 @@ layers; activations go forward and their gradients back between neighbouring sta
   flattened into one vector and the vectors padded to the longest: a ``(P, row)`` array split over
   ``stage``, each device holding its own stage's row only. Elementwise optimizers (SGD, momentum, Adam)
   act on it as on the tree (a padded entry has zero gradient and stays zero).
-* **One activation buffer.** Boundaries of different widths travel in one ``(micro, width)`` buffer,
-  ``width`` the widest boundary a stage sends (the logits never travel): a narrower boundary is
-  zero-padded on the right and sliced back by the stage that receives it. The bytes a stage sends per
-  message are therefore ``micro × width × itemsize`` (:meth:`StagePlan.message_bytes`).
+* **One activation buffer.** Boundaries of different shapes (a convolution's ``H × W × C`` map, a
+  Dense layer's vector, a transformer's ``T × d`` stream) travel flattened in one ``(micro, width)``
+  buffer, ``width`` the largest boundary's elements per example (the logits never travel): a smaller
+  boundary is zero-padded on the right, and the stage that receives it slices its elements back and
+  reshapes them to its input's shape. The bytes a stage sends per message are therefore
+  ``micro × width × itemsize``, padding included (:meth:`StagePlan.message_bytes`, what the model charges).
 
-A model takes part by declaring ``pipeline_layers()``: its parameter collections in order, each a Dense
-layer applied to the flattened input or the previous layer's output, ReLU between (the MLP and the
-speech DNN of Das et al. §5). A model without it is refused, naming the fix.
+A model takes part by declaring ``pipeline_layers()``: its pieces in order, each either the name of a Dense
+layer (applied to the flattened input or the previous piece's output, ReLU after all but the last: the MLP and
+the speech DNN of Das et al. §5), or a pair ``(keys, fn)``: the top-level parameter names the piece owns and
+``fn(params, x) -> y`` applying it to a batch (``params`` holds those keys), e.g. LeNet's convolution with its
+ReLU and pooling, or a transformer block. Every parameter belongs to exactly one piece; the shapes crossing
+each boundary are traced from the input example. A model without it is refused, naming the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -42,43 +47,119 @@ class PipelineError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One Dense layer of the stack: ``name`` (its parameter collection), widths, ReLU after it or not."""
+    """One piece of the stack (module docstring): its parameters' leaves in row order, the shapes of one example's
+    input and output, its forward FLOPs per example, and ``fn(params, x) -> y``."""
 
     name: str
-    in_width: int
-    out_width: int
-    relu: bool
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    leaves: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]  # (path in the model's tree, shape), row order
+    flops: int  # 2 × the multiply-adds of its matrix products and convolutions, one example
+    fn: Callable = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The top-level parameter names the piece owns."""
+        return tuple(dict.fromkeys(path[0] for path, _ in self.leaves))
 
     @property
     def size(self) -> int:
-        """Parameters: kernel and bias."""
-        return self.in_width * self.out_width + self.out_width
+        """Parameters."""
+        return sum(math.prod(shape) for _, shape in self.leaves)
 
     @property
-    def flops(self) -> int:
-        """Forward FLOPs per example (a multiply and an add per kernel entry)."""
-        return 2 * self.in_width * self.out_width
+    def in_width(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def out_width(self) -> int:
+        return math.prod(self.out_shape)
 
 
-def model_layers(model, abstract_params) -> tuple[Layer, ...]:
-    """The model's declared layer stack (module docstring), with widths read from its parameters."""
+def dense_layer(name: str, fan_in: int, fan_out: int, relu: bool) -> Layer:
+    """A Dense layer (kernel, then bias, in its row) on the flattened input, ReLU after it or not."""
+    def fn(params, x):
+        p = params[name]
+        x = x.reshape((x.shape[0], -1))
+        x = x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(p["kernel"].dtype)
+        y = jnp.dot(x, p["kernel"]) + p["bias"]
+        return jax.nn.relu(y) if relu else y
+    return Layer(name, (fan_in,), (fan_out,), (((name, "kernel"), (fan_in, fan_out)), ((name, "bias"), (fan_out,))),
+                 2 * fan_in * fan_out, fn)
+
+
+def product_flops(jaxpr) -> int:
+    """2 × the multiply-adds of every ``dot_general`` and ``conv_general_dilated`` of a jaxpr, its inner jaxprs
+    included (attention's products under ``jax.nn.dot_product_attention`` are counted over the full ``T × T``)."""
+    import jax.extend.core as jex
+
+    total = 0
+    for eqn in jaxpr.eqns:
+        out = math.prod(eqn.outvars[0].aval.shape) if eqn.outvars else 0
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            total += 2 * out * math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+        elif eqn.primitive.name == "conv_general_dilated":
+            kernel = eqn.invars[1].aval.shape
+            total += 2 * out * math.prod(kernel) // kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jex.ClosedJaxpr):
+                    total += product_flops(sub.jaxpr)
+                elif isinstance(sub, jex.Jaxpr):
+                    total += product_flops(sub)
+    return total
+
+
+def _traced_layer(keys: tuple[str, ...], fn: Callable, abstract_params, x: jax.ShapeDtypeStruct) -> Layer:
+    """A ``(keys, fn)`` piece with its shapes and FLOPs traced at one example (nothing runs)."""
+    params = {key: abstract_params[key] for key in keys}
+    leaves = tuple((tuple(str(getattr(k, "key", k)) for k in path), tuple(leaf.shape))
+                   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0])
+    jaxpr, out = jax.make_jaxpr(fn, return_shape=True)(params, x)
+    return Layer("+".join(keys), tuple(x.shape[1:]), tuple(out.shape[1:]), leaves, product_flops(jaxpr.jaxpr), fn)
+
+
+def model_layers(model, abstract_params, example=None) -> tuple[Layer, ...]:
+    """The model's declared pieces (module docstring), their shapes read from its parameters (Dense stacks) or traced
+    from ``example`` (an array or shape/dtype struct of a batch of inputs; needed by other pieces)."""
     declare = getattr(model, "pipeline_layers", None)
     if declare is None:
         raise PipelineError(
-            f"parallel.name='pipeline' cuts a stack of Dense layers, and model {type(model).__name__} declares none: "
-            "use model.name=mlp or speech_dnn, or give your module a pipeline_layers() method returning its Dense "
-            "layers' parameter names in order (flattened input, ReLU between, logits last)")
-    names = list(declare())
-    layers = []
-    for i, name in enumerate(names):
-        if name not in abstract_params or set(abstract_params[name]) != {"kernel", "bias"}:
-            raise PipelineError(f"pipeline_layers() names {name!r}, which is not a Dense layer's parameters "
-                                f"(kernel and bias) of {type(model).__name__}")
-        fan_in, fan_out = abstract_params[name]["kernel"].shape
-        layers.append(Layer(name, int(fan_in), int(fan_out), relu=i < len(names) - 1))
-    if set(abstract_params) != set(names):
-        raise PipelineError(f"{type(model).__name__}.pipeline_layers() leaves out parameters "
-                            f"{sorted(set(abstract_params) - set(names))}")
+            f"parallel.name='pipeline' cuts a sequential model into stages, and model {type(model).__name__} declares "
+            "no pieces: use model.name=mlp, speech_dnn, lenet, vgg_a or transformer, or give your module a "
+            "pipeline_layers() method (dtx.parallel.stages: Dense layer names, or (keys, fn) pairs, in order)")
+    try:
+        pieces = list(declare())
+    except ValueError as error:  # a setting of the model the pipeline cannot run, named by the model
+        raise PipelineError(str(error)) from None
+    layers, x = [], None
+    if example is not None:
+        x = jax.ShapeDtypeStruct((1,) + tuple(example.shape[1:]), example.dtype)
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, str):
+            if piece not in abstract_params or set(abstract_params[piece]) != {"kernel", "bias"}:
+                raise PipelineError(f"pipeline_layers() names {piece!r}, which is not a Dense layer's parameters "
+                                    f"(kernel and bias) of {type(model).__name__}")
+            fan_in, fan_out = abstract_params[piece]["kernel"].shape
+            layer = dense_layer(piece, int(fan_in), int(fan_out), relu=i < len(pieces) - 1)
+        else:
+            keys, fn = tuple(piece[0]), piece[1]
+            if x is None:
+                raise PipelineError(f"{type(model).__name__}'s pipeline pieces are traced from an input example: "
+                                    "pass example= (a batch's shape and dtype) to make_plan / make_pipeline")
+            missing = [key for key in keys if key not in abstract_params]
+            if missing:
+                raise PipelineError(f"pipeline_layers() names parameters {missing} that {type(model).__name__} "
+                                    "does not have")
+            layer = _traced_layer(keys, fn, abstract_params, x)
+        layers.append(layer)
+        x = jax.ShapeDtypeStruct((1,) + layer.out_shape, jnp.float32)
+    owned = [key for layer in layers for key in layer.keys]
+    if sorted(owned) != sorted(abstract_params) or len(set(owned)) != len(owned):
+        raise PipelineError(f"{type(model).__name__}.pipeline_layers() must own each parameter once: it leaves out "
+                            f"{sorted(set(abstract_params) - set(owned))}, repeats "
+                            f"{sorted({k for k in owned if owned.count(k) > 1})}")
     return tuple(layers)
 
 
@@ -147,13 +228,13 @@ class StagePlan:
 
     @property
     def width(self) -> int:
-        """Width of the activation buffer: the widest output a stage sends on (1 for a single stage; the last stage's
-        logits stay where the loss is)."""
+        """Elements per example of the activation buffer: the largest output a stage sends on (1 for a single stage;
+        the last stage's logits stay where the loss is)."""
         return max(self.boundary_widths or (1,))
 
     @property
     def boundary_widths(self) -> tuple[int, ...]:
-        """The ``P - 1`` widths of the activations crossing each stage boundary."""
+        """The elements per example of the activations crossing each stage boundary (``S - 1`` of them)."""
         return tuple(self.stage_layers(s)[-1].out_width for s in range(self.num_stages - 1))
 
     def message_bytes(self, micro: int, itemsize: int = 4) -> int:
@@ -176,32 +257,39 @@ class StagePlan:
             params.update(self.stage_params(s, rows[s]))
         return params
 
+    def stage_keys(self, stage: int) -> tuple[str, ...]:
+        """The top-level parameter names stage ``stage`` holds."""
+        return tuple(key for layer in self.stage_layers(stage) for key in layer.keys)
+
     def stage_params(self, stage: int, row) -> dict:
         """Stage ``stage``'s layers' parameters, sliced out of its row (static offsets)."""
         params, offset = {}, 0
         for layer in self.stage_layers(stage):
-            kernel = row[offset:offset + layer.in_width * layer.out_width].reshape(layer.in_width, layer.out_width)
-            offset += layer.in_width * layer.out_width
-            params[layer.name] = {"kernel": kernel, "bias": row[offset:offset + layer.out_width]}
-            offset += layer.out_width
+            for path, shape in layer.leaves:
+                node = params
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = row[offset:offset + math.prod(shape)].reshape(shape)
+                offset += math.prod(shape)
         return params
 
     def flatten(self, stage: int, params) -> jax.Array:
         """Stage ``stage``'s parameter tree (or its gradient) as its row (the inverse of :meth:`stage_params`):
         concatenated and zero-padded, so a gradient taken with respect to the tree becomes a row without the
         row-sized additions that differentiating through the row's slices costs (their transposes are pads)."""
-        flat = jnp.concatenate([jnp.ravel(params[layer.name][leaf])
-                                for layer in self.stage_layers(stage) for leaf in ("kernel", "bias")])
+        def leaf(path):
+            node = params
+            for key in path:
+                node = node[key]
+            return jnp.ravel(node)
+        flat = jnp.concatenate([leaf(path) for layer in self.stage_layers(stage) for path, _ in layer.leaves])
         return jnp.pad(flat, (0, self.row - flat.shape[0]))
 
     def apply_params(self, stage: int, params, x):
-        """Stage ``stage``'s layers with parameters ``params`` (:meth:`stage_params`) on ``x`` (its real input
-        width): Dense, then ReLU but after the last layer."""
+        """Stage ``stage``'s pieces with parameters ``params`` (:meth:`stage_params`) on ``x``, a batch shaped as
+        its first piece's input."""
         for layer in self.stage_layers(stage):
-            p = params[layer.name]
-            x = jnp.dot(x, p["kernel"]) + p["bias"]
-            if layer.relu:
-                x = jax.nn.relu(x)
+            x = layer.fn({key: params[key] for key in layer.keys}, x)
         return x
 
     def apply_stage(self, stage: int, row, x):
@@ -209,10 +297,12 @@ class StagePlan:
         return self.apply_params(stage, self.stage_params(stage, row), x)
 
 
-def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = (), chunks: int = 1) -> StagePlan:
+def make_plan(model, abstract_params, stages: int, boundaries: Sequence[int] = (), chunks: int = 1,
+              example=None) -> StagePlan:
     """Cut ``model``'s layers into ``stages`` stages (``stages·chunks`` virtual stages with ``chunks`` per device):
-    at ``boundaries`` (the first layer of stages 1..), or balanced by forward FLOPs (:func:`balance`)."""
-    layers = model_layers(model, abstract_params)
+    at ``boundaries`` (the first layer of stages 1..), or balanced by forward FLOPs (:func:`balance`); ``example``:
+    a batch's inputs (shape and dtype), which pieces other than Dense layers are traced at (:func:`model_layers`)."""
+    layers = model_layers(model, abstract_params, example)
     stages = stages * chunks
     if boundaries:
         cuts = tuple(int(b) for b in boundaries)

@@ -157,7 +157,8 @@ class PipelineClock:
 def clock_model(plan: StagePlan, schedule: Schedule, micro: int, data: int, cluster: Cluster,
                 stragglers=None) -> PipelineClock:
     """The :class:`PipelineClock` of a pipeline of ``micro``-example micro-batches on ``cluster``: each stage's work
-    by :func:`dtx.perf.model.compute_time`'s roofline of its Dense layers (forward 1/3 of it, the backward slot's
+    by :func:`dtx.perf.model.compute_time`'s roofline of its pieces (their products' FLOPs, at the convolution
+    efficiency where a piece holds a 4-d kernel) (forward 1/3 of it, the backward slot's
     re-run forward and two products 3/3), the link :func:`dtx.perf.simclock.link` of the ``stage`` x data devices."""
     from dtx.perf import model as perfmodel
     from dtx.perf.layers import Layer
@@ -165,8 +166,8 @@ def clock_model(plan: StagePlan, schedule: Schedule, micro: int, data: int, clus
 
     seconds = []
     for s in range(plan.num_stages):
-        layers = [Layer(x.name, "dense", x.in_width * x.out_width, x.size, x.in_width, x.out_width,
-                        (x.in_width, x.out_width)) for x in plan.stage_layers(s)]
+        layers = [Layer(x.name, "conv" if any(len(shape) == 4 for _, shape in x.leaves) else "dense", x.flops // 2,
+                        x.size, x.in_width, x.out_width, (x.in_width, x.out_width)) for x in plan.stage_layers(s)]
         seconds.append(sum(perfmodel.compute_time(layer, cluster, micro) for layer in layers))
     alpha, bandwidth = link(cluster, plan.devices * data)
     terms = costmodel.cost_terms("ring", 1.0, max(data, 2))

@@ -180,7 +180,7 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
     """``parallel.name=pipeline``: every setting it cannot take refused by key (:mod:`dtx.step.pipeline_check`),
     then the stages, the schedule and the abstract state in rows."""
     try:
-        layers = stages_lib.model_layers(model, abstract_params)
+        layers = stages_lib.model_layers(model, abstract_params, example)
         opt = config.optimizer
         block = config.pipeline
         pipeline_check.check_settings(
@@ -191,7 +191,7 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
             allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision)
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
                                                boundaries=block.boundaries, micro=block.microbatches,
-                                               chunks=block.virtual_stages,
+                                               chunks=block.virtual_stages, example=example,
                                                per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay))
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None

@@ -131,15 +131,17 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
 
 
 def metric_names(task: task_lib.Task, plan: StagePlan) -> tuple[str, ...]:
-    """The task's metrics a last stage reports (beside the loss)."""
-    probe = jnp.zeros((1, plan.layers[-1].out_width), jnp.float32)
-    return tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(task, probe, jnp.zeros((1,), jnp.int32), None)[1]))
+    """The task's metrics a last stage reports (beside the loss): probed with its outputs and labels shaped as the
+    outputs without their class axis (a class per example, or per position of a sequence)."""
+    out = plan.layers[-1].out_shape
+    probe, labels = jnp.zeros((1,) + out, jnp.float32), jnp.zeros((1,) + out[:-1], jnp.int32)
+    return tuple(jax.eval_shape(lambda: task_lib.batch_mean_terms(task, probe, labels, None)[1]))
 
 
 def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: Policy = Policy()):
     """The forward and backward slots' work, one function per (virtual) stage, each its own layers at
-    their own widths (stage 0 reads ``x0``, the others the first ``in_width`` columns of the received buffer;
-    outputs padded to the buffer's width):
+    their own shapes (stage 0 reads ``x0``, the inputs as they arrive; the others the first ``in_width`` columns of
+    the received buffer, reshaped to their first piece's input; outputs flattened and padded to the buffer's width):
 
     * ``forward(stage, row, x0, received, labels) -> (output buffer, loss, metrics)``;
     * ``backward(stage, row, x0, kept, labels, grad_in, seed) -> (d_row, d_kept)``: the forward re-run on the kept
@@ -153,10 +155,12 @@ def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: P
     zero_values = {n: jnp.zeros((), jnp.float32) for n in names}
 
     def apply(s, params, x0, received, labels):
-        x = x0 if s == 0 else received[:, :plan.stage_layers(s)[0].in_width]
+        first = plan.stage_layers(s)[0]
+        x = x0 if s == 0 else received[:, :first.in_width].reshape((received.shape[0],) + first.in_shape)
         y = plan.apply_params(s, policy.cast_to_compute(params), policy.cast_to_compute(x))
         if s < last:
             zero = jnp.zeros((), jnp.float32)
+            y = y.reshape((y.shape[0], -1))
             return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in names}
         loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(y), labels, None)
         values = {n: lax.stop_gradient(v).astype(jnp.float32) for n, v in values.items()}
@@ -210,7 +214,8 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
                             "(pipeline.microbatches); see dtx.step.pipeline_check")
         micro = inputs.shape[0] // m_count
-        x0s = inputs.reshape((m_count, micro, -1)).astype(jnp.float32)
+        # Shaped as the first piece takes them (a Dense stack: flattened); token ids stay integers.
+        x0s = inputs.reshape((m_count, micro) + plan.layers[0].in_shape)
         ys = labels.reshape((m_count, micro) + labels.shape[1:])
         zeros_buffer = jnp.zeros((micro, width), policy.compute)
         # The backward starts from the micro-batch's loss times the loss scale (one device's accumulation does the
@@ -311,15 +316,17 @@ def gather_params(state: TrainState, plan: StagePlan):
 
 
 def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
-                  chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False) -> Pipeline:
+                  chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False,
+                  example=None) -> Pipeline:
     """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
     ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
-    optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`)."""
+    optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
+    shape and dtype (:func:`dtx.parallel.stages.make_plan`)."""
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
-    plan = make_plan(model, abstract_params, stages, boundaries, chunks)
+    plan = make_plan(model, abstract_params, stages, boundaries, chunks, example)
     return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor)
 
 
@@ -394,7 +401,7 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
                 # The cut is in the saved pipeline block (checkpoints of dtx before it: in the parallel block).
                 cut = saved_config.get("pipeline") or parallel
                 saved_plan = make_plan(model, tree_state.params, shape[0], tuple(cut.get("boundaries") or ()),
-                                       int(cut.get("virtual_stages") or 1))
+                                       int(cut.get("virtual_stages") or 1), example_inputs)
             except ValueError:
                 return None
         if saved_plan == plan:

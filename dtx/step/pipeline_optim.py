@@ -23,12 +23,12 @@ from dtx.parallel.stages import StagePlan
 
 
 def _stage_like(plan: StagePlan, stage: int):
-    names = {layer.name for layer in plan.stage_layers(stage)}
+    names = set(plan.stage_keys(stage))
     return lambda x: isinstance(x, dict) and bool(x) and set(x) == names
 
 
 def _stage_tree(plan: StagePlan, stage: int, params) -> dict:
-    return {layer.name: params[layer.name] for layer in plan.stage_layers(stage)}
+    return {key: params[key] for key in plan.stage_keys(stage)}
 
 
 def to_row_state(plan: StagePlan, stage: int, state):

@@ -1,8 +1,8 @@
 """``dtx simulate --plan auto``'s data × pipeline table, its ``--memory`` rows and its ``--verify`` of pipelines.
 
 Per node count, :func:`dtx.perf.pipeline_plan.best` sets the fastest pipeline that fits the node's memory
-(``P`` stages × ``N/P`` data shards, ``M`` micro-batches, 1F1B) beside Das et al.'s plan of the same nodes
-(:mod:`dtx.perf.model`), keeps the faster, says why, and prints the ``dtx train`` overrides that run it.
+(``P`` stages × ``N/P`` data shards, ``M`` micro-batches, 1F1B or interleaved) beside Das et al.'s plan of the
+same nodes (:mod:`dtx.perf.model`), keeps the faster, says why, and prints the ``dtx train`` overrides that run it.
 ``--verify`` compiles each printed pipeline of 2 to 8 nodes on emulated CPU devices (nothing runs): the step :mod:`dtx.step.pipeline` builds, whose bytes (the HLO's collectives, loop trip counts
 included: :mod:`dtx.comm.hlo`) are held to the planner's; and each stage's forward and backward slot (the
 forward re-run and the vector-Jacobian product the step runs) on one micro-batch, whose FLOPs (XLA's cost
@@ -22,24 +22,41 @@ from dtx.perf.clusters import Cluster
 from dtx.tools.plancheck import VERIFY_TOLERANCE
 
 
-def runnable(model_name: str, layers) -> bool:
-    """Whether dtx can run a pipeline of ``model_name``: it declares its Dense stack, the analysed layers in order."""
+FIXES = {"dropout_rate": 0.0}  # model settings a pipeline refuses (dtx.parallel.stages), set by a plan's overrides
+
+
+def pipeline_model(model_name: str):
+    """``(model, fixes)``: ``model_name`` as a pipeline runs it (dropout off) and the overrides that say so."""
     from dtx.models import build_model  # the model zoo imports flax modules: only when simulating
 
-    declare = getattr(build_model(model_name), "pipeline_layers", None)
-    return declare is not None and tuple(declare()) == tuple(layer.name for layer in layers)
+    model = build_model(model_name)
+    changed = {key: value for key, value in FIXES.items() if getattr(model, key, value) != value}
+    return model.clone(**changed), tuple(f"--config.model.{key}={value:g}" for key, value in changed.items())
+
+
+def runnable(model_name: str, layers) -> tuple[bool, tuple[str, ...]]:
+    """Whether dtx can run a pipeline of ``model_name`` as planned — its declared pieces are the analysed layers in
+    order — and the overrides it needs (:func:`pipeline_model`)."""
+    model, fixes = pipeline_model(model_name)
+    declare = getattr(model, "pipeline_layers", None)
+    try:
+        pieces = declare() if declare is not None else None
+    except ValueError:  # a setting the pipeline refuses (batch norm)
+        pieces = None
+    names = None if pieces is None else tuple(p if isinstance(p, str) else p[0][0] for p in pieces)
+    return names == tuple(layer.name for layer in layers), fixes
 
 
 def rows(args, cluster: Cluster, layers, points, optimizer: str = "adam") -> list[dict]:
     """Per scaling point: Das et al.'s plan and its memory, the pipelines that fit, the choice and why."""
-    can_run = runnable(args.model, layers)
+    can_run, fixes = runnable(args.model, layers)
     out = []
     for point in points:
         das, n = point.plan, point.nodes
         das_memory = memory_lib.estimate_plan(das, optimizer=optimizer).total
         chosen, fitting = pipeline_plan.best(layers, cluster, n, point.global_batch, das, das_memory,
                                              args.overlap, optimizer=optimizer, algorithm=args.algorithm,
-                                             runnable=can_run)
+                                             runnable=can_run, fixes=fixes)
         out.append(dict(nodes=n, global_batch=point.global_batch, das=das, das_memory=das_memory, chosen=chosen,
                         pipeline=fitting[0] if fitting else None,
                         why=pipeline_plan.why(chosen, das, das_memory, fitting, cluster, args.overlap)))
@@ -51,7 +68,8 @@ def _ms(seconds: float) -> str:
 
 
 def print_rows(table: list[dict], cluster: Cluster) -> None:
-    print(f"\ndata x pipeline (dtx.perf.pipeline_plan; 1F1B, stages balanced by the roofline; {cluster.name}, "
+    print(f"\ndata x pipeline (dtx.perf.pipeline_plan; 1F1B or interleaved, stages balanced by the roofline; "
+          f"{cluster.name}, "
           f"node memory {'unknown' if math.isinf(cluster.device_memory) else f'{cluster.device_memory / 2**30:.1f} GiB'}):")
     print(f"{'nodes':>6} {'Das plan':<28} {'time':>10} {'best pipeline':<24} {'bubble':>7} {'time':>10} "
           f"{'memory':>10}  chosen")
@@ -66,7 +84,8 @@ def print_rows(table: list[dict], cluster: Cluster) -> None:
             if row["chosen"].runnable:
                 print(f"{'':>6} dtx train ... {' '.join(row['chosen'].overrides())}")
             else:
-                print(f"{'':>6} (modelled only: dtx runs pipelines of models that declare pipeline_layers())")
+                print(f"{'':>6} (modelled only: the model declares no pipeline pieces matching these layers, "
+                      "pipeline_layers())")
 
 
 def memory_rows(table: list[dict]) -> list[dict]:
@@ -145,36 +164,37 @@ def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan
     from dtx import optim
     from dtx.comm import hlo
     from dtx.data import tasks
-    from dtx.models import build_model
     from dtx.parallel.pipeline_schedules import make_schedule
     from dtx.parallel.stages import make_plan
     from dtx.perf import flops as flops_lib
     from dtx.step import pipeline as pp
 
-    model = build_model(model_name)
+    model, _ = pipeline_model(model_name)
     shape = tuple(input_shape or type(model).default_input_shape)
+    example = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *shape)))["params"])
-    plan = make_plan(model, abstract, p.stages, p.boundaries)
+    plan = make_plan(model, abstract, p.stages, p.boundaries, p.chunks, example)
     mesh = mesh_lib.make_mesh([("stage", p.stages), ("data", p.data)], devices=devices[:p.nodes])
     tx = optim.make_optimizer("adam", 1e-3)
-    example = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
     state = pp.abstract_state(model, tx, example, plan)
     state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state,
                          pp.state_shardings(state, mesh, plan))
     split = NamedSharding(mesh, PartitionSpec(mesh_lib.batch_axes(mesh)))
     batch = {"inputs": jax.ShapeDtypeStruct((p.global_batch, *shape), jnp.float32, sharding=split),
              "labels": jax.ShapeDtypeStruct((p.global_batch,), jnp.int32, sharding=split)}
-    step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, make_schedule(pipeline_plan.SCHEDULE, p.stages, p.micro)))
+    schedule = make_schedule(p.schedule, p.stages, p.micro, p.chunks)
+    step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule))
     sent = hlo.total(step.lower(state, batch).compile()).bytes_sent
-    busiest = 0.0
     forward, backward = pp.slot_functions(plan, tasks.classification(), p.micro)  # the step's own slot functions
     row = jax.ShapeDtypeStruct((plan.row,), jnp.float32)
-    x0 = jax.ShapeDtypeStruct((p.micro_batch, *shape), jnp.float32)
+    x0 = jax.ShapeDtypeStruct((p.micro_batch, *plan.layers[0].in_shape), jnp.float32)  # as the step shapes it
     buffer = jax.ShapeDtypeStruct((p.micro_batch, plan.width), jnp.float32)
     labels = jax.ShapeDtypeStruct((p.micro_batch,), jnp.int32)
+    work = []
     for s in range(plan.num_stages):  # the slots a stage runs M times: its forward; the forward re-run and the vjp
-        total = (flops_lib.compiled_flops(jax.jit(forward[s]).lower(row, x0, buffer, labels).compile()) or 0.0) + (
-            flops_lib.compiled_flops(jax.jit(backward[s]).lower(row, x0, buffer, labels, buffer, 1.0).compile())
-            or 0.0)
-        busiest = max(busiest, total * p.micro)
+        work.append((flops_lib.compiled_flops(jax.jit(forward[s]).lower(row, x0, buffer, labels).compile()) or 0.0)
+                    + (flops_lib.compiled_flops(jax.jit(backward[s]).lower(row, x0, buffer, labels, buffer,
+                                                                           1.0).compile()) or 0.0))
+    # A device runs its V virtual stages c·P + d (interleaved), each M times.
+    busiest = max(sum(work[c * p.stages + d] for c in range(p.chunks)) for d in range(p.stages)) * p.micro
     return busiest, sent
