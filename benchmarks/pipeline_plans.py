@@ -3,16 +3,18 @@
     python benchmarks/pipeline_plans.py [--update-docs]    # seconds; log in benchmarks/logs/
 
 For each model, cluster and node count, :func:`dtx.perf.pipeline_plan.best` puts the fastest pipeline that fits a
-node's memory (``P`` stages x ``N/P`` data shards, ``M = k·P`` micro-batches, 1F1B, the stages balanced by the
-roofline) beside Das et al.'s plan of the same nodes (:func:`dtx.perf.model.make_plan`: per layer data or model
-parallel) and keeps the faster, saying why. Weak scaling: 16 examples per node (VGG-A at 224x224, the speech DNN),
-4 sequences of 1024 tokens per node (the transformer). The models:
+node's memory (``P`` stages x ``N/P`` data shards, ``M = k·P`` micro-batches, 1F1B or interleaved with ``V``
+virtual stages per device, the stages balanced by the roofline) beside Das et al.'s plan of the same nodes
+(:func:`dtx.perf.model.make_plan`: per layer data or model parallel) and keeps the faster, saying why. Weak
+scaling: 16 examples per node (VGG-A at 224x224, the speech DNN), 4 sequences of 1024 tokens per node (the
+transformer). The models:
 
 * VGG-A and the speech DNN (Das et al. §5), as :func:`dtx.perf.layers.analyze` reads their Dense/Conv layers;
   memory of Das et al.'s plan by :mod:`dtx.perf.memory` (Adam, without the model's own activation profile).
-  dtx runs pipelines of Dense stacks (the speech DNN); a VGG-A pipeline is the model's prediction only.
-* A GPT-2-small-sized transformer (12 blocks of 768, vocabulary 50257): the planner does not see attention, so it
-  is planned as one layer per block (:func:`dtx.perf.pipeline_plan.transformer_layers`), and Das et al.'s split of
+  dtx runs both as pipelines (VGG-A without dropout: the plan's overrides set ``model.dropout_rate=0``).
+* A GPT-2-small-sized transformer (12 blocks of 768, vocabulary 50257): planned as dtx cuts it, one layer per block
+  (:func:`dtx.perf.pipeline_plan.transformer_layers`, from :mod:`dtx.perf.decoder`, the block costs the LM planner
+  reads too: attention's products included) between the embedding and the untied head, and Das et al.'s split of
   a block would be tensor parallelism, which is planned elsewhere (``parallel.name=tensor``): its plan here is
   data parallelism, and its memory counts each block's input and output, not attention's activations.
 
@@ -72,7 +74,7 @@ def rows() -> list[str]:
                 das = perfmodel.make_plan(layers, cluster, n, batch, mode="data" if name == "gpt2_small" else "auto")
                 das_memory = memory_lib.estimate_plan(das, optimizer="adam", policy=policy).total
                 chosen, fitting = pipeline_plan.best(layers, cluster, n, batch, das, das_memory, optimizer="adam",
-                                                     example_bytes=example, runnable=name == "speech_dnn")
+                                                     example_bytes=example, runnable=True)
                 p = fitting[0] if fitting else None
                 pipe = "none fits" if p is None else (f"{p.text()}: bubble {p.bubble:.0%}, {_ms(p.time)}, "
                                                      f"{_size(p.memory_bytes)}")
@@ -98,11 +100,12 @@ def main() -> int:
                 "pipelines' FLOPs and bytes to the model within 2 %). Per model, cluster and node count: the planner's "
                 "choice between Das et al.'s plan (per layer data or model parallel; the transformer: data "
                 "parallel, tensor parallelism being planned elsewhere) and the fastest data x pipeline split that "
-                "fits a node's memory (1F1B, M = k·P micro-batches, stages balanced by the roofline), per-step time "
+                "fits a node's memory (1F1B, or interleaved with V = 2 or 4 virtual stages per device: the `V=` plans; "
+                "M = k·P micro-batches, stages balanced by the roofline), per-step time "
                 "and per-device memory (Adam) of each, and why. Weak scaling: 16 examples per node (VGG-A, speech "
-                "DNN), 4 sequences of 1024 tokens (a GPT-2-small-sized transformer, planned as one layer per block: "
-                "attention's activations are not counted). dtx runs the speech DNN's pipelines; VGG-A's and the "
-                "transformer's are the model's predictions.")
+                "DNN), 4 sequences of 1024 tokens (a GPT-2-small-sized transformer with an untied head, planned as one "
+                "layer per block: attention's activations are not counted). dtx runs each of these pipelines (VGG-A "
+                "without dropout).")
     header = ("| model | cluster | nodes | global batch | chosen | Das et al.'s plan: time, memory | best pipeline | "
               "why |\n|---|---|---|---|---|---|---|---|")
     report.write("pipeline_plans", preamble, header + "\n" + "\n".join(table), update_docs=args.update_docs)

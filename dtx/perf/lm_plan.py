@@ -31,7 +31,8 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
 :func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs today: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
 ``tensor.zero_stage`` under ``driver=jit``, and any remat policy; a pipeline (``P > 1``) of the transformer is
-modelled only (it declares no ``pipeline_layers()``, and tensor does not combine with pipeline yet), as is
+modelled only (dtx's pipeline refuses the tied embedding planned here, and tensor does not combine with pipeline
+yet), as is
 ``offload``, whose host transfers are not modelled (not planned).
 """
 
@@ -41,6 +42,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from dtx.parallel.pipeline_schedules import make_schedule
+from dtx.perf import decoder
 from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 from dtx.perf.pipeline_plan import SCHEDULE, _hop
@@ -83,9 +85,13 @@ class LMShape:
         return cls(m.num_layers, m.d_model, m.num_heads, config.dataset.seq_len, 50257, m.mlp_ratio, name)
 
     @property
+    def block(self) -> decoder.Block:
+        """One block's costs (:mod:`dtx.perf.decoder`, shared with the pipeline planner)."""
+        return decoder.Block(self.width, self.heads, self.seq, self.mlp_ratio)
+
+    @property
     def block_params(self) -> int:
-        d, f = self.width, self.mlp_ratio * self.width
-        return 4 * d * d + 4 * d + 2 * f * d + f + d + 4 * d  # QKV + out, the MLP pair, two LayerNorms
+        return self.block.params  # QKV + out, the MLP pair, two LayerNorms
 
     @property
     def params(self) -> int:
@@ -95,7 +101,7 @@ class LMShape:
     def matmul_flops(self, policy: str = "none") -> float:
         """Training matmul FLOPs per token, the policy's recomputed forward included (module docstring)."""
         d, f, s, n = self.width, self.mlp_ratio * self.width, self.seq, self.layers
-        train = 6 * (n * (4 * d * d + 2 * f * d) + d * self.vocab) + 12 * n * d * s
+        train = 6 * (n * self.block.macs + decoder.head_macs(d, self.vocab))  # = 6(L(4d² + 2fd) + dV) + 12LdS
         again = {"none": 0, "dots": n * 4 * s * d, "full": n * (2 * (4 * d * d + f * d) + 4 * s * d)}[policy]
         return float(train + again)
 
@@ -106,13 +112,7 @@ class LMShape:
 
     def activation_bytes(self, tensor: int, sp: bool, policy: str) -> float:
         """Bytes one block keeps per token (Korthikanti et al., Table 2; module docstring), on one device."""
-        d, t, ratio = self.width, tensor, 5 * self.heads * self.seq / self.width
-        if policy == "full":
-            return 2 * d / (t if sp else 1)
-        scores = 0.0 if policy == "dots" else ratio
-        if sp:
-            return d * (34 + scores) / t
-        return d * (10 + 24 / t + scores / t)
+        return self.block.activation_bytes(tensor, sp, policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ class LMPlan:
     def overrides(self) -> list[str]:
         """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
         if not self.runnable:
-            raise PlanError(f"{self.text()} is modelled only: dtx does not run a transformer pipeline yet")
+            raise PlanError(f"{self.text()} is modelled only: dtx's pipeline refuses the tied embedding planned here")
         out = []
         if self.tensor > 1:
             out += [f"--config.mesh='((\"data\", {self.data}), (\"model\", {self.tensor}))'",

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dtx.comm import costmodel
 from dtx.parallel.pipeline_schedules import make_schedule
 from dtx.parallel.stages import balance
+from dtx.perf import decoder
 from dtx.perf import model as perfmodel
 from dtx.perf.clusters import Cluster
 from dtx.perf.layers import Layer
@@ -123,16 +124,19 @@ class PipelinePlan:
         return f"pipeline {self.stages}x{self.data} M={self.micro}" + (f" V={self.chunks}" if self.chunks > 1 else "")
 
 
-def transformer_layers(num_layers: int, d_model: int, seq: int, vocab: int = 50257) -> tuple[Layer, ...]:
-    """A GPT-2-style decoder as pipeline layers, one per block (its attention and MLP together: 12·d² weights, the
-    attention scores' ``2·T²·d`` MACs per sequence), plus the embedding and the (untied) output head; an example
-    is one sequence of ``seq`` tokens, and each boundary carries ``seq × d_model`` activations."""
-    d, t = d_model, seq
-    block = 12 * d * d + 13 * d
-    layers = [Layer("embed", "dense", 0, vocab * d + t * d, t, t * d, (vocab, d))]
-    layers += [Layer(f"block{i}", "dense", t * 12 * d * d + 2 * t * t * d, block, t * d, t * d, (d, 12 * d))
-               for i in range(num_layers)]
-    layers.append(Layer("head", "dense", t * d * vocab, d * vocab, t * d, t * vocab, (d, vocab)))
+def transformer_layers(num_layers: int, d_model: int, seq: int, vocab: int = 50257, heads: int = 12,
+                       mlp_ratio: int = 4) -> tuple[Layer, ...]:
+    """A GPT-2-style decoder as pipeline layers, as dtx cuts it (``Transformer.pipeline_layers``): the embedding with
+    the positions, one layer per block (:class:`dtx.perf.decoder.Block`, the source :mod:`dtx.perf.lm_plan` reads
+    too: its weights, and its products' multiply-adds per token, attention's ``2·S·d`` included), and the final
+    LayerNorm with the (untied) output layer; an example is one sequence of ``seq`` tokens, and each boundary
+    carries ``seq × d_model`` activations."""
+    d, t, block = d_model, seq, decoder.Block(d_model, heads, seq, mlp_ratio)
+    layers = [Layer("embed", "dense", 0, vocab * d + t * d, t, t * block.boundary, (vocab, d))]
+    layers += [Layer(f"block{i}", "dense", t * block.macs, block.params, t * d, t * block.boundary,
+                     (d, block.dense_macs // d)) for i in range(num_layers)]
+    layers.append(Layer("head", "dense", t * decoder.head_macs(d, vocab), d * vocab + vocab + 2 * d, t * d,
+                        t * vocab, (d, vocab)))
     return tuple(layers)
 
 
