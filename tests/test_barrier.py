@@ -1,6 +1,6 @@
 """dtx.ckpt.barrier: under SLURM-style start (one `dtx train` per host with the multi-host environment, no
-launcher to bound anything) a rank that never arrives at a restore ends the job within the bound, named, with
-nothing written; and every start records who it ran on (membership) though no launcher told it. One job of
+launcher to bound anything) a rank that never arrives at a restore or a save ends the job within the bound, named,
+with nothing written; and every start records who it ran on (membership) though no launcher told it. One job of
 2 processes x 2 devices, tiny MLP, three starts (each costs JAX start-up twice: kept to these)."""
 
 import os
@@ -12,28 +12,36 @@ import time
 import pytest
 
 from dtx.run import metrics
+from dtx.run.watchdog import EXIT_CODE as WATCHDOG_EXIT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "experiments", "digits_mlp.py")
 TINY = ["--config.model.features=(16,)", "--config.log_every=1", "--config.progress=False",
         "--config.checkpoint.every_steps=2", "--config.heartbeat_seconds=10"]
-BOUND = 10  # watchdog_seconds: the restore's agreement waits this long for a rank
+BOUND = 10  # watchdog_seconds: the agreements of a restore and a save wait this long for a rank
 
-# rank 1 of the second start is alive but never reaches the restore (asleep before it, heartbeats going on)
-_ASLEEP_AT_RESTORE = """
+# A rank alive but never at the restore or the save (asleep; its heartbeats go on, its own watchdog is paused as
+# in an evaluation): rank 1 sleeps where the restore, or the save of step 4, begins, as ASLEEP says.
+_ASLEEP = """
 import os, time
 from dtx.ckpt import checkpoint
 
-_resume = checkpoint.Checkpointer.resume
+_resume, _arrive = checkpoint.Checkpointer.resume, checkpoint.Checkpointer.arrive
 
 
 def _resume_late(self, *args, **kwargs):
-    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("ASLEEP_AT_RESTORE"):
+    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("ASLEEP") == "restore":
         time.sleep(600)
     return _resume(self, *args, **kwargs)
 
 
-checkpoint.Checkpointer.resume = _resume_late
+def _arrive_late(self, step):
+    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("ASLEEP") == "save" and step == 4:
+        time.sleep(600)
+    return _arrive(self, step)
+
+
+checkpoint.Checkpointer.resume, checkpoint.Checkpointer.arrive = _resume_late, _arrive_late
 
 
 def get_config():
@@ -82,8 +90,8 @@ def _finish(processes, timeout):
 def job(tmp_path_factory):
     """The first start: 2 processes x 2 devices train 4 steps, checkpoints at 2 and 4."""
     root = tmp_path_factory.mktemp("slurm")
-    experiment = root / "asleep_at_restore.py"
-    experiment.write_text(_ASLEEP_AT_RESTORE)
+    experiment = root / "asleep.py"
+    experiment.write_text(_ASLEEP)
     workdir = root / "run"
     ended = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=4",
                                  "--config.emulate_cpu_devices=2"), timeout=300)
@@ -99,33 +107,37 @@ def _files(directory):
 
 def test_a_rank_that_never_arrives_at_the_restore_is_named_within_the_bound(job):
     """Rank 1 sleeps before the restore (alive: its heartbeats go on, so JAX sees nothing wrong). Rank 0 waits for
-    it at the restore's agreement for watchdog_seconds, then fails naming rank 1 (a collective there waited
-    forever); rank 1 loses the coordinator and ends within heartbeat_seconds. Nothing is written: the same files,
-    the same records, no checkpoint moved aside."""
+    it at the restore's agreement for watchdog_seconds, then fails naming rank 1 with the step watchdog's exit
+    code (a stuck peer: dtx launch restarts without it); a collective there waited forever. Rank 1 loses the
+    coordinator and ends. Nothing is written: the same files, the same records, no checkpoint moved aside."""
     experiment, workdir = job
     before = _files(workdir), (workdir / "metrics.jsonl").read_bytes()
     rank0, rank1 = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=6",
                                         "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
-                                        extra_env={"ASLEEP_AT_RESTORE": "1"}), timeout=240)
-    assert rank0[0] == 4, rank0[1]  # dtx's checkpoint error
+                                        extra_env={"ASLEEP": "restore"}), timeout=240)
+    assert rank0[0] == WATCHDOG_EXIT, rank0[1]
     assert f"rank 1 did not reach the restore of checkpoint step 4 within {BOUND} s" in rank0[1], rank0[1]
     assert rank1[0] != 0 and rank1[2] < 200, rank1  # ended, not asleep for its 600 s
     assert (_files(workdir), (workdir / "metrics.jsonl").read_bytes()) == before
 
 
-def test_every_start_records_who_it_ran_on_without_a_launcher(job):
-    """The first start (2 processes, no launcher) recorded its membership; a start on one host of the two
-    (SLURM restarted on the node left, grad_accum_steps doubled by the job script) records restart 1, 1 process,
-    its mesh and accumulation, the step it restored and the steps recomputed past it (2, read from the records);
-    which rank was lost no one told it: ``None``."""
+def test_a_rank_that_never_arrives_at_a_save_is_named_and_the_start_recorded_who_ran(job):
+    """A second start without a launcher (resumed at step 2, 2 processes): its first record carries its membership,
+    read from the run's records -- restart 1, the step restored, the 2 steps the first start had recorded past
+    it; which rank was lost no one told it (``None``). Rank 1 then never comes to the save of step 4: rank 0
+    names it after watchdog_seconds, before anything of step 4 is written (no step 4, no orbax temporary)."""
     experiment, workdir = job
     first = [r["membership"] for r in metrics.read_metrics(workdir) if "membership" in r]
     assert first == [{"restart": 0, "processes": 2, "mesh": {"data": 4}, "grad_accum_steps": 1, "restored_step": 0,
                       "lost": [], "steps_recomputed": 0}]
-    (ended,) = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=6", "--config.emulate_cpu_devices=2",
-                                    "--config.grad_accum_steps=2", "--config.checkpoint.resume_step=2",
-                                    processes=1), timeout=300)
-    assert ended[0] == 0, ended[1]
+    rank0, rank1 = _finish(_slurm_style(str(experiment), workdir, "--config.num_steps=6",
+                                        "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
+                                        "--config.checkpoint.resume_step=2", extra_env={"ASLEEP": "save"}),
+                           timeout=240)
+    assert rank0[0] == WATCHDOG_EXIT, rank0[1]
+    assert f"rank 1 did not reach the save of checkpoint step 4 within {BOUND} s" in rank0[1], rank0[1]
+    assert rank1[0] != 0 and rank1[2] < 200, rank1
     starts = [r["membership"] for r in metrics.read_metrics(workdir) if "membership" in r]
-    assert starts[1:] == [{"restart": 1, "processes": 1, "mesh": {"data": 2}, "grad_accum_steps": 2,
+    assert starts[1:] == [{"restart": 1, "processes": 2, "mesh": {"data": 4}, "grad_accum_steps": 1,
                            "restored_step": 2, "lost": None, "steps_recomputed": 2}], starts
+    assert sorted(n for n in os.listdir(workdir / "checkpoints") if not n.startswith(".")) == ["2", "superseded"]

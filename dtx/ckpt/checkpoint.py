@@ -117,6 +117,12 @@ class Checkpointer:
             item_handlers={"state": handlers.state_handler(), "manifest": handlers.ManifestHandler()})
 
     # ------------------------------------------------------------------ saving
+    def arrive(self, step: int) -> None:
+        """Wait, at most ``barrier_s``, until every process has come to the save of ``step``: a rank that does not
+        come is named (:class:`dtx.ckpt.barrier.BarrierTimeout`) before anything of the step is written, where the
+        save's collectives would wait for it without a bound of their own."""
+        barrier.wait(f"the save of checkpoint step {step}", self._barrier_s)
+
     def save(self, step: int, state: Any, metadata: dict | None = None) -> None:
         """Start saving ``state`` as checkpoint ``step`` (returns before the write ends when async).
 

@@ -152,6 +152,8 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             preempted = preemption.requested(step + 1)
             if run.checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == run.num_steps):
                 started = time.perf_counter()
+                with watchdog.paused():  # every rank arrives first: bounded by itself, it names a rank that never does
+                    run.checkpointer.arrive(step + 1)
                 with jax.transfer_guard("allow"):  # a checkpoint is an explicit copy to the host
                     run.checkpointer.save(step + 1, state, {"config": json.loads(config.to_json()),
                                                              "data_digest": data_digest, "workers": run.parts.workers,

@@ -113,7 +113,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         stem = os.path.splitext(os.path.basename(experiment.split(":")[0]))[0]
         workdir = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
+    from dtx.ckpt.barrier import BarrierTimeout
     from dtx.ckpt.checkpoint import CheckpointError
+    from dtx.run.watchdog import EXIT_CODE as WATCHDOG_EXIT
     from dtx.run.preflight import show_on_terminal
     from dtx.run.trainer import train
 
@@ -128,6 +130,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
     except FloatingPointError as e:  # the run diverged: the message names the step and what to change
         print(f"dtx: diverged: {e}", file=sys.stderr)
         return 3
+    except BarrierTimeout as e:  # a peer never came to a save or restore: the watchdog's code (a stuck peer, named)
+        print(f"dtx: checkpoint error: {e}", file=sys.stderr)
+        return WATCHDOG_EXIT
     except CheckpointError as e:  # a checkpoint that cannot be written or must not be restored: says why
         print(f"dtx: checkpoint error: {e}", file=sys.stderr)
         return 4
