@@ -17,7 +17,7 @@ from dtx.config import base_config
 
 def get_config():
     config = base_config()
-    config.model = ConfigDict(dict(name="lenet", conv_features=(6, 16), dense_features=(120, 84)))
+    config.model = ConfigDict(dict(name="lenet", conv_features=(6, 16), dense_features=(120, 84), use_batch_norm=True))
     config.optimizer.name = "momentum"
     config.optimizer.learning_rate = 0.05
     config.global_batch_size = 128

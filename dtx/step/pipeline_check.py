@@ -144,7 +144,8 @@ def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str
         return
     data = mesh.size // mesh.shape[STAGE_AXIS]
     micro = global_batch_size // data // pipeline.schedule.micro
-    example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4  # inputs, a label
+    labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))  # one per example, or per token of a sequence
+    example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels
     e = memory.estimate_pipeline(pipeline.plan, pipeline.schedule, micro=micro, data=data,
                                  optimizer=optimizer, example_bytes=example_bytes)
     if e.fits(capacity):
