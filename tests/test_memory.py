@@ -284,6 +284,7 @@ class _Wide(nn.Module):  # large weights, a small batch: the gradient accumulato
 def _ratio(model, shape, batch, accum_steps=1, driver="jit"):
     estimate = memory.estimate_model(model, shape, "data", nodes=8, global_batch=batch, optimizer="sgd",
                                      accum_steps=accum_steps, explicit=driver == "shard_map")
+    assert not estimate.outside, estimate.outside  # each rule's model lies in the measured regime
     compiled = (_shard_map_step(model, shape, "data", batch, accum_steps, "sgd") if driver == "shard_map" else
                 verify.compile_layout_step(model, shape, "data", [("data", 8)], batch, optimizer="sgd"))
     return estimate.total / memory.compiled_peak(compiled)
@@ -364,3 +365,49 @@ def test_fsdp_reducing_once_keeps_a_whole_accumulator_per_device():
     assert peaks["once"] - peaks["per_microbatch"] >= weights * 7 / 8
     estimate = memory.estimate_model(model, shape, once, nodes=8, global_batch=batch, optimizer="sgd", accum_steps=2)
     assert abs(estimate.total / peaks["once"] - 1) <= TOLERANCE, (estimate, peaks)
+
+
+# ------------------------------------------------- regimes the model does not cover, named by estimate(...).outside
+# Found on users' convolutional networks outside the benchmark's tables; the held-out cases (chosen before they were
+# measured) read 0.64 (3×3, 768 wide, after a pool), 0.57 (1×1, 512 wide, after a pool), 0.62 (1 device, 256
+# examples) and 0.72 (a stride-1 pool); the benchmark's 81 rows are none of them (docs/memory.md).
+
+class _SamePool(nn.Module):  # a 3×3 max pool of stride 1, padded SAME: its output as large as its input
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.relu(nn.Conv(24, (3, 3), padding="SAME")(x))
+        x = nn.max_pool(x, (3, 3), (1, 1), padding="SAME")
+        x = nn.relu(nn.Conv(48, (3, 3), padding="SAME")(x))
+        return nn.Dense(10)(x.mean((1, 2)))
+
+
+@pytest.mark.parametrize("case", ["wide", "pool"])
+def test_networks_outside_the_measured_regime_are_named_and_do_miss(case):
+    # Named where the compiled step shows the miss: a convolution's output on one device over 20 % of the
+    # estimate (_TwoConv's 256-wide output, 128 examples on 1 device: 0.67; the same on 8 devices, 16 each, is in
+    # the regime and holds, test_a_convolution_kernel_is_flipped_for_its_input_gradient), a stride-1 pool (0.72).
+    model, shape, batch, nodes, named = {"wide": (_TwoConv(), (4, 4, 16), 128, 1, "convolution Conv_1's output"),
+                                         "pool": (_SamePool(), (12, 12, 3), 64, 8, "a stride-1 max pool")}[case]
+    estimate = memory.estimate_model(model, shape, "data", nodes=nodes, global_batch=batch, optimizer="sgd")
+    assert named in estimate.outside
+    peak = memory.compiled_peak(verify.compile_layout_step(model, shape, "data", [("data", nodes)], batch,
+                                                           optimizer="sgd", devices=jax.devices()[:nodes]))
+    assert estimate.total / peak < 1 - TOLERANCE  # a rule that fixes it should drop the warning
+    assert memory.estimate_model(model, shape, "data", nodes=nodes, global_batch=batch, optimizer="sgd",
+                                 backend="gpu").outside == ""  # measured on XLA:CPU only
+
+
+def test_memory_limit_and_simulate_warn_outside_the_measured_regime(tmp_path, capsys):
+    from dtx import config as config_lib
+    from dtx.run import preflight, setup
+
+    config = config_lib.load("digits_mlp", ["memory_limit=1e12", "global_batch_size=128", "optimizer.name=sgd"])
+    mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
+    example = jax.ShapeDtypeStruct((128, 4, 4, 16), jnp.float32)
+    with pytest.warns(preflight.RunWarning, match=r"may be off by more than 15 % here: convolution Conv_1's output"):
+        setup.check_memory(config, _TwoConv(), example, memory.Policy(), mesh, None)
+    argv = ["--model", f"{__name__}:_TwoConv", "--input-shape", "4,4,16", "--cluster", "cloud_10gbe", "--nodes", "1,8",
+            "--global-batch", "128", "--memory", "--out", str(tmp_path)]
+    assert simulate_main(argv) == 0
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: outside")]
+    assert len(warned) == 1 and "(1 data, 1 zero1" in warned[0] and " 8 " not in warned[0].split(":")[1]

@@ -231,7 +231,9 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                                      sharded=sharded if rules.kernels == "explicit" else (), **common)
     except (ValueError, TypeError):  # a model the memory model cannot analyse: nothing to refuse on
         return
-    doubt = memory.uncovered(rules, **{key: common[key] for key in ("accum_steps", "policy", "backend", "explicit")})
+    doubt = "; ".join(filter(None, (
+        memory.uncovered(rules, **{key: common[key] for key in ("accum_steps", "policy", "backend", "explicit")}),
+        mine.outside)))  # the layout's regime, and this network's (a wide convolution, a stride-1 pool)
     if doubt:  # the estimate is outside what the model is checked on: said, whether or not it fits
         warnings.warn(f"memory_limit: dtx.perf.memory's estimate ({_gib(mine.total)} per device) may be off by more "
                       f"than 15 % here: {doubt} (docs/memory.md)", preflight.RunWarning, stacklevel=3)

@@ -204,7 +204,8 @@ def _memory_rows(estimate, layers, points) -> list[dict]:
 
 def _memory_row(nodes: int, layout: str, group_size: int, e) -> dict:
     return dict(nodes=nodes, layout=layout, group_size=group_size, params=e.params, grads=e.grads,
-                optimizer=e.optimizer, activations=e.activations, buffers=e.buffers, total=e.total)
+                optimizer=e.optimizer, activations=e.activations, buffers=e.buffers, total=e.total,
+                outside=e.outside)
 
 
 def _size(nbytes: float) -> str:
@@ -222,6 +223,10 @@ def _print_memory(rows: list[dict], cluster: Cluster, args) -> None:
         print(f"{r['nodes']:>6} {r['layout'][:28]:<28} {_size(r['params']):>10} {_size(r['grads']):>10} "
               f"{_size(r['optimizer']):>10} {_size(r['activations']):>11} {_size(r['buffers']):>10} "
               f"{_size(r['total']):>10}  {fits}")
+    for why in dict.fromkeys(r["outside"] for r in rows if r.get("outside")):  # dtx.perf.memory.outside_regime
+        where = ", ".join(f"{r['nodes']} {r['layout'].split(' (')[0]}" for r in rows if r.get("outside") == why)
+        print(f"warning: outside the memory model's measured regime, may be off by more than 15 % ({where}): {why} "
+              "(docs/memory.md)")
 
 
 def _finite(record: dict) -> dict:
