@@ -13,9 +13,9 @@ Ren et al., *ZeRO-Offload* (arXiv 2101.06840): park what is kept in host memory 
   (``jax.checkpoint_policies.nothing_saveable``).
 * ``dots`` — the outputs of matmuls without batch dimensions are kept, i.e. the Dense/DenseGeneral
   projections (QKV, attention output, MLP up and down), the rest recomputed
-  (``dots_with_no_batch_dims_saveable``). Not ``checkpoint_dots``: it would also keep the attention's
-  batched ``QKᵀ`` and ``PV`` einsums, whose ``B·heads·T²`` scores are the largest activations of a
-  block — the very ones selective recomputation exists to drop.
+  (``dots_with_no_batch_dims_saveable``, and the values named :data:`PROJECTION`). Not ``checkpoint_dots``: it
+  would also keep the attention's batched ``QKᵀ`` and ``PV`` einsums, whose ``B·heads·T²`` scores are the
+  largest activations of a block — the very ones selective recomputation exists to drop.
 * ``offload`` — as ``dots``, but what is kept moves to the host's pinned memory and back for the backward
   pass (``offload_dot_with_no_batch_dims("device", "pinned_host")``); needs a backend whose devices have a
   ``pinned_host`` memory space (:func:`check_backend`).
@@ -28,6 +28,10 @@ from collections.abc import Sequence
 import jax
 
 POLICIES = ("none", "full", "dots", "offload")
+# A value a layer names so (``jax.ad_checkpoint.checkpoint_name``) is a matmul's output that ``dots`` keeps although
+# no ``dot_general`` makes it where the policy looks: the projections of dtx's Megatron regions, made inside a
+# custom VJP (dtx.parallel.tensor).
+PROJECTION = "dtx_projection"
 
 
 class RematError(ValueError):
@@ -44,7 +48,9 @@ def check_policy(name: str) -> str:
 def checkpoint_policy(name: str):
     """The ``jax.checkpoint`` policy of ``name`` (``None`` for ``none``: no checkpoint at all)."""
     policies = jax.checkpoint_policies
-    return {"none": None, "full": policies.nothing_saveable, "dots": policies.dots_with_no_batch_dims_saveable,
+    dots = policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                            policies.save_only_these_names(PROJECTION))
+    return {"none": None, "full": policies.nothing_saveable, "dots": dots,
             "offload": policies.offload_dot_with_no_batch_dims("device", "pinned_host")}[check_policy(name)]
 
 

@@ -85,6 +85,12 @@ class Transformer(nn.Module):
     tie_embeddings: bool = False
     remat: str = "none"
 
+    @property
+    def reuses_parameters(self) -> bool:
+        """Whether one parameter is used twice in a forward pass (the tied embedding: the lookup and the output
+        layer); the jit driver then sums a device's uses before the gradient crosses the devices (dtx.step.jit)."""
+        return self.tie_embeddings
+
     def pipeline_layers(self) -> list:
         """The pieces in order, for pipeline stages (:mod:`dtx.parallel.stages`): the token embedding with the
         learned positions (on the first stage), each block (causal attention inside it), and the final LayerNorm with

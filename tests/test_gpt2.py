@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dtx import config as config_lib
+from dtx.comm import hlo
 from dtx.data.tasks import make_task
 from dtx.experiments import gpt2_small
 from dtx.models import build_model
@@ -51,7 +52,8 @@ def full_size():
         compiled = verify.compile_layout_step(model.clone(num_layers=blocks), (SEQ,), "data", [("data", DEVICES)],
                                               DEVICES, dtype=jnp.int32, task=make_task("next_token"),
                                               labels_shape=(SEQ,), policy=policy, optimizer="adamw")
-        found[blocks] = dict(flops=flops_lib.compiled_flops(compiled), memory=compiled.memory_analysis())
+        found[blocks] = dict(flops=flops_lib.compiled_flops(compiled), memory=compiled.memory_analysis(),
+                             reduced=[c for c in hlo.collectives(compiled) if c.kind == "all-reduce"])
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32)))["params"]
     return dict(model=model, policy=policy, compiled=found, params=params)
 
@@ -84,6 +86,22 @@ def test_flops_per_token_are_6n_plus_12ldt(full_size):
     block = sum(math.prod(p.shape) for p in jax.tree.leaves(params["Block_0"]))
     per_block = (compiled[2]["flops"] - compiled[1]["flops"]) / SEQ
     assert 1.0 <= per_block / (6 * block + 12 * model.d_model * SEQ) < 1.03, per_block
+
+
+def test_the_tied_embedding_crosses_the_data_axes_once(full_size):
+    """The step's gradient all-reduce over the 8 devices carries each float32 gradient once: its operand bytes are
+    the parameters' (and the loss and accuracy), at 1 and at 2 blocks. The table (50257 x 768, 154 MB) is used
+    twice, by the lookup and by the tied output layer; reduced apart, as XLA does for a gradient taken on the
+    global batch, it went twice (+31 % of the gradient bytes at 12 blocks); each device sums its two uses first
+    (dtx.step.jit)."""
+    model, compiled = full_size["model"], full_size["compiled"]
+    for blocks in (1, 2):
+        params = jax.eval_shape(lambda: model.clone(num_layers=blocks).init(jax.random.key(0),
+                                                                            jnp.zeros((1, SEQ), jnp.int32)))
+        nbytes = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(params))
+        reduced = compiled[blocks]["reduced"]
+        assert [(c.group_size, c.trips) for c in reduced] == [(DEVICES, 1)], reduced
+        assert reduced[0].operand_bytes == nbytes + 8, (reduced[0].operand_bytes, nbytes)
 
 
 TWIN = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.num_heads=4",

@@ -6,6 +6,7 @@ so float32 parameters differ in the last bits; after 20 steps of SGD-momentum th
 are held to the suite's parameter tolerance, rtol=1e-5, atol=1e-6 (tests/test_parallel.py).
 """
 
+import collections
 import re
 
 import flax.linen as nn
@@ -23,6 +24,7 @@ from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
 from dtx.parallel import PartitionError, get_layout, make_rules, param_specs
 from dtx.perf import tensor as tensor_model
+from dtx.precision import parse_policy
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step.state import abstract_train_state, init_train_state
 
@@ -31,6 +33,7 @@ MESH = [("data", 2), ("model", 4)]
 T, D = 4, 2
 TX = optax.sgd(0.1, momentum=0.9)
 TOL = dict(rtol=1e-5, atol=1e-6)
+BF16 = parse_policy("params=float32,compute=bfloat16,output=float32,reduce=float32")  # experiments/gpt2_small.py's
 BLOCK = re.compile(r"Transformer\)\)?/Block_(\d+)/")  # a block's own collectives (not the merged gradient ones)
 
 
@@ -45,22 +48,24 @@ def text():
     return Split(tokens[:, :-1], tokens[:, 1:])
 
 
-def _run(text, name, mesh, accum_steps=1, **settings):
-    model = _model()
+def _run(text, name, mesh, accum_steps=1, tied=False, policy=None, **settings):
+    model = _model(tie_embeddings=tied, **({"dtype": policy.compute} if policy else {}))
     example = jax.ShapeDtypeStruct(text.inputs.shape, text.inputs.dtype)
     abstract = abstract_train_state(model, TX, example)
     placement = get_layout(name).place(abstract, mesh, **settings)
     state = init_train_state(model, TX, example, 0, mesh, shardings=placement.state)
     loader = TrainLoader(text, BATCH, mesh, seed=0)
     step = make_train_step(model, TX, mesh, StepSpec(driver="jit", placement=placement, task=tasks.next_token(),
-                                                     donate=False, accum_steps=accum_steps))
-    step = step.lower(state, loader.batch(0)).compile()
+                                                     donate=False, accum_steps=accum_steps,
+                                                     **({"policy": policy} if policy else {})))
+    lowered = step.lower(state, loader.batch(0))
+    step = lowered.compile()
     start, losses = state, []
     for s in range(STEPS):
         state, metrics = step(state, loader.batch(s))
         losses.append(float(metrics["loss"]))
     return dict(params=jax.device_get(state.params), state=start, losses=losses, compiled=step, placement=placement,
-                abstract=abstract)
+                abstract=abstract, lowered=lowered if policy else None)
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +75,24 @@ def runs(text):
             "sp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True),
             "tp_zero1": _run(text, "tensor", mesh_lib.make_mesh(MESH), zero_stage=1),
             "sp_fsdp": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True, zero_stage=3),
-            "sp_accum2": _run(text, "tensor", mesh_lib.make_mesh(MESH), accum_steps=2, sequence_parallel=True)}
+            "sp_accum2": _run(text, "tensor", mesh_lib.make_mesh(MESH), accum_steps=2, sequence_parallel=True),
+            "sp_bf16": _run(text, "tensor", mesh_lib.make_mesh(MESH), sequence_parallel=True, policy=BF16),
+            "tied_one": _run(text, "data", one, tied=True),
+            "tied_data": _run(text, "data", mesh_lib.make_mesh([("data", 8)]), tied=True)}
 
 
-@pytest.mark.parametrize("run", ["tp", "sp", "tp_zero1", "sp_fsdp", "sp_accum2"])
+@pytest.mark.parametrize("run", ["tp", "sp", "tp_zero1", "sp_fsdp", "sp_accum2", "tied_data"])
 def test_tensor_parallel_trains_like_one_device(runs, run):
     """20 steps on ``data 2 × model 4`` (data parallelism on the other axis; ZeRO-1 or FSDP over it; 2
-    micro-batches per step, each one's gradient reduced) equal one device's."""
-    np.testing.assert_allclose(runs[run]["losses"], runs["one"]["losses"], rtol=1e-5)
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(runs["one"]["params"]),
-                                                          jax.tree.leaves(jax.device_get(runs["one"]["state"].params))))
+    micro-batches per step, each data group's gradient summed apart and reduced once) equal one device's; and a
+    tied embedding under data parallelism on 8 devices (its two uses' gradients summed before the reduction)."""
+    one = runs["tied_one" if run.startswith("tied") else "one"]
+    np.testing.assert_allclose(runs[run]["losses"], one["losses"], rtol=1e-5)
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(one["params"]),
+                                                          jax.tree.leaves(jax.device_get(one["state"].params))))
     assert moved > 1e-2  # it trained: a stale gradient would also "agree"
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(runs[run]["params"]),
-                            jax.tree.leaves(runs["one"]["params"])):
+                            jax.tree.leaves(one["params"])):
         np.testing.assert_allclose(a, b, **TOL, err_msg=jax.tree_util.keystr(path))
 
 
@@ -160,6 +170,88 @@ def test_compiled_collectives_equal_megatron(runs, run):
                                    layers=LAYERS, sequence_parallel=sp)
     total = hlo.total(runs[run]["compiled"]).bytes_sent
     assert abs(total - sum(step.values())) <= 0.05 * sum(step.values()), (total, step)
+
+
+SCALARS = 8  # the loss and the accuracy, float32, reduced in the gradients' all-reduce
+
+
+def test_a_tied_embedding_crosses_the_data_axes_once(runs):
+    """Data parallelism over 8 devices (jit) with the output layer tied to the embedding (GPT-2's): each device sums
+    the table's two gradients (the lookup's and the output layer's) before the step's one all-reduce, whose
+    operand is the parameters' bytes (and two scalars), not the table twice (reduced apart, XLA sent 7 % more
+    here and 31 % more for GPT-2 small: tests/test_gpt2.py checks it at full width)."""
+    found = [c for c in _collectives(runs["tied_data"]["compiled"]) if c.kind == "all-reduce"]
+    params = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["tied_data"]["params"]))
+    assert [(c.group_size, c.trips) for c in found] == [(8, 1)], found
+    assert found[0].operand_bytes == params + SCALARS, (found[0].operand_bytes, params)
+
+
+def test_accumulation_reduces_over_the_data_axes_once_per_step(runs):
+    """2 micro-batches under SP on ``data 2 × model 4``: the micro-batch loop runs inside one map over the data
+    groups (dtx.step.accumulate.manual_gradients), so the only collective over the data axes is one all-reduce
+    after the loop of each device's gradient bytes (:func:`dtx.perf.tensor.data_gradient_bytes`: what it holds,
+    less the position table's rows it does not reduce); everything inside the loop (twice a step) is over
+    ``model``: the blocks' Megatron collectives each micro-batch, as :func:`dtx.perf.tensor.block_collectives`."""
+    run = runs["sp_accum2"]
+    found = _collectives(run["compiled"])
+    over_data = [c for c in found if c.group_size == D]
+    assert [(c.kind, c.trips) for c in over_data] == [("all-reduce", 1)], over_data
+    specs = jax.tree.map(lambda s: s.spec, run["placement"].state.params)
+    assert over_data[0].operand_bytes == tensor_model.data_gradient_bytes(run["abstract"].params, specs, T, H, True) \
+        + SCALARS
+    looped = [c for c in found if c.trips != 1]
+    assert looped and all(c.trips == 2 and c.group_size == T for c in looped), looped
+    per_block = {}
+    for c in looped:
+        block = BLOCK.search(c.op_name)
+        if block and "/shard_map/" in c.op_name[block.end():]:  # a region's (not a gradient sum named after one)
+            per_block.setdefault(block.group(1), {}).setdefault(c.kind, []).append(c.operand_bytes)
+    expected = tensor_model.block_collectives(BATCH // D // 2, S, H, T, True)
+    assert sorted(per_block) == ["0", "1"] and all(
+        {k: sorted(v) for k, v in block.items()} == expected for block in per_block.values())
+
+
+def _region_collectives(lowered) -> collections.Counter:
+    """The collectives of the program JAX hands XLA (StableHLO: the Megatron regions' own, before XLA's passes
+    and partitioner): (kind, operand type) -> count."""
+    from jaxlib.mlir import ir
+
+    found = collections.Counter()
+
+    def visit(op):
+        name = op.name
+        if name.startswith("stablehlo.") and name[len("stablehlo."):] in ("all_reduce", "all_gather",
+                                                                         "reduce_scatter", "all_to_all"):
+            found[(name[len("stablehlo."):], str(op.operands[0].type))] += 1
+        return ir.WalkResult.ADVANCE
+
+    lowered.compiler_ir("stablehlo").operation.walk(visit)
+    return found
+
+
+def test_bf16_compute_moves_bf16_activations(runs):
+    """Under experiments/gpt2_small.py's policy (float32 master weights, bfloat16 compute) the regions' activation
+    collectives carry bfloat16, as Megatron's do. In the program JAX hands XLA each block's 4 reduce-scatters of
+    ``B·S·H`` and 6 all-gathers of ``B·S·H/T`` (4 in the layout ``(B, S/T, H)``, 2 gathered again as ``(S/T, B,
+    H)``) are bf16, and none of that size is float32. XLA:CPU's compiled program carries them as float32: its
+    collectives upcast bf16, so each reads the float32 bytes of :func:`dtx.perf.tensor.block_collectives` there
+    (what dtx.comm.hlo reads on CPU); a GPU's NCCL moves the bf16. 20 steps stay within bf16's tolerance of the
+    float32 run (losses rtol 1e-2)."""
+    run, b, t = runs["sp_bf16"], BATCH // D, S // T
+    found = _region_collectives(run["lowered"])
+    activations = {k: v for k, v in found.items() if re.fullmatch(rf"tensor<({b}x{S}|{b}x{t}|{t}x{b})x{H}x\w+>", k[1])}
+    assert activations == {("reduce_scatter", f"tensor<{b}x{S}x{H}xbf16>"): 4 * LAYERS,
+                           ("all_gather", f"tensor<{b}x{t}x{H}xbf16>"): 4 * LAYERS,
+                           ("all_gather", f"tensor<{t}x{b}x{H}xbf16>"): 2 * LAYERS}, activations
+    compiled = {}
+    for c in _collectives(run["compiled"]):
+        block = BLOCK.search(c.op_name)
+        if block:
+            compiled.setdefault(block.group(1), {}).setdefault(c.kind, []).append(c.operand_bytes)
+    as_float32 = tensor_model.block_collectives(b, S, H, T, True, itemsize=4)
+    assert sorted(compiled) == ["0", "1"] and all(
+        {k: sorted(v) for k, v in block.items()} == as_float32 for block in compiled.values())
+    np.testing.assert_allclose(run["losses"], runs["sp"]["losses"], rtol=1e-2)
 
 
 def _activation_slope(name, mesh, sequence_parallel=False):

@@ -44,10 +44,13 @@ from typing import Any, ClassVar
 import flax.linen as nn
 from flax.linen.dtypes import promote_dtype
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, register_check
+from dtx.models.remat import PROJECTION
+from dtx.parallel import nested
 from dtx.paths import named_leaves
 from dtx.parallel.rules import PartitionError
 
@@ -162,25 +165,38 @@ class TensorLayout:
     columns: frozenset[str]
     rows: frozenset[str]
     sequence_parallel: bool = False
-    # Not run inside jit's per-shard map of gradient accumulation (dtx.step.accumulate): vmap of these shard_map
-    # regions with spmd_axis_name fails in JAX's replication typing (pvary of a value the map already varies),
-    # so a tensor-parallel step reduces each micro-batch's gradient, as ZeRO-2 and FSDP do.
+    mapped: tuple[str, ...] = ()
+    # Gradient accumulation under jit maps the loss over the data groups (dtx.step.accumulate) so that each
+    # group's gradient is reduced once per step. A vmap of these shard_map regions (spmd_axis_name) fails JAX's
+    # replication typing (pvary of a value the map already varies), so the map is a shard_map manual over the
+    # data axes (manual), inside which the regions are shard_maps over model (inside_map).
     mappable: ClassVar[bool] = False
+    manual: ClassVar[bool] = True
 
     @property
     def size(self) -> int:
         return self.mesh.shape[MODEL]
 
     def _data(self):
-        axes = mesh_lib.group_batch_axes(self.mesh)
+        return self._entry(mesh_lib.group_batch_axes(self.mesh))
+
+    def _entry(self, axes):
+        axes = tuple(a for a in axes if a not in self.mapped)  # a map's manual axes are in no spec inside it
         return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    def _mesh(self):
+        return jax.sharding.get_abstract_mesh() if self.mapped else self.mesh
 
     def between(self, ndim: int) -> P:
         """Where the residual stream lives: examples over the data axes, positions over ``model`` under SP."""
         return P(self._data(), MODEL if self.sequence_parallel and ndim > 2 else None, *[None] * (ndim - 2))
 
     def inside_map(self, axes: tuple[str, ...]) -> TensorLayout:
-        raise ValueError(f"a tensor-parallel layout does not run inside a map over {axes} (mappable is False)")
+        """This layout inside a ``shard_map`` manual over the data ``axes`` (:func:`dtx.step.accumulate.
+        manual_gradients`): those axes leave every spec, and each region maps over ``model`` only."""
+        if MODEL in axes:
+            raise ValueError(f"a tensor-parallel layout's model groups cannot be split by a map over {axes}")
+        return dataclasses.replace(self, mapped=tuple(axes))
 
     def __call__(self, arriving: P | None = None):
         inside: list[str] = []
@@ -221,13 +237,13 @@ class TensorLayout:
         def head(next_fun, args, kwargs):
             """A replicated Dense (the output head, or a tied embedding's ``attend``) runs data parallel over every
             device, as in dtx.parallel.activations: 1/T of its work each, its logits where the labels are."""
-            spec = P(mesh_lib.batch_axes(self.mesh), None, None)
+            spec = P(self._entry(mesh_lib.batch_axes(self.mesh)), None, None)
             return self._constrain(next_fun(self._constrain(args[0], spec), *args[1:], **kwargs), spec)
 
         return nn.intercept_methods(intercept)
 
     def _constrain(self, x, spec: P):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self._mesh(), spec))
 
     def _check_positions(self, length: int, layer: str) -> None:
         if length % self.size:
@@ -279,7 +295,8 @@ class TensorLayout:
         project.defvjp(forward, backward)
         kernels = [kernel for kernel, _ in layers]
         biases = [bias for _, bias in layers]
-        return project(x, kernels, biases)
+        # Matmul outputs that remat's dots keeps: its policy does not see the dot_general inside a custom VJP.
+        return tuple(checkpoint_name(y, PROJECTION) for y in project(x, kernels, biases))
 
     def _reduce(self, y):
         """A row region's partial sums: all-reduced (TP) or reduce-scattered onto the positions (SP)."""
@@ -288,6 +305,8 @@ class TensorLayout:
         return jax.lax.psum(y, MODEL)
 
     def _region(self, per_device, in_specs, out_specs):
+        if self.mapped:  # nested in the map over the data axes: manual over model only
+            return nested.region(per_device, in_specs, out_specs, MODEL)
         return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
     def _stream(self, x, layer: str) -> Any:
@@ -317,7 +336,8 @@ class TensorLayout:
         local = module.clone(parent=None, name=None, use_bias=False)
 
         def per_device(x, kernel):
-            return self._reduce(local.apply({"params": {"kernel": kernel}}, x))
+            y = local.apply({"params": {"kernel": kernel}}, x)
+            return checkpoint_name(self._reduce(y), PROJECTION)  # kept by remat's dots: no collective runs again
 
         y = self._region(per_device, (P(self._data(), None, MODEL), P(MODEL, None)), between)(x, params["kernel"])
         return y + params["bias"].astype(y.dtype) if "bias" in params else y
@@ -374,7 +394,7 @@ class TensorLayout:
             with nn.intercept_methods(projected):
                 y = local.apply({"params": params}, x, x, mask=extras.get("mask"), deterministic=deterministic,
                                 dropout_rng=rng)
-            return self._reduce(y)
+            return checkpoint_name(self._reduce(y), PROJECTION)  # kept by remat's dots: no collective runs again
 
         params["out"] = {"kernel": params["out"]["kernel"]}
         y = self._region(per_device, (between, specs, extra_specs), between)(x, params, extras)

@@ -126,6 +126,23 @@ def param_bytes(abstract_params: Any, specs: Any, group: int) -> int:
     return sum(_nbytes(leaf) // (group if path in split else 1) for path, leaf in named_leaves(abstract_params))
 
 
+def data_gradient_bytes(abstract_params: Any, specs: Any, group: int, width: int, sequence_parallel: bool) -> int:
+    """Gradient bytes one device all-reduces over the data axes once per step when each data group sums its own
+    gradient over the micro-batches (gradient accumulation: :func:`dtx.step.accumulate.manual_gradients`): what
+    it holds (:func:`param_bytes`), the head whole, less under SP a position table's ``(T−1)/T`` (each device
+    reduces its ``1/T`` of the rows, then they are gathered over ``model``)."""
+    from dtx.paths import named_leaves
+
+    held = param_bytes(abstract_params, specs, group)
+    if not sequence_parallel:
+        return held
+    split = {path for path, spec in named_leaves(specs, is_leaf=lambda x: hasattr(x, "index"))
+             if any(axis is not None for axis in spec)}
+    tables = sum(_nbytes(leaf) for path, leaf in named_leaves(abstract_params) if path not in split
+                 and len(leaf.shape) == 2 and leaf.shape[1] == width and not path.endswith(("embedding", "kernel")))
+    return held - tables * (group - 1) // group
+
+
 def activation_profile(model: Any, positions: int, width: int) -> dict[str, float]:
     """Bytes per example the backward pass keeps, from JAX's VJP of the training forward pass and the task's
     loss (traced at 4 and 8 examples, nothing runs): ``stream`` (residuals shaped ``(B, S, H)`` or ``(B, S, 1)``)

@@ -13,6 +13,12 @@ sums — one parameter-sized buffer per device, as before — and the sum over t
 the loop is the step's one reduction: an all-reduce, or under ZeRO-1 a reduce-scatter to the optimizer
 state's layout. What must be global inside the loop stays global: batch normalisation averages its
 statistics over the shards by name (``axis_name``), as synchronised batch norm does under ``shard_map``.
+The same map with ``k = 1`` sums the gradients of a parameter's several uses (a tied embedding) before the
+reduction, which a global gradient reduces apart (:mod:`dtx.step.jit`).
+
+An activation layout whose own ``shard_map`` regions a vmap cannot carry (Megatron's,
+:class:`dtx.parallel.tensor.TensorLayout`) declares ``manual``: the loop then runs inside one ``shard_map``
+manual over the data axes (:func:`manual_gradients`), the regions nested in it over ``model``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ class Apart(NamedTuple):
     mesh: Mesh
     axes: tuple[str, ...]  # the mesh axes the shard dimension lies along (vmap's ``spmd_axis_name``)
     params: Any = None  # the parameters' PartitionSpecs (how each shard's gradient is split); None: whole
+    manual: bool = False  # a shard_map manual over ``axes`` instead of the vmap (:func:`manual_gradients`)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The names the shards are reduced over inside the map (batch norm's statistics)."""
+        return self.axes if self.manual else (SHARD_AXIS,)
 
     @property
     def shards(self) -> int:
@@ -75,6 +87,8 @@ def gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Apart):
     the global count per shard, see :func:`dtx.step.body.valid_denominator`), so the mean over shards is
     the micro-batch's.
     """
+    if apart.manual:
+        return manual_gradients(grad_fn, params, model_state, batch, rng, k, apart)
     per_shard = jax.vmap(grad_fn, in_axes=(None, 0, 0, 0), axis_name=SHARD_AXIS, spmd_axis_name=apart.axes)
 
     shards, within = apart.shards, apart.within
@@ -94,7 +108,7 @@ def gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Apart):
         grads_sum, loss_sum, values_sum, states = carry
         micro, index = inputs
         # The keys shard_map's workers draw: the worker's, then the micro-batch's.
-        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(rng, s), index))(shard_ids)
+        keys = jax.vmap(lambda s: _key(rng, s, index, k))(shard_ids)
         (_, (loss, values, states)), grads = per_shard(params, states, micro, keys)
         add = lambda a, b: a + b  # noqa: E731
         return (jax.tree.map(add, grads_sum, grads), loss_sum + loss, jax.tree.map(add, values_sum, values),
@@ -116,3 +130,51 @@ def gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Apart):
 
 def _copies(tree, shards: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (shards,) + x.shape), tree)
+
+
+def _key(rng, shard, index, k: int):
+    """The key shard_map's worker ``shard`` draws for micro-batch ``index`` (its own key when ``k = 1``)."""
+    key = jax.random.fold_in(rng, shard)
+    return key if k == 1 else jax.random.fold_in(key, index)
+
+
+def manual_gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Apart):
+    """:func:`gradients` with the micro-batch loop inside one ``shard_map`` manual over ``apart.axes`` (the data
+    axes; ``model`` stays the compiler's): for an activation layout whose own ``shard_map`` regions a ``vmap``
+    cannot carry (:class:`dtx.parallel.tensor.TensorLayout`: JAX's replication typing refuses the vmap of a
+    region). The parameters enter typed as varying over the map, so each shard's gradient stays its own
+    (unreduced) through the loop, and one ``psum`` after it is the step's reduction."""
+    axes, shards, within = apart.axes, apart.shards, apart.within
+    spec = PartitionSpec(axes)
+
+    def per_shard(params, model_state, batch, rng):
+        shard = lax.axis_index(axes)
+        params, model_state = lax.pcast((params, model_state), axes, to="varying")
+
+        def split(x):  # this shard's rows -> (k, rows / k, ...): the i-th 1/k of each of its devices' slices
+            x = x.reshape((within, k, x.shape[0] // (within * k)) + x.shape[1:])
+            return jnp.moveaxis(x, 1, 0).reshape((k, -1) + x.shape[3:])
+
+        micro_batches = jax.tree.map(split, batch)
+
+        def one(carry, inputs):
+            grads_sum, loss_sum, values_sum, states = carry
+            micro, index = inputs
+            (_, (loss, values, states)), grads = grad_fn(params, states, micro, _key(rng, shard, index, k))
+            return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss,
+                    jax.tree.map(jnp.add, values_sum, values), states), None
+
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        names = jax.eval_shape(lambda: grad_fn(params, model_state, first, rng))[0][1][1]
+        zero = lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
+        init = (jax.tree.map(jnp.zeros_like, params), zero, {name: zero for name in names}, model_state)
+        (grads, loss, values, states), _ = lax.scan(one, init, (micro_batches, jnp.arange(k)))
+        scale = 1.0 / (shards * k)  # the step's one reduction: the sum over the shards (their mean)
+        grads, loss, values = jax.tree.map(lambda x: (lax.psum(x, axes) * scale).astype(x.dtype),
+                                           (grads, loss, values))
+        return grads, loss, values, jax.tree.map(lambda s: lax.pmean(s, axes).astype(s.dtype), states)
+
+    whole = PartitionSpec()
+    mapped = jax.shard_map(per_shard, mesh=apart.mesh, in_specs=(whole, whole, spec, whole), out_specs=whole,
+                           axis_names=set(axes))
+    return mapped(params, model_state, batch, rng)

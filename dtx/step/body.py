@@ -234,7 +234,7 @@ def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, ax
     ``apart`` (:class:`dtx.step.accumulate.Apart`, ``jit`` only): every shard's gradient summed apart and
     reduced once after the loop."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if k == 1:
+    if k == 1 and apart is None:
         (_, (loss, values, model_state)), grads = grad_fn(params, model_state, batch, rng)
         return grads, loss, values, model_state
     if apart is not None:
