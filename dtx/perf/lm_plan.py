@@ -183,8 +183,11 @@ class LMPlan:
 
 
 def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, tensor: int = 1, stages: int = 1,
-         zero: int = 0, policy: str = "none", sp: bool = False, micro: int = 1, reduce_bytes: int = 4) -> LMPlan:
-    """The plan's time, bytes and memory (module docstring); ``reduce_bytes``: the gradients' element size
+         zero: int = 0, policy: str = "none", sp: bool = False, micro: int = 1, reduce_bytes: int = 4,
+         tensor_element: int = COMPUTE) -> LMPlan:
+    """The plan's time, bytes and memory (module docstring); ``tensor_element``: the element the tensor layout's
+    activation collectives move (the compute dtype's, bf16, as on a GPU; XLA:CPU carries them as float32, 4);
+    ``reduce_bytes``: the gradients' element size
     (GPT-2 small's experiment reduces in float32)."""
     if nodes % (tensor * stages) or shape.layers % stages or shape.heads % tensor:
         raise PlanError(f"{nodes} GPUs as tensor {tensor} x stages {stages} of {shape.layers} blocks, "
@@ -206,16 +209,14 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     rate = cluster.node_flops * cluster.efficiency["dense"]
     schedule = make_schedule(SCHEDULE, stages, micro) if stages > 1 else None
     compute_s = flops / rate * ((micro + stages - 1) / micro if stages > 1 else 1.0)
-    x = reduce_bytes  # the element the collectives move (module docstring)
-    tensor_bytes, collectives = _tensor_bytes(shape, b, tensor, sp, recomputed, x)
+    x = reduce_bytes  # the element the gradients' collectives move (module docstring)
+    tensor_bytes, collectives = _tensor_bytes(shape, b, tensor, sp, recomputed, tensor_element)
     tensor_bytes *= micro / stages
     tensor_s = tensor_bytes / cluster.local_bandwidth + micro * collectives / stages * cluster.local_latency
     message = b * s * d * e
     p2p_bytes = schedule.messages * message if schedule else 0.0
     p2p_s = schedule.messages * _hop(cluster, message, stages) if schedule else 0.0
-    grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x)
-    if tensor > 1:  # dtx's tensor layout reduces each micro-batch's gradient (docs/tensor_parallel.md)
-        grad_bytes, grad_s = grad_bytes * micro, grad_s * micro
+    grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro)
     in_flight = min(micro, stages) if stages > 1 else 1
     act = shape.layers // stages * b * s * shape.activation_bytes(tensor, sp, policy) * in_flight
     if policy == "full":  # the block being recomputed holds its activations again
@@ -300,10 +301,10 @@ def _trade(chosen: LMPlan, fastest: LMPlan) -> str:
 
 
 def recomputes(policy: str, tensor: int) -> str:
-    """What the backward pass recomputes: the policy's own, but ``dots`` under tensor parallelism recomputes as
-    ``full`` does (measured: the Megatron regions' projections are ``shard_map`` outputs, which
-    ``dots_with_no_batch_dims_saveable`` does not save, so the region's forward runs again with its collectives)."""
-    return "full" if policy == "dots" and tensor > 1 else policy
+    """What the backward pass recomputes: the policy's own, under tensor parallelism too (the Megatron regions name
+    their projections and reduced outputs for ``dots``, :data:`dtx.models.remat.PROJECTION`, so no region's forward
+    or collective runs again; before they did, ``dots`` recomputed there as ``full``)."""
+    return policy
 
 
 def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x: int) -> tuple[float, int]:
@@ -330,10 +331,13 @@ def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x:
 
 
 def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor: int, stages: int, zero: int,
-               sp: bool, x: int) -> tuple[float, float]:
+               sp: bool, x: int, micro: int = 1) -> tuple[float, float]:
     """Bytes one device sends for the gradients per step and their time (module docstring): the parameters it
-    holds all-reduced over ``D``, and the tied head's gradient over every device (XLA reduces the embedding's
-    two uses apart); ZeRO all-reduces the gradients and all-gathers the updated parameters (``3(D−1)/D``), and
+    holds all-reduced over ``D``; under TP the tied head's gradient over every device too (the head runs data
+    parallel over every device, so XLA reduces the embedding's two uses apart), or with ``M`` micro-batches
+    (each data group's gradient summed apart, :mod:`dtx.step.accumulate`) over ``model`` once per micro-batch
+    (SP: in the stream's sum); ZeRO all-reduces the gradients and all-gathers the updated parameters
+    (``3(D−1)/D``; under TP each micro-batch's, as they are reduced), and
     under TP reduces the tied embedding's ``1/D`` share over ``model`` and over ``data`` apart (D4×T2 FSDP read
     1.21x without it); SP sums the replicated parameters used on split positions over ``T`` first."""
 
@@ -353,11 +357,16 @@ def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor:
             sent += send("all-reduce", head / data, tensor) + send("all-reduce", head / data, data)
             seconds += cluster.allreduce_time(head / data, tensor, tensor) + cluster.allreduce_time(
                 head / data, data, local)
-    else:
+    elif tensor > 1 and micro == 1:
         sent += send("all-reduce", head, devices)
         seconds += cluster.allreduce_time(head, devices, cluster.local_size)
+    elif tensor > 1 and not sp:  # the head's partial sums over model, each micro-batch
+        sent += micro * send("all-reduce", head, tensor)
+        seconds += micro * cluster.allreduce_time(head, tensor, tensor)
+    if tensor > 1 and zero:  # ZeRO under TP reduces each micro-batch's gradient
+        sent, seconds = sent * micro, seconds * micro
     if sp:
         stream = (shape.params - shape.layers * shape.block_params + 6 * shape.layers * shape.width) * x
-        sent += send("all-reduce", stream, tensor)
-        seconds += cluster.allreduce_time(stream, tensor, tensor)
+        sent += micro * send("all-reduce", stream, tensor)
+        seconds += micro * cluster.allreduce_time(stream, tensor, tensor)
     return sent, seconds

@@ -26,6 +26,9 @@ from dtx.tools.plancheck import VERIFY_TOLERANCE
 TWIN = dict(layers=2, width=256, heads=8, seq=128)
 TWIN_BATCH = 16
 VERIFY_NODES = 8
+# XLA:CPU upcasts bf16 collectives: the tensor layout's activation collectives, bf16 in the program JAX hands it
+# (tests/test_tensor_parallel.py reads them), move as float32 in what it compiles, so --verify charges 4 bytes.
+CPU_TENSOR_ELEMENT = 4
 # One plan of each kind dtx runs, as (tensor, zero, policy, sp), compiled beside the printed ones.
 KINDS = ((1, 0, "none", False), (1, 1, "none", False), (1, 3, "none", False), (1, 0, "full", False),
          (2, 0, "none", False), (4, 1, "dots", True), (8, 0, "full", True))
@@ -102,7 +105,7 @@ def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4
     out = []
     for tensor, zero, policy, sp in wanted:
         p = lm_plan.plan(twin, cluster, VERIFY_NODES, TWIN_BATCH, tensor=tensor, zero=zero, policy=policy, sp=sp,
-                         reduce_bytes=reduce)
+                         reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT)
         start = time.perf_counter()
         flops, sent, peak = compiled_figures(path, p)
         ratios = (flops / p.flops, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
