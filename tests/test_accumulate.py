@@ -72,7 +72,7 @@ def programs(digits):
         placement = _place(layout, model, tx, example, mesh)
         state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
         batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
-        for k in KS:
+        for k in KS if layout != "fsdp:once" else KS[1:]:  # (refused at k = 1, where it would be fsdp's program)
             step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=k, placement=placement,
                                                              donate=False))
             compiled = step.lower(state, batch).compile()
@@ -95,8 +95,8 @@ def _bytes(collectives):
     return sum(c.bytes_sent * c.trips for c in collectives)
 
 
-@pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("layout,driver", CASES)
+@pytest.mark.parametrize("layout,driver,k", [(layout, driver, k) for layout, driver in CASES for k in KS
+                                              if (layout, k) != ("fsdp:once", 1)])
 def test_recorded_bytes_are_the_compiled_bytes_times_trips(programs, layout, driver, k):
     compiled, recorded = programs[layout, driver, k]
     totals = hlo.total(compiled)
