@@ -5,6 +5,7 @@ and *fails* (never skips) when it is wrong, e.g. because a plugin started JAX fi
 """
 
 import os
+import resource
 import time
 
 # A collective that hangs (DESIGN.md §2) should fail in seconds, not minutes.
@@ -50,12 +51,19 @@ if os.environ.get("DTX_TEST_COMPILE_STATS"):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Each test file's share of this process's compiles (its tests' set-up included), for the stats."""
-    before = (_COMPILING.backend_s, _COMPILING.programs, _COMPILING.hits, time.perf_counter())
+    before = (_COMPILING.backend_s, _COMPILING.programs, _COMPILING.hits, time.perf_counter(), _cpu_seconds())
     yield
-    seconds, programs, hits, wall = _BY_FILE.get(item.fspath.basename, (0.0, 0, 0, 0.0))
+    seconds, programs, hits, wall, cpu = _BY_FILE.get(item.fspath.basename, (0.0, 0, 0, 0.0, 0.0))
     _BY_FILE[item.fspath.basename] = (seconds + _COMPILING.backend_s - before[0],
                                       programs + _COMPILING.programs - before[1], hits + _COMPILING.hits - before[2],
-                                      wall + time.perf_counter() - before[3])
+                                      wall + time.perf_counter() - before[3], cpu + _cpu_seconds() - before[4])
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (all its threads) and of the children it waited for: a file whose wall time
+    is much more than this waits (on a timeout, a subprocess's start) and leaves its core to another worker."""
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                          resource.RUSAGE_CHILDREN)))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -68,8 +76,9 @@ def pytest_sessionfinish(session, exitstatus):
         with open(path, "a") as f:
             f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
                                 **_COMPILING.record(), "compile_only_s": round(_COMPILING.compile_s, 3),
-                                "files": {name: [round(t, 1), n, h, round(w, 1)]  # compile s, programs, hits, wall s
-                                          for name, (t, n, h, w) in _BY_FILE.items()},
+                                # compile s, programs, hits, wall s, cpu s
+                                "files": {name: [round(t, 1), n, h, round(w, 1), round(c, 1)]
+                                          for name, (t, n, h, w, c) in _BY_FILE.items()},
                                 "names": {name: [round(t, 2), n] for name, (t, n) in  # compile s, programs
                                           sorted(_BY_NAME.items(), key=lambda kv: -kv[1][0])}}) + "\n")
 
@@ -149,6 +158,15 @@ _LONGEST_FIRST = ("test_launch.py", "test_docs.py", "test_strategies.py", "test_
                   "test_memory.py", "test_tasks.py", "test_activations.py", "test_pipeline_parallel.py",
                   "test_accumulate.py", "test_trainer.py", "test_step.py", "test_notebook.py", "test_models_zoo.py",
                   "test_integrity.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """One worker per core, and one more: several files spend much of their wall time waiting (a launched job's
+    processes starting, a watchdog's or a stall bound's seconds running out, a subprocess's JAX import), and
+    the spare worker compiles while they wait. $PYTEST_XDIST_AUTO_NUM_WORKERS still decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 1
 
 
 def pytest_collection_modifyitems(session, config, items):
