@@ -3,13 +3,15 @@
 The conv net and the transformer declare their pieces (``pipeline_layers()``: a convolution with its ReLU and
 pooling, the embedding with the positions, a block, the head); the stages trace each boundary's shape and carry it
 flattened in one buffer as wide as the largest, padding the others. Checked here: each schedule equals one device
-after 5 steps, the compiled collective-permutes (loops' trip counts included) carry exactly the padded buffer the
-model charges, and the settings a stage cannot run are refused by key.
+after 3 steps, the compiled collective-permutes (loops' trip counts included) carry exactly the padded buffer the
+model charges, the memory model predicts each compiled program's peak (its max pool's backward included), and the
+settings a stage cannot run are refused by key.
 """
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
 from dtx import models, optim
@@ -18,11 +20,13 @@ from dtx.data import TrainLoader, datasets, tasks
 from dtx.data.datasets import Split
 from dtx.parallel.pipeline_schedules import make_schedule
 from dtx.parallel.stages import PipelineError, make_plan
+from dtx.perf import memory as memory_lib
+from dtx.perf import pipeline as pipeline_model
 from dtx.step import StepSpec, make_train_step
 from dtx.step import pipeline as pp
 from dtx.step.state import init_train_state
 
-STEPS = 5
+STEPS = 3  # Adam's and momentum's state is in play from step 2 on
 LENET = dict(conv_features=(2, 4), dense_features=(8,), num_classes=10, use_batch_norm=False)
 LM = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2, max_len=8, num_classes=32)
 SEQ, VOCAB = 8, 32
@@ -109,7 +113,7 @@ def _close(got, want, atol):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_lenet_stages_equal_one_device(lenet_runs, schedule):
-    """Every schedule's LeNet after 5 Adam steps == one device with the global batch, held to 1e-6 as the Dense
+    """Every schedule's LeNet after 3 Adam steps == one device with the global batch, held to 1e-6 as the Dense
     stacks are (tests/test_pipeline_parallel.py)."""
     run, one = lenet_runs[schedule], lenet_runs["one"]
     _close(run["params"], one["params"], 1e-6)
@@ -118,7 +122,7 @@ def test_lenet_stages_equal_one_device(lenet_runs, schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_transformer_stages_equal_one_device(lm_runs, schedule):
-    """The transformer cut into embedding + block 0 | block 1 + head (balanced by FLOPs), 5 steps == one
+    """The transformer cut into embedding + block 0 | block 1 + head (balanced by FLOPs), 3 steps == one
     device (momentum), held to 1e-6: positions and causal attention inside the stages, the next-token loss on the
     last."""
     run, one = lm_runs[schedule], lm_runs["one"]
@@ -166,6 +170,63 @@ def test_transformer_sends_the_residual_stream(lm_runs, schedule):
 
 def _abstract(model, x):
     return jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])
+
+
+# ---- the memory model (dtx.perf.memory.estimate_pipeline) against the compiled peak ---------------------------------
+
+DIGIT_BYTES, TOKEN_BYTES = (8 * 8 + 1) * 4, (SEQ + SEQ) * 4  # one example's inputs and labels
+
+
+@pytest.mark.parametrize("name,schedule", [("lenet", "gpipe"), ("lenet", "1f1b"), ("lenet", "interleaved"),
+                                           ("lm", "gpipe"), ("lm", "1f1b")])
+def test_the_memory_model_predicts_each_stages_compiled_peak(lenet_runs, lm_runs, name, schedule):
+    """dtx simulate --memory's and memory_limit's pipeline model within 15 % of the compiled step's peak
+    (memory_analysis) for the programs the tests above run: LeNet (Adam) missed at 1.38-1.52 before its max pool's
+    backward was counted (pipeline_model.pool_work_bytes); the transformer (momentum) 0.97-1.02."""
+    run = (lenet_runs if name == "lenet" else lm_runs)[schedule]
+    optimizer, example_bytes = ("adam", DIGIT_BYTES) if name == "lenet" else ("momentum", TOKEN_BYTES)
+    e = memory_lib.estimate_pipeline(run["plan"], run["schedule"], micro=2, data=4, optimizer=optimizer,
+                                     example_bytes=example_bytes)
+    assert memory_lib.compiled_peak(run["compiled"]) / e.total == pytest.approx(1, abs=0.15)
+
+
+def test_a_max_pools_backward_is_counted_at_its_input(lenet_runs, lm_runs):
+    """The max pool's gradient keeps rank + 3 buffers of the pool's input (4 int32 index arrays of a (micro, 8, 8, 2)
+    map, their concatenation, the scatter, the select: read from LeNet's buffer assignment); the largest pool of any
+    stage counts, as every device's program holds every stage. No pool, nothing."""
+    plan = lenet_runs["gpipe"]["plan"]
+    assert pipeline_model.pool_work_bytes(plan, micro=2) == (4 + 3) * 2 * 8 * 8 * 2 * 4
+    assert pipeline_model.pool_work_bytes(lenet_runs["interleaved"]["plan"], micro=2) == (4 + 3) * 2 * 8 * 8 * 2 * 4
+    assert pipeline_model.pool_work_bytes(lm_runs["gpipe"]["plan"], micro=2) == 0
+
+
+def _compile_only(model, x, task, tx, stages, schedule, micro_batches, chunks=1):
+    """A pipeline step compiled from shapes alone (micro-batches of 2 on each of 8 / stages data shards)."""
+    mesh = mesh_lib.make_mesh([("stage", stages), ("data", 8 // stages)])
+    example = jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype)
+    plan = make_plan(model, _abstract(model, x), stages, chunks=chunks, example=example)
+    schedule = make_schedule(schedule, stages, micro_batches, chunks)
+    state = pp.abstract_state(model, tx, example, plan)
+    state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state,
+                         pp.state_shardings(state, mesh, plan))
+    spec, size = NamedSharding(mesh, PartitionSpec(("stage", "data"))), micro_batches * 2 * (8 // stages)
+    labels = (size,) + x.shape[1:] if x.dtype == np.int32 else (size,)
+    batch = {"inputs": jax.ShapeDtypeStruct((size,) + x.shape[1:], x.dtype, sharding=spec),
+             "labels": jax.ShapeDtypeStruct(labels, np.int32, sharding=spec)}
+    compiled = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule, task)).lower(state, batch).compile()
+    return plan, schedule, compiled
+
+
+def test_the_memory_model_on_a_held_out_stage_cut():
+    """A pipeline chosen before the pool rule was measured, compiled only: LeNet on 4 stages x 2 with SGD under GPipe
+    (compiled / estimate 1.80 without the pool's backward, 1.13 with it). The other held-out cases, measured once
+    and not compiled here for the suite's time (docs/pipeline.md): VGG-A at 1/32 width on 8x8 images, 2 stages
+    GPipe Adam 0.99 and 4 stages 1F1B momentum 0.99; LeNet of 4 and 8 channels, 1F1B, M = 8, Adam 0.92; a 3-block
+    transformer on 4 stages, 1F1B, M = 8, 1.01; a transformer of width 32 interleaved (2 x 2 chunks, Adam) 0.93."""
+    model, x = _model("lenet"), np.zeros((1, 8, 8, 1), np.float32)
+    plan, schedule, compiled = _compile_only(model, x, _task("lenet"), optim.make_optimizer("sgd", 0.1), 4, "gpipe", 4)
+    e = memory_lib.estimate_pipeline(plan, schedule, micro=2, data=2, optimizer="sgd", example_bytes=DIGIT_BYTES)
+    assert memory_lib.compiled_peak(compiled) / e.total == pytest.approx(1, abs=0.15)
 
 
 def test_pieces_trace_their_shapes_and_flops():

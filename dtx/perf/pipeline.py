@@ -13,7 +13,9 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
   row-sized buffers: 0 for SGD, 1 for momentum, 2 for Adam) and its ``1/P`` of the data shard's batch; and its
   temporaries: :data:`WORK_ROWS` device rows (the gradient accumulator, the all-reduce's out-of-place result) and
   :data:`WORK_STAGE_ROWS` stage row (the backward slot's gradient) — read from XLA:CPU's buffer assignment — and
-  :data:`WORK_MESSAGES` buffers of one micro-batch's message; the kept stage inputs: ``slots`` buffers of one
+  :data:`WORK_MESSAGES` buffers of one micro-batch's message; where a stage max-pools, a max pool's backward on one
+  micro-batch (:func:`pool_work_bytes`: its index arrays, scatter and select, each the size of the pool's input,
+  which is no boundary's); the kept stage inputs: ``slots`` buffers of one
   micro-batch (``M`` under GPipe, ``min(M, 2P - 1)`` under 1F1B, ``VM`` interleaved) — the term that separates
   the schedules — and the data shard's batch, gathered over the stages (``M`` micro-batches of ``example_bytes`` each example).
   ``memory_bytes`` is the step's peak as :func:`dtx.perf.memory.compiled_peak` reads it, held to 15 %.
@@ -27,8 +29,11 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtx.comm import costmodel
@@ -47,6 +52,58 @@ WORK_STAGE_ROWS = 1
 WORK_MESSAGES = 20
 
 
+def pool_work_bytes(plan: StagePlan, micro: int, itemsize: int = 4) -> int:
+    """The working buffers of the largest max pool's backward on one micro-batch: ``rank + 3`` buffers of the
+    pool's input (a ``(micro, H, W, C)`` map: rank 4), 0 without a max pool.
+
+    Why: XLA:CPU expands a max pool's gradient (select-and-scatter) into a reduce-window that carries each window
+    maximum's position as one int32 index array per dimension of the pool's input (iotas of its shape), their
+    concatenation into scatter indices, the scatter's output and the select that masks it: ``rank + 3`` buffers
+    the size of the convolution's output before pooling, read from LeNet's buffer assignment (4 iotas ``s32[2,8,8,2]``,
+    ``s32[64,4]``, the scatter, the select) — 4x its boundary there, so the boundary-sized message buffers miss it.
+    Every device's program holds every stage's code (the stages are branches of one SPMD program sharing one
+    temporary arena), so the largest pool of any stage counts on each device."""
+    largest = 0
+    for layer in plan.layers:
+        for shape in _pool_inputs(layer):
+            largest = max(largest, (len(shape) + 1 + 3) * math.prod(shape))
+    return largest * micro * itemsize
+
+
+def _pool_inputs(layer) -> list[tuple[int, ...]]:
+    """One example's input shape of each max pool (``reduce_window_max``) of a traced piece (no Dense layer pools)."""
+    if layer.fn is None or all(len(shape) < 2 for _, shape in layer.leaves) and len(layer.in_shape) < 2:
+        return []
+    params: dict = {}
+    for path, shape in layer.leaves:
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jax.ShapeDtypeStruct(shape, jnp.float32)
+    for dtype in (jnp.float32, jnp.int32):  # the stages pass float32; only the first piece may take tokens
+        try:
+            jaxpr = jax.make_jaxpr(layer.fn)(params, jax.ShapeDtypeStruct((1,) + layer.in_shape, dtype))
+            break
+        except (TypeError, ValueError):
+            continue
+    else:
+        return []
+    return [tuple(eqn.invars[0].aval.shape[1:]) for eqn in _equations(jaxpr.jaxpr)
+            if eqn.primitive.name == "reduce_window_max"]
+
+
+def _equations(jaxpr):
+    """A jaxpr's equations, its inner jaxprs' included."""
+    import jax.extend.core as jex
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jex.ClosedJaxpr, jex.Jaxpr)):
+                    yield from _equations(getattr(sub, "jaxpr", sub))
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineEstimate:
     """One device's share of a pipeline step (module docstring); bytes and seconds."""
@@ -60,7 +117,7 @@ class PipelineEstimate:
     kept_bytes: int
     batch_bytes: int  # the data shard's batch, gathered over the stages
     step_s: float | None  # None without a cluster
-    work_bytes: int = 0  # the working buffers (WORK_ROWS rows, WORK_MESSAGES messages)
+    work_bytes: int = 0  # the working buffers (WORK_ROWS rows, WORK_MESSAGES messages, a max pool's backward)
     stages: int = 1  # P: a device's argument is 1/P of the gathered batch
 
     @property
@@ -92,7 +149,7 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
                             OPTIMIZER_SLOTS[optimizer] * row_bytes, schedule.slots * message,
                             schedule.micro * micro * example_bytes, step_s,
                             WORK_ROWS[schedule.name] * row_bytes + WORK_STAGE_ROWS * plan.row * itemsize
-                            + WORK_MESSAGES * message, plan.devices)
+                            + WORK_MESSAGES * message + pool_work_bytes(plan, micro, itemsize), plan.devices)
 
 
 @dataclasses.dataclass(frozen=True)
