@@ -11,7 +11,8 @@ shard's are summed apart over the micro-batches (:mod:`dtx.step.accumulate`). A 
 each device holds a whole gradient (data, ZeRO-1), and a model group under the model-parallel layouts
 (model, hybrid, rules): their split layers gather activations inside a group, so only the other axes
 are mapped; a data-parallel layer among them is still summed inside its group per micro-batch. ZeRO-2
-and FSDP reduce every micro-batch's gradient to their split accumulator (that is what they are). Under
+and FSDP reduce every micro-batch's gradient to their split accumulator (that is what they are), unless FSDP
+is told ``parallel.reduce=once`` ("no sync"): then a shard is a device, holding its own whole gradient. Under
 ``parallel.name=tensor`` a shard is a model group too, and the map is a ``shard_map`` manual over the data
 axes, the Megatron regions nested in it (a vmap of them fails JAX's replication typing). The records count
 each loop's collectives once per trip.
@@ -90,10 +91,11 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
     uses a parameter twice (``reuses_parameters``) where the parameters are whole (module docstring); with
     accumulation
     (:mod:`dtx.step.accumulate`), where a shard can hold its own unreduced gradient laid out as the
-    parameters are: one device per shard with whole parameters (data, ZeRO-1), one model group per shard
+    parameters are: one device per shard with whole parameters (data, ZeRO-1; FSDP accumulating whole
+    gradients, Placement.whole_gradients), one model group per shard
     when kernels are split over ``model`` and over nothing the map runs along (model, hybrid, rules, tensor:
-    a ``shard_map`` where the layout's regions are ``manual``). ZeRO-2 and FSDP split every micro-batch's
-    gradient over all devices: that is what they are."""
+    a ``shard_map`` where the layout's regions are ``manual``). ZeRO-2 and FSDP (by default) split every
+    micro-batch's gradient over all devices: that is what they are."""
     placement = spec.placement
     if spec.accum_steps == 1:  # each shard's whole gradient, then one reduction (module docstring)
         whole = placement is None or (placement.layout.kernels == "none" and placement.layout.zero_stage < 3)
