@@ -72,3 +72,17 @@ def test_an_interleaved_plan_compiles_to_its_predicted_flops_and_bytes():
     flops, sent = pipeline_sim.compiled_figures("speech_dnn", (64,), p, jax.devices())
     assert abs(flops / p.stage_flops - 1) <= VERIFY_TOLERANCE, (flops, p.stage_flops)
     assert abs(sent / p.bytes_sent - 1) <= VERIFY_TOLERANCE, (sent, p.bytes_sent)
+
+
+def test_memory_names_the_conv_pipelines_it_may_miss(capsys):
+    """--memory's pipeline rows of a conv net carry a named warning (the planner's layers do not describe the max
+    pools whose backward memory_limit's estimate counts: dtx.perf.pipeline.PLANNER_CONV); a Dense stack's do not."""
+    from dtx.perf.pipeline import PLANNER_CONV
+
+    assert simulate_main(["--model", "vgg_a", "--cluster", "cloud_10gbe", "--nodes", "4", "--global-batch", "64",
+                          "--memory"]) == 0
+    text = capsys.readouterr().out
+    assert "warning: outside the memory model's measured regime" in text and PLANNER_CONV in text
+    assert "4 pipeline 2x2" in text.split("warning")[-1]
+    assert simulate_main(ARGV + ["--memory"]) == 0
+    assert PLANNER_CONV not in capsys.readouterr().out

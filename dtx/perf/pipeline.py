@@ -70,6 +70,18 @@ def pool_work_bytes(plan: StagePlan, micro: int, itemsize: int = 4) -> int:
     return largest * micro * itemsize
 
 
+PLANNER_CONV = ("a pipeline of convolutions: the planner's pipeline memory (dtx.perf.pipeline_plan, from the analysed "
+                "layers) counts no max pool's backward, which memory_limit's estimate (dtx.perf.memory.estimate_pipeline) "
+                "counts; without it the compiled peak measured 1.02-1.80x the estimate (LeNet, VGG-A at 1/32 width)")
+
+
+def planner_outside(layers) -> str:
+    """Why ``dtx simulate --memory``'s pipeline rows of ``layers`` (:class:`dtx.perf.layers.Layer`) may miss by more
+    than 15 % (:data:`PLANNER_CONV` where a layer is a convolution, whose pooling the analysed layers do not
+    describe), or ``""``."""
+    return PLANNER_CONV if any(layer.kind == "conv" for layer in layers) else ""
+
+
 def _pool_inputs(layer) -> list[tuple[int, ...]]:
     """One example's input shape of each max pool (``reduce_window_max``) of a traced piece (no Dense layer pools)."""
     if layer.fn is None or all(len(shape) < 2 for _, shape in layer.leaves) and len(layer.in_shape) < 2:

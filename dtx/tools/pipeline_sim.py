@@ -17,6 +17,7 @@ import time
 
 from dtx.perf import memory as memory_lib
 from dtx.perf import model as perfmodel
+from dtx.perf import pipeline as pipeline_estimate
 from dtx.perf import pipeline_plan
 from dtx.perf.clusters import Cluster
 from dtx.tools.plancheck import VERIFY_TOLERANCE
@@ -58,7 +59,7 @@ def rows(args, cluster: Cluster, layers, points, optimizer: str = "adam") -> lis
                                              args.overlap, optimizer=optimizer, algorithm=args.algorithm,
                                              runnable=can_run, fixes=fixes)
         out.append(dict(nodes=n, global_batch=point.global_batch, das=das, das_memory=das_memory, chosen=chosen,
-                        pipeline=fitting[0] if fitting else None,
+                        pipeline=fitting[0] if fitting else None, outside=pipeline_estimate.planner_outside(layers),
                         why=pipeline_plan.why(chosen, das, das_memory, fitting, cluster, args.overlap)))
     return out
 
@@ -94,7 +95,8 @@ def memory_rows(table: list[dict]) -> list[dict]:
     for row in table:
         p = row["pipeline"]
         if p is not None:
-            out.append(dict(nodes=row["nodes"], layout=p.text(), group_size=1, **p.memory, total=p.memory_bytes))
+            out.append(dict(nodes=row["nodes"], layout=p.text(), group_size=1, **p.memory, total=p.memory_bytes,
+                            outside=row.get("outside", "")))
     return out
 
 
