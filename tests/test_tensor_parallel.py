@@ -179,7 +179,8 @@ def test_a_tied_embedding_crosses_the_data_axes_once(runs):
     """Data parallelism over 8 devices (jit) with the output layer tied to the embedding (GPT-2's): each device sums
     the table's two gradients (the lookup's and the output layer's) before the step's one all-reduce, whose
     operand is the parameters' bytes (and two scalars), not the table twice (reduced apart, XLA sent 7 % more
-    here and 31 % more for GPT-2 small: tests/test_gpt2.py checks it at full width)."""
+    here and 31 % more for GPT-2 small: tests/test_gpt2.py checks it at full width). Broken by hand (the jit
+    driver's one-pass map off): GPT-2's 1-block step reduced 340,282,376 bytes against 185,892,872, and failed."""
     found = [c for c in _collectives(runs["tied_data"]["compiled"]) if c.kind == "all-reduce"]
     params = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["tied_data"]["params"]))
     assert [(c.group_size, c.trips) for c in found] == [(8, 1)], found
@@ -191,7 +192,8 @@ def test_accumulation_reduces_over_the_data_axes_once_per_step(runs):
     groups (dtx.step.accumulate.manual_gradients), so the only collective over the data axes is one all-reduce
     after the loop of each device's gradient bytes (:func:`dtx.perf.tensor.data_gradient_bytes`: what it holds,
     less the position table's rows it does not reduce); everything inside the loop (twice a step) is over
-    ``model``: the blocks' Megatron collectives each micro-batch, as :func:`dtx.perf.tensor.block_collectives`."""
+    ``model``: the blocks' Megatron collectives each micro-batch, as :func:`dtx.perf.tensor.block_collectives`.
+    Broken by hand (``TensorLayout.manual`` False: each micro-batch's gradient reduced): 2 trips, caught."""
     run = runs["sp_accum2"]
     found = _collectives(run["compiled"])
     over_data = [c for c in found if c.group_size == D]
@@ -236,7 +238,7 @@ def test_bf16_compute_moves_bf16_activations(runs):
     H)``) are bf16, and none of that size is float32. XLA:CPU's compiled program carries them as float32: its
     collectives upcast bf16, so each reads the float32 bytes of :func:`dtx.perf.tensor.block_collectives` there
     (what dtx.comm.hlo reads on CPU); a GPU's NCCL moves the bf16. 20 steps stay within bf16's tolerance of the
-    float32 run (losses rtol 1e-2)."""
+    float32 run (losses rtol 1e-2). Broken by hand (SP's reduce-scatter in float32): caught."""
     run, b, t = runs["sp_bf16"], BATCH // D, S // T
     found = _region_collectives(run["lowered"])
     activations = {k: v for k, v in found.items() if re.fullmatch(rf"tensor<({b}x{S}|{b}x{t}|{t}x{b})x{H}x\w+>", k[1])}
