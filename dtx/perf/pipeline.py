@@ -84,7 +84,7 @@ def planner_outside(layers) -> str:
 
 def _pool_inputs(layer) -> list[tuple[int, ...]]:
     """One example's input shape of each max pool (``reduce_window_max``) of a traced piece (no Dense layer pools)."""
-    if layer.fn is None or all(len(shape) < 2 for _, shape in layer.leaves) and len(layer.in_shape) < 2:
+    if layer.fn is None:
         return []
     params: dict = {}
     for path, shape in layer.leaves:
