@@ -409,5 +409,6 @@ def test_memory_limit_and_simulate_warn_outside_the_measured_regime(tmp_path, ca
     argv = ["--model", f"{__name__}:_TwoConv", "--input-shape", "4,4,16", "--cluster", "cloud_10gbe", "--nodes", "1,8",
             "--global-batch", "128", "--memory", "--out", str(tmp_path)]
     assert simulate_main(argv) == 0
-    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: outside")]
+    warned = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("warning: outside") and "convolution Conv_1's output" in line]
     assert len(warned) == 1 and "(1 data, 1 zero1" in warned[0] and " 8 " not in warned[0].split(":")[1]
