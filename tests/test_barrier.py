@@ -20,8 +20,9 @@ TINY = ["--config.model.features=(16,)", "--config.log_every=1", "--config.progr
         "--config.checkpoint.every_steps=2", "--config.heartbeat_seconds=10"]
 BOUND = 10  # watchdog_seconds: the agreements of a restore and a save wait this long for a rank
 
-# A rank alive but never at the restore or the save (asleep; its heartbeats go on, its own watchdog is paused as
-# in an evaluation): rank 1 sleeps where the restore, or the save of step 4, begins, as ASLEEP says.
+# A rank alive but never at the restore, the save or an evaluation (asleep; its heartbeats go on, its own watchdog
+# is paused there): rank 1 sleeps where the restore, the save of step 4 or the final evaluation begins, or
+# inside the final evaluation after its second batch, as ASLEEP says; with DIFFER, rank 1 runs another learning rate.
 _ASLEEP = """
 import os, time
 from dtx.ckpt import checkpoint
@@ -43,11 +44,40 @@ def _arrive_late(self, step):
 
 checkpoint.Checkpointer.resume, checkpoint.Checkpointer.arrive = _resume_late, _arrive_late
 
+from dtx.run import trainer
+
+_evaluation = trainer.arrive_at_evaluation
+
+
+def _evaluation_late(config, step):
+    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("ASLEEP") == "evaluation":
+        time.sleep(600)
+    return _evaluation(config, step)
+
+
+trainer.arrive_at_evaluation = _evaluation_late
+
+from dtx.run import watchdog
+
+_alive = watchdog.StepWatchdog.alive
+
+
+def _alive_late(self):  # called after each evaluation batch past the first
+    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("ASLEEP") == "inside":
+        time.sleep(600)
+    return _alive(self)
+
+
+watchdog.StepWatchdog.alive = _alive_late
+
 
 def get_config():
     default = {}
     exec(open(%r).read(), default)
-    return default["get_config"]()
+    config = default["get_config"]()
+    if os.environ.get("DTX_PROCESS_ID") == "1" and os.environ.get("DIFFER"):  # started with another setting
+        config.optimizer.learning_rate *= 2
+    return config
 """ % DEFAULT
 
 
@@ -141,3 +171,39 @@ def test_a_rank_that_never_arrives_at_a_save_is_named_and_the_start_recorded_who
     assert starts[1:] == [{"restart": 1, "processes": 2, "mesh": {"data": 4}, "grad_accum_steps": 1,
                            "restored_step": 2, "lost": None, "steps_recomputed": 2}], starts
     assert sorted(n for n in os.listdir(workdir / "checkpoints") if not n.startswith(".")) == ["2", "superseded"]
+
+
+def test_a_rank_that_never_arrives_at_an_evaluation_is_named_and_a_config_that_differs_is_refused(tmp_path):
+    """A fresh start (the step watchdog is paused during evaluations, whose first compile may outlast it): rank 1
+    sleeps before the final evaluation, and rank 0 names it after watchdog_seconds instead of waiting in the
+    evaluation's first collective for ever (with the arrival removed, rank 0 hangs until killed). Then a start
+    whose rank 1 was given another learning rate is refused at once, by both ranks, before anything is written:
+    the config check exchanges digests with a deadline, not through a collective."""
+    experiment = tmp_path / "asleep.py"
+    experiment.write_text(_ASLEEP)
+    rank0, rank1 = _finish(_slurm_style(str(experiment), tmp_path / "run", "--config.num_steps=2",
+                                        "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
+                                        extra_env={"ASLEEP": "evaluation"}), timeout=240)
+    assert rank0[0] == WATCHDOG_EXIT, rank0[1]
+    assert f"rank 1 did not reach the evaluation after step 2 within {BOUND} s" in rank0[1], rank0[1]
+    assert rank1[0] != 0 and rank1[2] < 200, rank1
+    ended = _finish(_slurm_style(str(experiment), tmp_path / "other", "--config.num_steps=2",
+                                 "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
+                                 extra_env={"DIFFER": "1"}), timeout=240)
+    for code, err, _ in ended:
+        assert code == 2 and "the config of rank(s) 1 differs from rank 0's" in err, (code, err[-2000:])
+    assert not (tmp_path / "other" / "checkpoints").exists()
+
+
+def test_a_rank_stuck_inside_an_evaluation_is_caught_by_the_watchdog(tmp_path):
+    """Past its first batch (the one that may compile) an evaluation is watched as steps are: rank 1 stops after
+    the final evaluation's second batch of six, rank 0 waits in the third's collective, and both step watchdogs
+    end their process within watchdog_seconds (paused for the whole evaluation, as before, they waited for ever)."""
+    experiment = tmp_path / "asleep.py"
+    experiment.write_text(_ASLEEP)
+    ended = _finish(_slurm_style(str(experiment), tmp_path / "run", "--config.num_steps=2",
+                                 "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
+                                 "--config.eval_batch_size=64", extra_env={"ASLEEP": "inside"}), timeout=240)
+    for code, err, seconds in ended:
+        assert code == WATCHDOG_EXIT and f"made no progress for {BOUND} s after step 2" in err, (code, err[-2000:])
+        assert seconds < 200

@@ -41,14 +41,14 @@ def _client():
     return distributed.global_state.client
 
 
-def agree(ok: bool, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Whether ``ok`` holds on every process (the same answer everywhere), waiting at most ``timeout_s`` for the
-    others; raises :class:`BarrierTimeout` naming the ranks that did not arrive at ``what``."""
+def exchange(value: str, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[int, str]:
+    """Every process's ``value`` by rank, waiting at most ``timeout_s`` for the others; raises
+    :class:`BarrierTimeout` naming the ranks that did not arrive at ``what``."""
     if jax.process_count() == 1:
-        return ok
+        return {0: value}
     client, rank, count = _client(), jax.process_index(), jax.process_count()
     key = f"dtx_agree/{next(_rounds)}"
-    client.key_value_set(f"{key}/{rank}", "1" if ok else "0")
+    client.key_value_set(f"{key}/{rank}", value)
     deadline, answers, missing = time.monotonic() + timeout_s, {}, []
     for other in range(count):
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
@@ -63,7 +63,12 @@ def agree(ok: bool, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
             f"{ranks} did not reach {what} within {timeout_s:g} s (rank {rank} waited; alive but elsewhere -- "
             f"asleep, blocked in its input pipeline, stuck reading -- or gone); nothing was written. See that "
             "rank's log; watchdog_seconds sets this bound")
-    return all(answer == "1" for answer in answers.values())
+    return answers
+
+
+def agree(ok: bool, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether ``ok`` holds on every process (the same answer everywhere), bounded as :func:`exchange`."""
+    return all(answer == "1" for answer in exchange("1" if ok else "0", what, timeout_s).values())
 
 
 def wait(what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

@@ -13,7 +13,6 @@ import os
 import sys
 
 import jax
-import numpy as np
 from ml_collections import ConfigDict
 
 from dtx.ckpt import barrier as barrier_lib
@@ -40,11 +39,11 @@ def check_paths(workdir: str, checkpoint_dir: str) -> None:
 
 def prepare(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool) -> tuple[bool, bytes | None]:
     """Whether the run resumes, and the manifests' HMAC key; every process agrees before anyone writes."""
+    bound = barrier_seconds(config)
     if multi_process:
-        check_same_config(config)
+        check_same_config(config, bound)
     resuming = decide_resume(config.checkpoint.resume, checkpoint_dir, workdir, config.checkpoint.resume_step)
     key = hmac_key(config.checkpoint.hmac_key_env)
-    bound = barrier_seconds(config)
     barrier_lib.wait("the check of the workdir", bound)  # before anyone writes to it
     if multi_process and (config.checkpoint.every_steps or resuming):
         check_shared_directory(checkpoint_dir, bound)
@@ -155,14 +154,17 @@ def barrier_seconds(config: ConfigDict) -> float:
     return float(config.watchdog_seconds) if config.watchdog_seconds > 0 else barrier_lib.DEFAULT_TIMEOUT_S
 
 
-def check_same_config(config: ConfigDict) -> None:
-    """Every process must run the same experiment; a mismatch would silently train nonsense."""
-    from jax.experimental import multihost_utils
-
-    digest = np.frombuffer(hashlib.sha256(config.to_json().encode()).digest()[:4], np.int32)  # x64 is off
-    multihost_utils.assert_equal(
-        digest, f"process {jax.process_index()}: config differs between processes (compare their config.json); "
-        "every process must be started with the same experiment and overrides")
+def check_same_config(config: ConfigDict, bound: float = barrier_lib.DEFAULT_TIMEOUT_S) -> None:
+    """Every process must run the same experiment; a mismatch would silently train nonsense. The digests travel
+    through the coordination service with a deadline (:func:`dtx.ckpt.barrier.exchange`), not a collective: a
+    rank that never gets here is named after ``bound`` seconds instead of holding the others."""
+    digest = hashlib.sha256(config.to_json().encode()).hexdigest()[:16]
+    digests = barrier_lib.exchange(digest, "the check that every process runs the same config", bound)
+    differ = sorted(rank for rank, other in digests.items() if other != digests[0])
+    if differ:
+        raise config_lib.ConfigError(
+            f"process {jax.process_index()}: the config of rank(s) {', '.join(map(str, differ))} differs from rank "
+            "0's (compare their config.json); every process must be started with the same experiment and overrides")
 
 
 def check_shared_directory(directory: str, bound: float = barrier_lib.DEFAULT_TIMEOUT_S) -> None:

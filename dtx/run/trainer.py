@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from ml_collections import ConfigDict
 
+from dtx.ckpt import barrier as barrier_lib
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
@@ -147,8 +148,7 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             # Waits for the step before (lag-1), reads it once, records it every log_every steps.
             log.dispatched(step + 1, step_metrics, {"batch_hash": batch_hash, "data_digest": data_digest})
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < run.num_steps and run.tests:
-                with watchdog.paused():  # an evaluation (and its first compile) may outlast watchdog_seconds
-                    run.writer.write(step + 1, evaluate(run.eval_step, state, run.tests, run.parts.task))
+                run.writer.write(step + 1, watched_evaluation(run, state, watchdog, config, step + 1))
             preempted = preemption.requested(step + 1)
             if run.checkpointer and (preempted or (every and (step + 1) % every == 0) or step + 1 == run.num_steps):
                 started = time.perf_counter()
@@ -175,11 +175,32 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             saved = run.checkpointer is not None and run.checkpointer.latest_step() == int(to_host(state.step))
             return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True, saved=saved)
 
-        with watchdog.paused():
-            final = evaluate(run.eval_step, state, run.tests, run.parts.task) if run.tests else {}
+        final = watched_evaluation(run, state, watchdog, config, run.num_steps) if run.tests else {}
         if final:
             run.writer.write(run.num_steps, final)
     return TrainResult(state=state, metrics=final, workdir=workdir)
+
+
+def watched_evaluation(run: _Run, state: TrainState, watchdog, config: ConfigDict, step: int) -> dict:
+    """:func:`evaluate`, every wait of it bounded: the ranks arrive first and the first batch (whose call may
+    compile the evaluation step, for longer than ``watchdog_seconds``) runs with the step watchdog paused; each
+    further batch is watched as a step is, so a rank stuck inside an evaluation is caught too."""
+    with watchdog.paused():
+        arrive_at_evaluation(config, step)
+        batches = iter(run.tests)
+        first = next(batches, None)
+        results = [] if first is None else [to_host(run.eval_step(state, first))]
+    for batch in batches:
+        results.append(to_host(run.eval_step(state, batch)))
+        watchdog.alive()
+    return tasks_lib.summarize(results, run.parts.task)
+
+
+def arrive_at_evaluation(config: ConfigDict, step: int) -> None:
+    """Every rank arrives before an evaluation's collectives start (bounded as a save's arrival,
+    :func:`dtx.run.rundir.barrier_seconds`): the step watchdog is paused there, so a rank asleep or stuck before
+    the evaluation would otherwise hold the others in its first collective with nothing to name it."""
+    barrier_lib.wait(f"the evaluation after step {step}", rundir.barrier_seconds(config))
 
 
 class _Run(NamedTuple):

@@ -38,6 +38,13 @@ class StepWatchdog:
         if self.progress is not None:  # dtx.run.progress: what the launcher reads to name a stalled rank
             self.progress.mark("training", step)
 
+    def alive(self) -> None:
+        """Work between steps made progress (an evaluation's batch): the clock starts again, the step stays."""
+        if self._last is not None:
+            self._last = time.monotonic()
+            if self.progress is not None:
+                self.progress.mark("training", self._step)
+
     @contextlib.contextmanager
     def paused(self):
         """Work between steps that may outlast ``timeout`` without being stuck (an evaluation of a large

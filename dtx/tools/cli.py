@@ -130,8 +130,8 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
     except FloatingPointError as e:  # the run diverged: the message names the step and what to change
         print(f"dtx: diverged: {e}", file=sys.stderr)
         return 3
-    except BarrierTimeout as e:  # a peer never came to a save or restore: the watchdog's code (a stuck peer, named)
-        print(f"dtx: checkpoint error: {e}", file=sys.stderr)
+    except BarrierTimeout as e:  # a peer never came to a save, restore or evaluation: the watchdog's code (named)
+        print(f"dtx: a peer did not arrive: {e}", file=sys.stderr)
         return WATCHDOG_EXIT
     except CheckpointError as e:  # a checkpoint that cannot be written or must not be restored: says why
         print(f"dtx: checkpoint error: {e}", file=sys.stderr)
