@@ -161,7 +161,9 @@ def plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: in
     spans = [layers[bounds[s]:bounds[s + 1]] for s in range(stages * v)]
     stage_costs = [sum(costs[bounds[s]:bounds[s + 1]]) for s in range(stages * v)]
     tick = max(stage_costs) * RECOMPUTE
-    width = max(span[-1].out_elements for span in spans[:-1]) if len(spans) > 1 else 0  # dtx's buffer: the widest
+    # dtx's buffer: the widest boundary, as the next stage receives it (a convolution's output before its max pool
+    # is the analysed layer's; what crosses is the pooled map, the next layer's input)
+    width = max(span[0].in_elements for span in spans[1:]) if len(spans) > 1 else 0
     message = b * width * e
     schedule = make_schedule("interleaved" if v > 1 else SCHEDULE, stages, micro, v)
     row = v * max(sum(layer.weights for layer in span) for span in spans) * e
