@@ -197,13 +197,15 @@ def test_a_rank_that_never_arrives_at_an_evaluation_is_named_and_a_config_that_d
 
 def test_a_rank_stuck_inside_an_evaluation_is_caught_by_the_watchdog(tmp_path):
     """Past its first batch (the one that may compile) an evaluation is watched as steps are: rank 1 stops after
-    the final evaluation's second batch of six, rank 0 waits in the third's collective, and both step watchdogs
-    end their process within watchdog_seconds (paused for the whole evaluation, as before, they waited for ever)."""
+    the final evaluation's second batch of six, rank 0 waits in the third's collective, and the step watchdogs
+    end the job within watchdog_seconds (paused for the whole evaluation, as before, both waited for ever). Which
+    process goes first is a race (each watchdog counts from its own last batch); the other then loses the
+    coordinator and aborts, so one watchdog's report is asserted, and both ends."""
     experiment = tmp_path / "asleep.py"
     experiment.write_text(_ASLEEP)
     ended = _finish(_slurm_style(str(experiment), tmp_path / "run", "--config.num_steps=2",
                                  "--config.emulate_cpu_devices=2", f"--config.watchdog_seconds={BOUND}",
                                  "--config.eval_batch_size=64", extra_env={"ASLEEP": "inside"}), timeout=240)
-    for code, err, seconds in ended:
-        assert code == WATCHDOG_EXIT and f"made no progress for {BOUND} s after step 2" in err, (code, err[-2000:])
-        assert seconds < 200
+    assert any(code == WATCHDOG_EXIT and f"made no progress for {BOUND} s after step 2" in err
+               for code, err, _ in ended), [(code, err[-2000:]) for code, err, _ in ended]
+    assert all(code != 0 and seconds < 200 for code, _, seconds in ended), ended
