@@ -14,6 +14,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from .pieces import dense_piece, refuse_dropout
+
 # (layer name, output channels); "pool" closes a block. Names are stable: the
 # planner's partitioning rules are regexes on parameter paths such as "fc6/kernel".
 VGG_A_CONVS = (
@@ -52,10 +54,7 @@ class VGGA(nn.Module):
         """The 11 weight layers in order, for pipeline stages (:mod:`dtx.parallel.stages`): each convolution with its
         ReLU and the pooling that closes its block, fc6-fc8 (fc6 flattens its input). Dropout is refused: a stage's
         micro-batches would draw other masks than one device's batch."""
-        if self.dropout_rate:
-            raise ValueError(f"model.dropout_rate={self.dropout_rate}: pipeline stages draw no dropout masks (one "
-                             "device's would differ from the micro-batches'); set --config.model.dropout_rate=0 for "
-                             "parallel.name=pipeline")
+        refuse_dropout(self.dropout_rate)
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
         def conv(channels, pool):
@@ -66,11 +65,7 @@ class VGGA(nn.Module):
             return apply
 
         def fc(width, last):
-            def apply(params, x):
-                x = nn.Dense(width, **dense).apply({"params": next(iter(params.values()))},
-                                                   x.reshape((x.shape[0], -1)))
-                return x if last else nn.relu(x)
-            return apply
+            return dense_piece(width, last, self.dtype, self.param_dtype)
 
         pieces = []
         for i, layer in enumerate(VGG_A_CONVS):
