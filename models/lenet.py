@@ -8,8 +8,6 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .pieces import dense_piece
-
 
 class LeNet(nn.Module):
     """Conv(5x5) -> BN -> ReLU -> pool, twice, then dense layers (LeCun et al. 1998, with BN).
@@ -54,7 +52,11 @@ class LeNet(nn.Module):
             return apply
 
         def fc(width, last):
-            return dense_piece(width, last, self.dtype, self.param_dtype)
+            def apply(params, x):
+                x = nn.Dense(width, **dense).apply({"params": next(iter(params.values()))},
+                                                   x.reshape((x.shape[0], -1)))
+                return x if last else nn.relu(x)
+            return apply
 
         widths = list(self.dense_features) + [self.num_classes]
         return ([((f"Conv_{i}",), conv(c)) for i, c in enumerate(self.conv_features)]

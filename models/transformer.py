@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .pieces import refuse_dropout
 from .remat import check_policy, checkpoint_policy
 
 
@@ -103,7 +102,10 @@ class Transformer(nn.Module):
             raise ValueError("model.tie_embeddings=True: under a pipeline the embedding lives on the first stage and "
                              "the output layer on the last, so they cannot be one matrix; set "
                              "--config.model.tie_embeddings=False for parallel.name=pipeline")
-        refuse_dropout(self.dropout_rate)
+        if self.dropout_rate:
+            raise ValueError(f"model.dropout_rate={self.dropout_rate}: pipeline stages draw no dropout masks (one "
+                             "device's would differ from the micro-batches'); set --config.model.dropout_rate=0 for "
+                             "parallel.name=pipeline")
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
         def embed(params, tokens):

@@ -14,8 +14,6 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .pieces import dense_piece, refuse_dropout
-
 # (layer name, output channels); "pool" closes a block. Names are stable: the
 # planner's partitioning rules are regexes on parameter paths such as "fc6/kernel".
 VGG_A_CONVS = (
@@ -54,7 +52,10 @@ class VGGA(nn.Module):
         """The 11 weight layers in order, for pipeline stages (:mod:`dtx.parallel.stages`): each convolution with its
         ReLU and the pooling that closes its block, fc6-fc8 (fc6 flattens its input). Dropout is refused: a stage's
         micro-batches would draw other masks than one device's batch."""
-        refuse_dropout(self.dropout_rate)
+        if self.dropout_rate:
+            raise ValueError(f"model.dropout_rate={self.dropout_rate}: pipeline stages draw no dropout masks (one "
+                             "device's would differ from the micro-batches'); set --config.model.dropout_rate=0 for "
+                             "parallel.name=pipeline")
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
         def conv(channels, pool):
@@ -65,7 +66,11 @@ class VGGA(nn.Module):
             return apply
 
         def fc(width, last):
-            return dense_piece(width, last, self.dtype, self.param_dtype)
+            def apply(params, x):
+                x = nn.Dense(width, **dense).apply({"params": next(iter(params.values()))},
+                                                   x.reshape((x.shape[0], -1)))
+                return x if last else nn.relu(x)
+            return apply
 
         pieces = []
         for i, layer in enumerate(VGG_A_CONVS):
