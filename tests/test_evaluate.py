@@ -140,6 +140,14 @@ def test_export_loads_into_plain_flax_with_identical_logits(run, tmp_path, capsy
     assert "never overwrites" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["LeNet", "MLP", "VGGA", "ResNet18", "SpeechDNN", "OverFeatFast"])
+def test_the_zoos_models_export_their_source_in_one_file(name):
+    """An export carries model.py only for a module that imports no other dtx module: the zoo's models stay one
+    file each (a shared helper module once made LeNet's export lose its source; only the CI run saw it)."""
+    import models
+    assert evaluate._self_contained_source(getattr(models, name)) is not None
+
+
 def test_resume_step_from_the_command_line(run, tmp_path, capsys):
     experiment, workdir = run
     copy = tmp_path / "copy"
