@@ -48,7 +48,7 @@ from dtx.parallel import rules as rules_lib
 from dtx.parallel import tensor as tensor_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
 from dtx.parallel.rules import PartitionError
-from dtx.parallel.stages import STAGE_AXIS
+from dtx.parallel.stages import STAGE_AXIS, row_spec
 
 KERNEL_SPLITS = ("none", "all", "dense", "explicit", "paired")
 REDUCE = ("per_microbatch", "once")  # parallel.reduce: when FSDP reduces the gradients under accumulation
@@ -185,7 +185,7 @@ class Layout:
         if self.stages:
             self.check(mesh)
             rows = tuple(abstract_state.params.shape)
-            split, whole = NamedSharding(mesh, PartitionSpec(STAGE_AXIS)), NamedSharding(mesh, PartitionSpec())
+            split, whole = NamedSharding(mesh, row_spec(mesh)), NamedSharding(mesh, PartitionSpec())
             return Placement(self, jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state),
                              None, None)
         params = self.param_rules(mesh, abstract_state.params, explicit)

@@ -37,8 +37,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
+from dtx.mesh import MODEL_AXIS
 
 STAGE_AXIS = "stage"
+
+
+def row_spec(mesh) -> PartitionSpec:
+    """Where the parameter rows live: split over ``stage``, and over ``model`` where the mesh has one (each device
+    its slices of a tensor-parallel stage: :mod:`dtx.parallel.tensor_stages`)."""
+    return PartitionSpec(STAGE_AXIS, MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else PartitionSpec(STAGE_AXIS)
 
 
 class PipelineError(ValueError):
@@ -213,8 +222,18 @@ class StagePlan:
 
     @property
     def stage_sizes(self) -> tuple[int, ...]:
-        """Parameters per stage."""
-        return tuple(sum(layer.size for layer in self.stage_layers(s)) for s in range(self.num_stages))
+        """Parameters per stage (a device's: its slices of a split stage's, :mod:`dtx.parallel.tensor_stages`)."""
+        return tuple(sum(math.prod(self.leaf_shape(path, shape)) for layer in self.stage_layers(s)
+                         for path, shape in layer.leaves) for s in range(self.num_stages))
+
+    def leaf_shape(self, path, shape) -> tuple[int, ...]:
+        """A leaf's shape in a device's row (whole here; a split stage's slices in its subclass)."""
+        return tuple(shape)
+
+    @property
+    def rows_shape(self) -> tuple[int, int]:
+        """The parameter rows' shape: ``(P, V·row)``, split over ``stage`` (:func:`row_spec`)."""
+        return (self.devices, self.chunks * self.row)
 
     @property
     def stage_flops(self) -> tuple[int, ...]:
@@ -266,6 +285,7 @@ class StagePlan:
         params, offset = {}, 0
         for layer in self.stage_layers(stage):
             for path, shape in layer.leaves:
+                shape = self.leaf_shape(path, shape)
                 node = params
                 for key in path[:-1]:
                     node = node.setdefault(key, {})

@@ -44,7 +44,8 @@ from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
 from dtx.parallel.pipeline_schedules import Schedule, make_schedule
-from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan
+from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan, row_spec
+from dtx.parallel.tensor_stages import MODEL, split_plan, tensor_traffic
 from dtx.step import pipeline_optim
 from dtx.step.spec import StepError
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
@@ -65,8 +66,13 @@ class Pipeline:
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes that split the batch under a pipeline: every axis but ``stage``."""
-    return tuple(name for name in mesh.axis_names if name != STAGE_AXIS)
+    """The axes that split the batch under a pipeline: all but ``stage`` and ``model`` (:mod:`.tensor_stages`)."""
+    return tuple(name for name in mesh.axis_names if name not in (STAGE_AXIS, MODEL))
+
+
+def _group(mesh: Mesh) -> tuple[str, ...]:
+    """The axes whose devices share a data shard's examples: ``stage``, and ``model`` where there is one."""
+    return tuple(name for name in (STAGE_AXIS, MODEL) if name in mesh.axis_names)
 
 
 def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
@@ -79,9 +85,9 @@ def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
 
 
 def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan) -> TrainState:
-    """Every leaf shaped like the ``(P, row)`` parameter rows split over ``stage``; the rest replicated."""
-    rows = (plan.devices, plan.chunks * plan.row)
-    split, whole = NamedSharding(mesh, PartitionSpec(STAGE_AXIS)), NamedSharding(mesh, PartitionSpec())
+    """Every leaf shaped like the parameter rows split over ``stage`` (and ``model``); the rest replicated."""
+    rows = plan.rows_shape
+    split, whole = NamedSharding(mesh, row_spec(mesh)), NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
 
 
@@ -119,7 +125,9 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
     micro-batch's buffer (in the policy's compute dtype), the gradient row's all-reduce over the data axes (in its
     reduce dtype), and the ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
     data = math.prod(mesh.shape[a] for a in data_axes(mesh))
-    sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, plan.devices) for n in batch_bytes))
+    group = math.prod(mesh.shape[a] for a in _group(mesh))
+    sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, group) for n in batch_bytes),
+                                 tensor_traffic(plan, schedule, micro, jnp.dtype(policy.compute).itemsize))
     sent = costmodel.add_traffic(sent, costmodel.Traffic(schedule.messages,
                                                          schedule.messages * plan.message_bytes(
                                                              micro, jnp.dtype(policy.compute).itemsize)))
@@ -209,7 +217,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             return index % m_count, chunk * p + stage, stage_row
         # Every dtx batch arrives split over all the mesh's axes; a data shard's stages share its rows.
         batch_bytes = tuple(x.size * x.dtype.itemsize for x in (batch["inputs"], batch["labels"]))
-        inputs, labels = (lax.all_gather(batch[k], STAGE_AXIS, tiled=True) for k in ("inputs", "labels"))
+        inputs, labels = (lax.all_gather(batch[k], _group(mesh), tiled=True) for k in ("inputs", "labels"))
         if inputs.shape[0] % m_count:
             raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
                             "(pipeline.microbatches); see dtx.step.pipeline_check")
@@ -327,6 +335,8 @@ def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe"
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
     plan = make_plan(model, abstract_params, stages, boundaries, chunks, example)
+    if MODEL in mesh.axis_names:  # each stage's blocks split over model (Megatron; LARS/LAMB: pipeline_check)
+        plan = split_plan(plan, abstract_params, mesh, example)
     return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor)
 
 
@@ -374,7 +384,7 @@ def to_rows(state: TrainState, plan: StagePlan) -> TrainState:
 def to_tree(state: TrainState, plan: StagePlan) -> TrainState:
     """A pipeline state as one holding the model's parameter tree (the inverse of :func:`to_rows`): every leaf shaped
     like the rows unpacked."""
-    rows = (plan.devices, plan.chunks * plan.row)
+    rows = plan.rows_shape
     opt_state = jax.tree.map(lambda x: plan.unpack(x) if tuple(x.shape) == rows else x, state.opt_state)
     return state.replace(params=plan.unpack(state.params), opt_state=opt_state)
 

@@ -22,6 +22,7 @@ from dtx.config import ConfigError, base_config, register_check
 from dtx.comm.algorithms import get_algorithm
 from dtx.parallel.layouts import LAYOUTS
 from dtx.parallel.pipeline_schedules import CHUNKED, SCHEDULES
+from dtx.mesh import MODEL_AXIS
 from dtx.precision import parse_policy
 from dtx.parallel.stages import STAGE_AXIS
 from dtx.step.drivers import get_driver
@@ -71,13 +72,17 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         if not fine:
             problems.append(f"{key}={value!r}: the pipeline reduces each stage's gradient once with psum over the "
                             f"data axes: set --config.{key}={plain}")
+    if MODEL_AXIS in mesh_shape and optimizer in ("lars", "lamb"):
+        problems.append(f"optimizer.name={optimizer!r}: a {MODEL_AXIS!r} mesh axis splits each stage's attention and "
+                        "MLP kernels (dtx.parallel.tensor_stages), and LARS's and LAMB's trust ratios need each "
+                        "tensor's whole norm: use adam, adamw, momentum or sgd, or drop the model axis")
     if precision and np.dtype(parse_policy(precision).params) != np.float32:
         problems.append(f"precision={precision!r}: the pipeline keeps float32 parameters (its rows); compute in "
                         "bfloat16 or float16 with p=f32, e.g. --config.precision=p=f32,c=bf16")
     if stages:
         data = 1
         for name, size in mesh_shape.items():
-            data *= size if name != STAGE_AXIS else 1
+            data *= size if name not in (STAGE_AXIS, MODEL_AXIS) else 1
         local = global_batch_size // data if global_batch_size % data == 0 else None
         if local is None or microbatches < 1 or local % microbatches:
             problems.append(f"global_batch_size={global_batch_size} must split over the {data} data shards (the "
@@ -142,7 +147,7 @@ def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str
 
     if not capacity or pipeline is None:
         return
-    data = mesh.size // mesh.shape[STAGE_AXIS]
+    data = mesh.size // mesh.shape[STAGE_AXIS] // mesh.shape.get(MODEL_AXIS, 1)
     micro = global_batch_size // data // pipeline.schedule.micro
     labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))  # one per example, or per token of a sequence
     example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels

@@ -45,7 +45,17 @@ def from_row_state(plan: StagePlan, stage: int, rows, reference):
 
 def init(tx: optax.GradientTransformation, plan: StagePlan, params) -> optax.OptState:
     """The optimizer state of the model's parameter tree ``params`` in rows: each stage's ``tx.init`` on its tree,
-    row-shaped leaves stacked as :meth:`StagePlan.pack` stacks the parameters, the rest (counts) from stage 0."""
+    row-shaped leaves stacked as :meth:`StagePlan.pack` stacks the parameters, the rest (counts) from stage 0. Stages
+    split over ``model`` (:mod:`dtx.parallel.tensor_stages`): each ``model`` index's slices laid out so, side by side
+    as the plan packs the parameters."""
+    if getattr(plan, "tensor", 1) > 1:
+        split = [_init(tx, plan, plan.local(params, t)) for t in range(plan.tensor)]
+        rows = (plan.devices, plan.chunks * plan.row)
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1) if jnp.shape(xs[0]) == rows else xs[0], *split)
+    return _init(tx, plan, params)
+
+
+def _init(tx: optax.GradientTransformation, plan: StagePlan, params) -> optax.OptState:
     states = [to_row_state(plan, s, tx.init(_stage_tree(plan, s, params))) for s in range(plan.num_stages)]
 
     def stack(*leaves):

@@ -1,0 +1,293 @@
+"""Pipeline stages split over the ``model`` axis: Megatron's column/row pairs inside each stage.
+
+A mesh with both a ``stage`` and a ``model`` axis under ``parallel.name=pipeline`` runs each stage's blocks
+tensor-parallel (Narayanan et al. 2021, *Efficient large-scale language model training on GPU clusters using
+Megatron-LM*, arXiv 2104.04473, §2.3: pipeline stages of tensor-parallel groups; the split itself is Shoeybi
+et al.'s, arXiv 1909.08053, §3, as :mod:`dtx.parallel.tensor` reads it from the parameters): attention by
+heads, the MLP's up-projection by columns and its down-projection by rows, so each device of a stage holds
+``1/T`` of those kernels and one all-reduce over ``model`` closes each pair — in the forward pass after the
+row layer (Megatron's ``g``), in the backward pass at the column layer's input (its ``f``).
+
+The pipeline step is one ``shard_map`` manual over every axis (:mod:`dtx.step.pipeline`), so the regions here
+are the per-device computation itself, not ``shard_map`` regions: each split module is intercepted
+(``nn.intercept_methods``) and run as a copy of itself on its ``1/T`` of the heads or units, ``f`` and ``g``
+written out as custom VJPs (identity one way, ``psum`` over ``model`` the other), so the gradients do not
+depend on how JAX types a value's replication. The model is unchanged.
+
+What lives where:
+
+* **parameters**: each stage row holds a device's own slice of the split kernels (and the column biases) and
+  the whole of everything else (embedding, positions, LayerNorms, the row layers' and the attention output's
+  biases, the head). The ``(P, T·V·row)`` rows are split over ``stage`` and ``model``: device ``(s, t)`` holds
+  ``V·row``, ``row`` the largest stage's *local* parameters (:class:`TensorStagePlan`).
+* **the boundary buffer**: replicated over ``model``. Between the pairs the residual stream is whole on every
+  device of the group (tensor parallelism without sequence parallelism), so each device sends its copy to the
+  same ``model`` index of the next stage: the ``ppermute`` over ``stage`` carries the pipeline's message
+  unchanged, per device, and no collective over ``model`` is added at a boundary. (Narayanan et al. §4.1
+  scatter it over ``model`` and gather it after the hop, trading ``T``-fold smaller inter-node messages for an
+  all-gather; on one host nothing is gained, and the per-device bytes stay the pipeline formula's.)
+* **replicated parameters' gradients**: equal on every device of the group (``f`` sums the input gradients
+  over ``model`` before they reach them), so they need no reduction over ``model``; the gradient rows are
+  all-reduced over the data axes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from dtx import mesh as mesh_lib
+from dtx.parallel.stages import PipelineError, StagePlan
+from dtx.parallel.tensor import megatron_rules
+from dtx.paths import named_leaves
+
+MODEL = mesh_lib.MODEL_AXIS
+
+
+@jax.custom_vjp
+def copy_to_model(x):
+    """Megatron's ``f``: the region's input as it is; its gradient summed over ``model``."""
+    return x
+
+
+copy_to_model.defvjp(lambda x: (x, None), lambda _, g: (jax.lax.psum(g, MODEL),))
+
+
+@jax.custom_vjp
+def reduce_from_model(x):
+    """Megatron's ``g``: the row layer's partial sums summed over ``model``; its gradient as it is."""
+    return jax.lax.psum(x, MODEL)
+
+
+reduce_from_model.defvjp(lambda x: (jax.lax.psum(x, MODEL), None), lambda _, g: (g,))
+
+
+def _attention(module, args, kwargs):
+    """Self-attention on this device's heads (their Q, K, V and rows of the output projection); the partial
+    outputs summed over ``model``, the output bias added once after."""
+    params = dict(module.variables["params"])
+    x = args[0]
+    fx = copy_to_model(x)
+    args = tuple(fx if a is x else a for a in args)
+    kwargs = {k: fx if v is x else v for k, v in kwargs.items()}
+    heads, head_dim = params["query"]["kernel"].shape[1:]
+    local = module.clone(parent=None, name=None, num_heads=heads, qkv_features=heads * head_dim,
+                         out_features=module.out_features or x.shape[-1])
+    out_bias = params["out"].get("bias")
+    if out_bias is not None:  # added once, after the reduction
+        params["out"] = {**params["out"], "bias": jnp.zeros_like(out_bias)}
+    y = reduce_from_model(local.apply({"params": params}, *args, **kwargs))
+    return y if out_bias is None else y + out_bias.astype(y.dtype)
+
+
+def _column(module, args, kwargs):
+    """The MLP's up-projection: the whole input times this device's columns (and their bias)."""
+    params = module.variables["params"]
+    local = module.clone(parent=None, name=None, features=params["kernel"].shape[-1])
+    return local.apply({"params": params}, copy_to_model(args[0]), *args[1:], **kwargs)
+
+
+def _row(module, args, kwargs):
+    """The MLP's down-projection: this device's hidden units times its rows, summed over ``model``; the bias
+    after."""
+    params = module.variables["params"]
+    local = module.clone(parent=None, name=None, use_bias=False)
+    y = reduce_from_model(local.apply({"params": {"kernel": params["kernel"]}}, *args, **kwargs))
+    return y + params["bias"].astype(y.dtype) if "bias" in params else y
+
+
+REGIONS = {"attention": _attention, "column": _column, "row": _row}
+
+
+def regions(kinds: dict, hits: set | None = None):
+    """The interception context that runs the modules at ``kinds`` (module path inside a piece's ``fn`` -> region
+    kind) split; ``hits`` collects the paths it ran."""
+    inside: list = []
+
+    def intercept(next_fun, args, kwargs, context):
+        path = tuple(context.module.path)
+        if inside or context.method_name != "__call__" or path not in kinds:
+            return next_fun(*args, **kwargs)
+        if hits is not None:
+            hits.add(path)
+        inside.append(path)
+        try:
+            return REGIONS[kinds[path]](context.module, args, kwargs)
+        finally:
+            inside.pop()
+
+    return nn.intercept_methods(intercept)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorStagePlan(StagePlan):
+    """A :class:`StagePlan` whose stages are split over ``tensor`` devices of the ``model`` axis.
+
+    Attributes:
+      tensor: ``T``.
+      splits: ``(leaf path, dimension)`` of every leaf split over ``model`` (the rest whole on every device).
+      kinds: per layer index, ``(module path inside its fn, region kind)`` of its split modules.
+    """
+
+    tensor: int = 1
+    splits: tuple = ()
+    kinds: tuple = ()
+
+    def leaf_shape(self, path, shape) -> tuple[int, ...]:
+        dim = dict(self.splits).get(tuple(path))
+        if dim is None:
+            return tuple(shape)
+        return tuple(n // self.tensor if d == dim else n for d, n in enumerate(shape))
+
+    @property
+    def rows_shape(self) -> tuple[int, int]:
+        return (self.devices, self.tensor * self.chunks * self.row)
+
+    def local(self, params, index: int) -> dict:
+        """Device ``index``'s part (of ``T``) of the model's parameter tree: its slice of each split leaf."""
+        splits = dict(self.splits)
+
+        def part(path, leaf):
+            dim = splits.get(tuple(str(getattr(k, "key", k)) for k in path))
+            if dim is None:
+                return leaf
+            size = leaf.shape[dim] // self.tensor
+            return jax.lax.slice_in_dim(leaf, index * size, (index + 1) * size, axis=dim)
+        return jax.tree_util.tree_map_with_path(part, params)
+
+    def pack(self, params) -> jax.Array:
+        """The ``(P, T·V·row)`` rows: device ``(s, t)``'s ``V`` stage rows of its slices side by side."""
+        rows = []
+        for t in range(self.tensor):
+            mine = self.local(params, t)
+            rows.append(StagePlan.pack(self, mine))  # (P, V·row)
+        return jnp.concatenate(rows, axis=1)
+
+    def unpack(self, rows) -> dict:
+        """The model's parameter tree from the rows (the inverse of :meth:`pack`)."""
+        rows = jnp.reshape(rows, (self.devices, self.tensor, self.chunks * self.row))
+        parts = [StagePlan.unpack(self, rows[:, t]) for t in range(self.tensor)]
+        splits = dict(self.splits)
+
+        def join(path, *leaves):
+            dim = splits.get(tuple(str(getattr(k, "key", k)) for k in path))
+            return leaves[0] if dim is None else jnp.concatenate(leaves, axis=dim)
+        return jax.tree_util.tree_map_with_path(join, *parts)
+
+    def apply_params(self, stage: int, params, x):
+        """Stage ``stage``'s pieces on this device's slices, the split modules run as Megatron's regions."""
+        first = self.bounds[stage]
+        for i, layer in enumerate(self.stage_layers(stage)):
+            with regions(dict(self.kinds[first + i])):
+                x = layer.fn({key: params[key] for key in layer.keys}, x)
+        return x
+
+
+def _kinds(rules, layers) -> tuple:
+    """Per layer: ``(module path inside its fn, kind)`` of its split modules, from Megatron's rules (a layer's
+    module paths are its parameter paths less the top-level key the piece hands its module)."""
+    kinds = []
+    for layer in layers:
+        found = {}
+        for path, _ in layer.leaves:
+            spec = next((s for regex, s in rules if re.search(regex, "/".join(path))), ())
+            if MODEL not in tuple(spec) or path[-1] != "kernel":
+                continue
+            if len(path) >= 3 and path[-2] == "query" and len(spec) == 3:
+                found[tuple(path[1:-2])] = "attention"
+            elif len(spec) == 2 and path[-2] not in ("key", "value", "out"):
+                found[tuple(path[1:-1])] = "column" if spec[1] == MODEL else "row"
+        kinds.append(tuple(sorted(found.items())))
+    return tuple(kinds)
+
+
+def split_plan(plan: StagePlan, abstract_params, mesh: Mesh, example=None) -> TensorStagePlan:
+    """``plan`` with its stages split over ``mesh``'s ``model`` axis (module docstring). Refused, naming the fix:
+    a model with no attention or MLP pair, heads or widths the axis does not divide (:func:`megatron_rules`), and
+    a split layer its piece does not apply as a flax module (a Dense stack's named layers)."""
+    size = mesh.shape[MODEL]
+    try:
+        rules = megatron_rules(abstract_params, mesh, "pipeline")
+    except ValueError as error:
+        raise PipelineError(f"a {MODEL!r} mesh axis under parallel.name='pipeline' splits each stage's attention "
+                            f"heads and MLP pairs (Megatron): {error}; or drop the {MODEL!r} axis from "
+                            "--config.mesh") from None
+    splits = []
+    for path, leaf in named_leaves(abstract_params):
+        spec = next((s for regex, s in rules if re.search(regex, path)), ())
+        if MODEL in tuple(spec):
+            splits.append((tuple(path.split("/")), tuple(spec).index(MODEL)))
+    kinds = _kinds(rules, plan.layers)
+    split = TensorStagePlan(plan.layers, plan.bounds, plan.chunks, size, tuple(splits), kinds)
+    _check_pieces(split, abstract_params, example)
+    return split
+
+
+def _check_pieces(plan: TensorStagePlan, abstract_params, example) -> None:
+    """Every split layer runs as a region: each piece traced on its slices (nothing runs)."""
+    splits = {path for path, _ in plan.splits}
+    x = None if example is None else jax.ShapeDtypeStruct((1,) + tuple(example.shape[1:]), example.dtype)
+    for i, layer in enumerate(plan.layers):
+        wanted = {path for path, _ in plan.kinds[i]}
+        owned = {path for path, _ in layer.leaves if path in splits}
+        if owned and (not wanted or x is None):
+            raise PipelineError(f"pipeline piece {layer.name!r} holds parameters split over {MODEL!r} "
+                                f"({sorted('/'.join(p) for p in owned)[:2]}) that it does not apply as a flax "
+                                f"attention or Dense module; a {MODEL!r} axis under a pipeline splits the "
+                                f"transformer's blocks: drop it from --config.mesh")
+        if wanted:
+            params = {key: abstract_params[key] for key in layer.keys}
+            hits: set = set()
+
+            def run(params, x, layer=layer, i=i):
+                with regions(dict(plan.kinds[i]), hits):
+                    return layer.fn(plan.local(params, 0), x)
+            # Traced outside the step's shard_map: model bound as a map's axis of size 1.
+            mapped = jax.vmap(run, in_axes=None, axis_size=1, axis_name=MODEL)
+            jax.eval_shape(mapped, params, jax.ShapeDtypeStruct((1,) + layer.in_shape,
+                                                                x.dtype if i == 0 else jnp.float32))
+            if hits != wanted:
+                raise PipelineError(f"pipeline piece {layer.name!r}: its layers {sorted(wanted - hits)} are split "
+                                    f"over {MODEL!r} but its fn does not call them as flax modules; drop the "
+                                    f"{MODEL!r} axis from --config.mesh")
+
+
+def split_stages(plan: StagePlan) -> bool:
+    """Whether ``plan``'s stages are split over ``model``."""
+    return isinstance(plan, TensorStagePlan) and plan.tensor > 1
+
+
+def stage_all_reduces(plan: TensorStagePlan, stage: int) -> int:
+    """All-reduces over ``model`` one device of (virtual) stage ``stage`` runs per micro-batch: each region's ``g``
+    in the forward slot, and in the backward slot the forward's ``g`` again (the slot re-runs the stage from its
+    kept input, GPipe's re-materialisation) and each region's ``f`` (Megatron's 2 forward and 2 backward per block,
+    :func:`dtx.perf.tensor.block_collectives`, plus the re-run's 2). On a stage but the last, the re-run's closing
+    ``g`` (the stage's last layer's row layer, whose sum only the stage's output reads) is dead code in the backward
+    slot, which reads the output's gradient, not the output: XLA drops it."""
+    total = 0
+    for i in range(plan.bounds[stage], plan.bounds[stage + 1]):
+        kinds = [kind for _, kind in plan.kinds[i]]
+        g = sum(kind in ("attention", "row") for kind in kinds)
+        f = sum(kind in ("attention", "column") for kind in kinds)
+        total += 2 * g + f
+    last = [kind for _, kind in plan.kinds[plan.bounds[stage + 1] - 1]]
+    return total - (stage < plan.num_stages - 1 and "row" in last)
+
+
+def tensor_traffic(plan: StagePlan, schedule, micro: int, itemsize: int):
+    """What one device of the busiest stage sends over ``model`` per step (:mod:`dtx.comm.costmodel`): ``M`` times
+    :func:`stage_all_reduces` ring all-reduces of one micro-batch's residual stream (the compute dtype's)."""
+    from dtx.comm import costmodel
+
+    if not split_stages(plan):
+        return costmodel.Traffic(0, 0)
+    stream = micro * plan.width * itemsize  # the (time, d_model) stream of a micro-batch: the boundary buffer's
+    count = max(sum(stage_all_reduces(plan, c * plan.devices + s) for c in range(plan.chunks))
+                for s in range(plan.devices))
+    one = costmodel.expected_traffic("ring", stream, plan.tensor, itemsize=itemsize)
+    return costmodel.Traffic(schedule.micro * count * one.messages, schedule.micro * count * one.bytes_sent)

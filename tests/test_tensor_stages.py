@@ -1,0 +1,201 @@
+"""Pipeline stages split over the ``model`` axis (dtx.parallel.tensor_stages): Megatron inside each stage.
+
+The tiny transformer (embedding + block 0 | block 1 + head) on ``data 2 × stage 2 × model 2``: each stage's
+attention split by heads and its MLP by columns then rows, the boundary buffer replicated over ``model``. Checked
+here: GPipe and 1F1B equal one device after 3 steps (the pipeline tests' convention and tolerance), a device holds
+``1/T`` of each split kernel, the compiled collective-permutes carry the pipeline formula's bytes, the all-reduces
+over ``model`` are Megatron's per block and micro-batch (forward and backward slot, the backward slot's re-run of
+the forward included), the step's accountant counts what the program sends, and the settings it cannot run are
+refused by key before compiling.
+
+Hand-breaks (each fails the test named): the row layer's ``psum`` over ``model`` dropped (``reduce_from_model``
+returning its input) -> ``test_split_stages_equal_one_device``; the forward ``ppermute`` skipped (the forward slot
+keeping its output) -> ``test_split_stages_equal_one_device`` and ``test_messages_are_the_pipeline_formulas``.
+"""
+
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from dtx import mesh as mesh_lib
+from dtx import models, optim
+from dtx.comm import hlo
+from dtx.data import TrainLoader, tasks
+from dtx.data.datasets import Split
+from dtx.parallel import tensor_stages
+from dtx.parallel.stages import PipelineError
+from dtx.perf import tensor as tensor_model
+from dtx.step import StepSpec, make_train_step
+from dtx.step import pipeline as pp
+from dtx.step.spec import StepError
+from dtx.step.state import init_train_state
+
+STEPS, MICRO, BATCH = 3, 4, 32
+LM = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2, max_len=8, num_classes=32)
+SEQ, VOCAB, WIDTH = 8, 32, 16
+MESH = [("data", 2), ("stage", 2), ("model", 2)]
+
+
+def _tokens():
+    text = np.random.default_rng(0).integers(0, VOCAB, size=(64, SEQ + 1)).astype(np.int32)
+    return Split(text[:, :-1], text[:, 1:])
+
+
+def _setup():
+    model, split = models.build_model("transformer", **LM), _tokens()
+    example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), split.inputs[:1])["params"])
+    return model, split, example, abstract
+
+
+def _run(tx, mesh, schedule):
+    model, split, example, abstract = _setup()
+    pipeline = pp.make_pipeline(model, abstract, mesh, schedule=schedule, micro=MICRO, example=example,
+                                task=tasks.next_token())
+    state = pp.init_state(model, tx, example, 0, mesh, pipeline.plan)
+    compiled = pp.make_pipeline_step(tx, mesh, pipeline).lower(state, TrainLoader(split, BATCH, mesh, seed=0)
+                                                               .batch(0)).compile()
+    loader, losses = TrainLoader(split, BATCH, mesh, seed=0), []
+    for s in range(STEPS):
+        state, metrics = compiled(state, loader.batch(s))
+        losses.append(float(metrics["loss"]))
+    return dict(params=jax.device_get(pp.gather_params(state, pipeline.plan)), losses=losses, compiled=compiled,
+                pipeline=pipeline, state=state, metrics=jax.device_get(metrics))
+
+
+def _one_device(tx):
+    model, split, example, _ = _setup()
+    mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
+    state = init_train_state(model, tx, example, 0, mesh)
+    step = make_train_step(model, tx, mesh, StepSpec(task=tasks.next_token()))
+    loader, losses = TrainLoader(split, BATCH, mesh, seed=0), []
+    for s in range(STEPS):
+        state, metrics = step(state, loader.batch(s))
+        losses.append(float(metrics["loss"]))
+    return dict(params=jax.device_get(state.params), losses=losses)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """GPipe and 1F1B on data 2 x stage 2 x model 2, M = 4 micro-batches of 4 sequences, SGD with momentum (as
+    tests/test_pipeline_stages.py's transformer, for the attention key bias's sake); and one device."""
+    tx, mesh = optim.make_optimizer("momentum", 0.1, momentum=0.9), mesh_lib.make_mesh(MESH)
+    out = {name: _run(tx, mesh, name) for name in ("gpipe", "1f1b")}
+    out["one"] = _one_device(tx)
+    return out
+
+
+def _close(got, want, atol):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_split_stages_equal_one_device(runs, schedule):
+    """3 steps of each schedule == one device with the global batch within 1e-6 (the pipeline tests' tolerance),
+    losses included; GPipe and 1F1B sum the same micro-batches in the same order (equal within 1e-7)."""
+    run, one = runs[schedule], runs["one"]
+    _close(run["params"], one["params"], 1e-6)
+    np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-6)
+    _close(runs["1f1b"]["params"], runs["gpipe"]["params"], 1e-7)
+
+
+def test_a_device_holds_its_slices(runs):
+    """The rows are split over stage and model; a device's row holds 1/T of each split kernel and the whole of the
+    rest, so the split stage's row is the local parameters (the pipeline's own row less half the blocks' kernels)."""
+    run = runs["gpipe"]
+    plan, rows = run["pipeline"].plan, run["state"].params
+    assert rows.sharding.spec == jax.sharding.PartitionSpec("stage", "model")
+    assert rows.addressable_shards[0].data.shape == (1, plan.row)
+    d, f = WIDTH, 2 * WIDTH
+    split = 4 * d * d + 3 * d + 2 * d * f + f  # Q, K, V, out kernels, Q/K/V biases, the MLP pair, its column bias
+    whole = 4 * d + d + d  # two LayerNorms, the out and row biases
+    stage1 = split // 2 + whole + 2 * d + d * VOCAB + VOCAB  # block 1 and the head (final LayerNorm, Dense)
+    assert plan.stage_sizes[1] == stage1 and plan.row == max(plan.stage_sizes)
+
+
+def _model_all_reduces(compiled):
+    """The all-reduces over model (2 devices) by stage branch and slot: (stage, "forward" / "re-run" / "backward")
+    -> trips summed, and their operand bytes."""
+    found, operands = {}, set()
+    for c in hlo.collectives(compiled):
+        m = re.search(r"branch_(\d+)_fun/(jvp\(|transpose\(jvp\()?Block", c.op_name)
+        if c.kind != "all-reduce" or c.group_size != 2 or not m:
+            continue
+        slot = {None: "forward", "jvp(": "re-run", "transpose(jvp(": "backward"}[m.group(2)]
+        found[int(m.group(1)), slot] = found.get((int(m.group(1)), slot), 0) + c.trips
+        operands.add(c.operand_bytes)
+    return found, operands
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_all_reduces_are_megatrons_per_block_and_micro_batch(runs, schedule):
+    """Every device's program holds every stage's code, each slot's inside its phases' loops: a stage's
+    all-reduces over model, their trips summed and divided by the slot's ticks, are per micro-batch Megatron's per
+    block (dtx.perf.tensor.block_collectives: 2 forward, g; 2 backward, f) and the backward slot's re-run of the
+    forward (2, less the stage output's g on a stage that is not the last: nothing in the backward slot reads it,
+    and XLA drops it). Each carries one micro-batch's (time, d_model) stream; the accountant counts M times them."""
+    run = runs[schedule]
+    schedule_ = run["pipeline"].schedule
+    found, operands = _model_all_reduces(run["compiled"])
+    megatron = tensor_model.block_collectives(examples=BATCH // 2 // MICRO, positions=SEQ, width=WIDTH, group=2,
+                                              sequence_parallel=False)
+    assert operands == set(megatron["all-reduce"])
+    ticks = {slot: schedule_.slot_ticks("backward" if slot != "forward" else "forward")
+             for slot in ("forward", "re-run", "backward")}
+    per_micro = {key: trips / ticks[key[1]] for key, trips in found.items()}
+    blocks = 1  # one block per stage
+    assert per_micro == {(0, "forward"): 2 * blocks, (0, "re-run"): 2 * blocks - 1, (0, "backward"): 2 * blocks,
+                         (1, "forward"): 2 * blocks, (1, "re-run"): 2 * blocks, (1, "backward"): 2 * blocks}
+    plan = run["pipeline"].plan
+    assert [tensor_stages.stage_all_reduces(plan, s) for s in range(2)] == [5, 6]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_messages_are_the_pipeline_formulas(runs, schedule):
+    """The collective-permutes, trip counts included, carry the pipeline's 2(M + P - 2) = 2M messages of one
+    micro-batch's stream per device, as without the model axis (the buffer is replicated over model: each device
+    sends its copy); the step's comm_bytes are the program's, the model all-reduces counted as the busiest stage
+    runs them (M x 6)."""
+    run = runs[schedule]
+    plan, schedule_ = run["pipeline"].plan, run["pipeline"].schedule
+    message = plan.message_bytes(micro=BATCH // 2 // MICRO)
+    assert message == 4 * SEQ * WIDTH * 4  # 4 sequences per micro-batch
+    permutes = sum(c.bytes_sent * c.trips for c in hlo.collectives(run["compiled"]) if c.kind == "collective-permute")
+    assert permutes == schedule_.messages * message == 2 * MICRO * message
+    total = hlo.total(run["compiled"]).bytes_sent
+    found, _ = _model_all_reduces(run["compiled"])
+    static_model = sum(found.values()) * tensor_model.bytes_sent("all-reduce", message, 2)
+    busiest = MICRO * 6 * tensor_model.bytes_sent("all-reduce", message, 2)
+    assert run["metrics"]["comm_bytes"] == total - static_model + busiest
+
+
+def test_what_split_stages_cannot_run_is_refused_by_key():
+    """Before compiling: LARS and LAMB (each whole tensor's norm) under a model axis, and the tensor layout's own
+    keys (sequence parallelism, ZeRO over the data axes) with parallel.name=pipeline, each naming its key."""
+    from dtx import config as config_lib
+    from dtx.step import pipeline_check
+
+    with pytest.raises(StepError, match="optimizer.name='lamb'"):
+        pipeline_check.check_settings(mesh_shape=dict(MESH), num_layers=4, global_batch_size=BATCH,
+                                      microbatches=MICRO, optimizer="lamb")
+    pipeline_check.check_settings(mesh_shape=dict(MESH), num_layers=4, global_batch_size=BATCH, microbatches=MICRO,
+                                  optimizer="adamw", weight_decay=0.01)
+    base = ["--config.parallel.name=pipeline", "--config.mesh=((\"data\", 2), (\"stage\", 2), (\"model\", 2))",
+            "--config.pipeline.microbatches=4"]
+    experiment = os.path.join(os.path.dirname(__file__), "..", "experiments", "tiny_lm.py")
+    for key in ("tensor.sequence_parallel=True", "tensor.zero_stage=1"):
+        with pytest.raises(config_lib.ConfigError, match=key.split("=")[0]):
+            config_lib.load(experiment, base + ["--config." + key])
+
+
+def test_a_model_without_pairs_is_refused():
+    """An MLP's layers are Dense pieces by name, which a stage cannot split over model: refused naming the mesh."""
+    model = models.build_model("mlp", features=(16, 16), num_classes=4)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 8), np.float32))["params"])
+    with pytest.raises(PipelineError, match="--config.mesh"):
+        pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH), micro=MICRO)
