@@ -34,6 +34,7 @@ _COMPILING = xla_cache.CompileClock().__enter__()  # this process's compiles, fo
 
 
 _BY_FILE: dict = {}
+_BY_TEST: dict = {}  # test id -> CPU seconds (its fixtures' set-up included), for the stats
 _BY_NAME: dict = {}  # compiled function name -> [seconds, programs] (XLA compile or cache read), for the stats
 
 
@@ -54,6 +55,7 @@ def pytest_runtest_protocol(item, nextitem):
     before = (_COMPILING.backend_s, _COMPILING.programs, _COMPILING.hits, time.perf_counter(), _cpu_seconds())
     yield
     seconds, programs, hits, wall, cpu = _BY_FILE.get(item.fspath.basename, (0.0, 0, 0, 0.0, 0.0))
+    _BY_TEST[item.nodeid] = _cpu_seconds() - before[4]  # set-up of the module's fixtures included
     _BY_FILE[item.fspath.basename] = (seconds + _COMPILING.backend_s - before[0],
                                       programs + _COMPILING.programs - before[1], hits + _COMPILING.hits - before[2],
                                       wall + time.perf_counter() - before[3], cpu + _cpu_seconds() - before[4])
@@ -80,7 +82,9 @@ def pytest_sessionfinish(session, exitstatus):
                                 "files": {name: [round(t, 1), n, h, round(w, 1), round(c, 1)]
                                           for name, (t, n, h, w, c) in _BY_FILE.items()},
                                 "names": {name: [round(t, 2), n] for name, (t, n) in  # compile s, programs
-                                          sorted(_BY_NAME.items(), key=lambda kv: -kv[1][0])}}) + "\n")
+                                          sorted(_BY_NAME.items(), key=lambda kv: -kv[1][0])},
+                                "tests": {name: round(c, 1) for name, c in  # the 80 costliest tests' CPU s
+                                          sorted(_BY_TEST.items(), key=lambda kv: -kv[1])[:80]}}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
