@@ -91,6 +91,7 @@ def base_config() -> ConfigDict:
     # for name=fsdp with grad_accum_steps > 1: per_microbatch (reduce-scatter each micro-batch's gradient into a 1/N
     # accumulator) | once (each device sums its whole gradient, one reduce-scatter per step; docs/large_batch.md)
     c.parallel.reduce = "per_microbatch"
+    c.parallel.fc_pairs = False  # for name=model|hybrid: consecutive Dense layers as column/row pairs (no gather between)
 
     # parallel.name=pipeline (a "stage" mesh axis; docs/pipeline.md): M micro-batches per step (they are the run's
     # gradient accumulation: grad_accum_steps stays 1 or equals M), the schedule, the layer indices where stages

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, check_block, register_check
+from dtx.parallel import fc_pairs as fc_pairs_lib
 from dtx.parallel import rules as rules_lib
 from dtx.parallel import tensor as tensor_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
@@ -100,6 +101,8 @@ class Layout:
         micro-batch's gradient into a ``1/N`` accumulator; ``once`` ("no sync" accumulation, as PyTorch FSDP's
         ``no_sync``) sums each device's whole, unreduced gradient over the micro-batches (``W`` bytes per device
         instead of ``W/N``) and reduce-scatters once per step (:mod:`dtx.step.accumulate`).
+      fc_pairs: ``model``/``hybrid`` (``parallel.fc_pairs``): consecutive Dense layers as column/row pairs
+        (:mod:`dtx.parallel.fc_pairs`).
     """
 
     name: str
@@ -111,6 +114,7 @@ class Layout:
     stages: bool = False
     block: str = ""
     reduce: str = "per_microbatch"
+    fc_pairs: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
@@ -123,6 +127,10 @@ class Layout:
                                     "parallel.name=zero1)" if self.zero_stage == 2 else
                                     "(its gradients are reduced as its layout says)")
                                  + "; leave parallel.reduce at its default 'per_microbatch'")
+        if self.fc_pairs not in (False, True) or (self.fc_pairs and self.kernels not in ("all", "dense")):
+            raise PartitionError(f"{fc_pairs_lib.KEY}={self.fc_pairs!r} pairs the fully connected layers a model or "
+                                 f"hybrid layout splits, not {self.name!r}'s: use parallel.name=model or hybrid, or "
+                                 f"leave {fc_pairs_lib.KEY} at its default False")
 
     @property
     def needs_model_axis(self) -> bool:
@@ -161,7 +169,8 @@ class Layout:
             return tensor_lib.megatron_rules(abstract_params, mesh, self.name, data=self.zero_stage == 3)
         if self.zero_stage == 3:
             return rules_lib.fsdp_rules(abstract_params, mesh)
-        return rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name)
+        split = rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name)
+        return fc_pairs_lib.pair_rules(split, abstract_params, self.name) if self.fc_pairs else split
 
     def optimizer_rules(self, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
         """The rules of the optimizer state (and under ZeRO 1/2 of the reduced gradients): split over every
@@ -203,8 +212,8 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("data", cost_rank=0),
     Layout("zero1", zero_stage=1, cost_rank=1),
     Layout("zero2", zero_stage=2, cost_rank=2),
-    Layout("hybrid", kernels="dense", drivers=("jit",), cost_rank=3),
-    Layout("model", kernels="all", drivers=("jit",), cost_rank=4),
+    Layout("hybrid", kernels="dense", drivers=("jit",), cost_rank=3, settings=("fc_pairs",)),
+    Layout("model", kernels="all", drivers=("jit",), cost_rank=4, settings=("fc_pairs",)),
     Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5, settings=("reduce",)),
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
     Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True),

@@ -1,10 +1,9 @@
 """Analytic iteration-time model, scaling simulator and per-layer parallelism planner.
 
-Das et al., *Distributed Deep Learning Using Synchronous SGD* (arXiv 1602.06709),
-scale synchronous SGD by comparing, layer by layer, compute with communication (§3):
-data parallelism communicates a layer's **weight gradients**, model parallelism its
-**activations**, so convolutions (few weights, large activations) go data-parallel
-and fully connected layers (many weights, small activations) model- or
+Das et al., *Distributed Deep Learning Using Synchronous SGD* (arXiv 1602.06709), scale synchronous SGD
+by comparing, layer by layer, compute with communication (§3): data parallelism communicates a layer's
+**weight gradients**, model parallelism its **activations**, so convolutions (few weights, large
+activations) go data-parallel and fully connected layers (many weights, small activations) model- or
 hybrid-parallel. This module makes that analysis executable for any flax model:
 
 1. :func:`analyze` (:mod:`dtx.perf.layers`) — per-layer FLOPs, weights and activation sizes by
@@ -26,20 +25,19 @@ hybrid-parallel. This module makes that analysis executable for any flax model:
      size — together one allreduce's cost over ``G`` (§3.2: communication scales with
      activations, not weights) — and the ``W·e/G`` weight gradients are allreduced
      across the ``N/G`` groups (§3.3).
-4. :func:`balance` — §3's balance condition for data parallelism, compute ≥
-   communication, and the minimum per-node minibatch it implies.
-5. :func:`make_plan` — per layer data or model parallel and one group size ``G`` for
-   the whole mesh, minimising predicted time; :meth:`Plan.rules` emits the choice as
-   the ``(regex, PartitionSpec)`` rules :mod:`dtx.parallel` runs.
+4. :func:`balance` — §3's balance condition for data parallelism, compute ≥ communication, and the
+   minimum per-node minibatch it implies.
+5. :func:`make_plan` — per layer data or model parallel (``pairs``: or split by rows after a column-split
+   layer, :mod:`dtx.perf.row_split`) and one group size ``G`` for the whole mesh, minimising predicted
+   time; :meth:`Plan.rules` emits the choice as the ``(regex, PartitionSpec)`` rules :mod:`dtx.parallel` runs.
 6. :func:`scaling` — iteration time, speedup and efficiency against node count, at
    fixed global batch (strong) or fixed per-node batch (weak).
 
-Overlap: ``none`` adds every communication to the compute; ``ideal`` lets each
-layer's gradient allreduce run, on one network channel, while the backward pass of
-the layers below it continues (activation exchanges stay blocking). The truth lies
-between the two bounds; both are reported. Gradients are allreduced per layer, as
-in Das et al.; for many-layer networks on many nodes the ring's ``2(p−1)α`` latency
-then dominates — compare ``algorithm="halving_doubling"`` or ``"tree"``.
+Overlap: ``none`` adds every communication to the compute; ``ideal`` lets each layer's gradient allreduce
+run, on one channel, while the backward pass of the layers below it continues (activation exchanges stay
+blocking). The truth lies between the two bounds; both are reported. Gradients are allreduced per layer, as in
+Das et al.; for many layers on many nodes the ring's ``2(p−1)α`` latency then dominates — compare
+``algorithm="halving_doubling"`` or ``"tree"``.
 
 Calibration (``tests/test_perfmodel.py``): fed with measured single-device
 per-layer forward+backward times of a small VGG-like CNN on the 2-core development
@@ -61,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from dtx.comm import costmodel
 from dtx.comm.algorithms import get_algorithm
 from dtx.perf.clusters import Cluster
+from dtx.perf import row_split
 from dtx.perf.layers import Layer, PerfModelError
 
 OVERLAPS = ("none", "ideal")
@@ -208,6 +207,7 @@ class Plan:
     layers: tuple[Layer, ...]
     costs: tuple[LayerCost, ...]
     times: Mapping[str, float]
+    rows: tuple[str, ...] = ()  # the split layers split by their input rows (:mod:`dtx.perf.row_split`)
 
     @property
     def mesh_spec(self) -> list[tuple[str, int]]:
@@ -223,19 +223,20 @@ class Plan:
     def rules(self) -> list[tuple[str, P]]:
         """The plan as partitioning rules over the mesh ``("data", "model")``, first match wins.
 
-        Each model-parallel layer's kernel is split along its output features
-        (column split): Dense ``(in, out)`` → ``P(None, "model")``, Conv
-        ``(kh, kw, in, out)`` → ``P(None, None, None, "model")``, and its bias with
-        them (``P("model")``); every data-parallel layer stays replicated, and the
-        list ends with ``(".*", P())``::
+        Each model-parallel layer's kernel is split along its output features (column split): Dense
+        ``(in, out)`` → ``P(None, "model")``, Conv ``(kh, kw, in, out)`` → ``P(None, None, None, "model")``, and
+        its bias with them (``P("model")``); a row layer's (:attr:`rows`) by its input, ``P("model", None)``, its
+        bias whole; every data-parallel layer stays replicated, and the list ends with ``(".*", P())``::
 
             [("^fc6/kernel$", P(None, "model")), ("^fc6/bias$", P("model")), ..., (".*", P())]
         """
         by_name = {layer.name: layer for layer in self.layers}
         rules = []
         for name in self.sharded:
-            rules.append((f"^{re.escape(name)}/kernel$", P(*[None] * (len(by_name[name].kernel_shape) - 1), "model")))
-            if by_name[name].weights > math.prod(by_name[name].kernel_shape):  # a bias (ResNet's convs have none)
+            row, kernel = name in self.rows, by_name[name].kernel_shape
+            rules.append((f"^{re.escape(name)}/kernel$", P("model", None) if row else
+                          P(*[None] * (len(kernel) - 1), "model")))
+            if not row and by_name[name].weights > math.prod(kernel):  # a bias (ResNet's convs have none)
                 rules.append((f"^{re.escape(name)}/bias$", P("model")))
         return rules + [(".*", P())]
 
@@ -260,26 +261,26 @@ def _divisors(n: int) -> list[int]:
 def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: int, *, mode: str = "auto",
               group_size: int | None = None, overlap: str = "none", algorithm: str = "ring",
               per_example: Mapping[str, float] | None = None,
-              memory: Callable[[Plan], float] | None = None) -> Plan:
+              memory: Callable[[Plan], float] | None = None, pairs: bool = False) -> Plan:
     """Choose per layer data or model parallelism and the group size that minimise iteration time.
 
     Args:
       layers: from :func:`analyze`.
       cluster: the machine (:mod:`dtx.perf.clusters`).
       nodes / global_batch: ``global_batch`` must divide evenly over ``nodes``.
-      mode: ``"data"`` (every layer data-parallel, ``G = 1``); ``"hybrid"`` (Das et
-        al. §3.3: convolutions data-parallel, every Dense layer model-parallel in
-        groups of the best ``G > 1``); ``"auto"`` (each layer whichever of the two
-        costs it less at each candidate ``G``, then the best ``G``, possibly 1).
+      mode: ``"data"`` (every layer data-parallel, ``G = 1``); ``"hybrid"`` (Das et al. §3.3: convolutions
+        data-parallel, every Dense layer model-parallel in groups of the best ``G > 1``); ``"auto"`` (each
+        layer whichever costs it less at each candidate ``G``, then the best ``G``, possibly 1).
       group_size: fix ``G`` instead of searching the divisors of ``nodes``.
       overlap: which bound (:data:`OVERLAPS`) the plan minimises.
       algorithm: allreduce algorithm of :mod:`dtx.comm.costmodel`.
       per_example: measured seconds per example by layer name (see :func:`compute_time`).
-      memory: per-device bytes of a plan (e.g. ``dtx.perf.memory.estimate_plan(plan, ...).total``);
-        a group size whose plan needs more than ``cluster.device_memory`` is not chosen.
+      memory: per-device bytes of a plan (``dtx.perf.memory.estimate_plan(plan, ...).total``); a group size
+        whose plan needs more than ``cluster.device_memory`` is not chosen.
 
-    A layer can be split only if ``G`` divides its output features (else it stays
-    data-parallel, as in :mod:`dtx.parallel`). Ties go to the smaller ``G``.
+    A layer can be split only if ``G`` divides its output features (else it stays data-parallel, as in
+    :mod:`dtx.parallel`). Ties go to the smaller ``G``. ``pairs``: a Dense layer may also be split by its
+    input rows after a column-split one (``--fc-pairs``).
     """
     _check_setting(nodes, global_batch)
     if mode not in PLANS:
@@ -303,18 +304,16 @@ def make_plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batc
     layers = tuple(layers)
     best, smallest = None, math.inf
     for g in candidates:
-        costs, sharded = [], []
-        for i, layer in enumerate(layers):
-            data = layer_cost(layer, cluster, nodes, global_batch, 1, False, algorithm, per_example)
-            split = layer.kernel_shape[-1] % g == 0 and g > 1 and (mode == "auto" or layer.kind == "dense")
-            model = layer_cost(layer, cluster, nodes, global_batch, g, True, algorithm, per_example,
-                               last=i == len(layers) - 1) if split else None
-            if model is not None and (mode == "hybrid" or sum(model[:3]) < sum(data[:3])):
-                costs.append(model)
-                sharded.append(layer.name)
-            else:
-                costs.append(data)
-        plan = Plan(nodes, global_batch, g, tuple(sharded), layers, tuple(costs), iteration_times(costs))
+        data = [layer_cost(layer, cluster, nodes, global_batch, 1, False, algorithm, per_example) for layer in layers]
+        model = [layer_cost(layer, cluster, nodes, global_batch, g, True, algorithm, per_example,
+                            last=i == len(layers) - 1)
+                 if layer.kernel_shape[-1] % g == 0 and g > 1 and (mode == "auto" or layer.kind == "dense") else None
+                 for i, layer in enumerate(layers)]
+        rows = row_split.row_costs(layers, cluster, nodes, global_batch, g, algorithm, lambda layer, b, s: compute_time(
+            layer, cluster, b, s, per_example), LayerCost) if pairs else None
+        costs, sharded, split_rows = row_split.choose(layers, data, model, mode, rows)
+        plan = Plan(nodes, global_batch, g, tuple(sharded), layers, tuple(costs), iteration_times(costs),
+                    tuple(split_rows))
         need = memory(plan) if memory is not None else 0.0
         if need > cluster.device_memory:  # it would not fit: never the plan, however fast
             smallest = min(smallest, need)
@@ -344,7 +343,7 @@ class ScalingPoint(NamedTuple):
 def scaling(layers: Sequence[Layer], cluster: Cluster, node_counts: Sequence[int], *,
             global_batch: int | None = None, per_node_batch: int | None = None, mode: str = "auto",
             overlap: str = "none", algorithm: str = "ring", group_size: int | None = None,
-            memory: Callable[[Plan], float] | None = None) -> list[ScalingPoint]:
+            memory: Callable[[Plan], float] | None = None, pairs: bool = False) -> list[ScalingPoint]:
     """Predicted iteration time, speedup and efficiency per node count.
 
     Strong scaling (``global_batch`` fixed): speedup ``T(1)/T(N)``, efficiency
@@ -359,7 +358,7 @@ def scaling(layers: Sequence[Layer], cluster: Cluster, node_counts: Sequence[int
         raise PerfModelError("node_counts is empty; give e.g. [1, 2, 4, 8]")
     if per_node_batch is not None and (not isinstance(per_node_batch, int) or per_node_batch < 1):
         raise PerfModelError(f"per-node batch must be a positive integer, got {per_node_batch!r}")
-    kwargs = dict(mode=mode, overlap=overlap, algorithm=algorithm)
+    kwargs = dict(mode=mode, overlap=overlap, algorithm=algorithm, pairs=pairs)
     strong = global_batch is not None
     base_batch = global_batch if strong else per_node_batch
     base = make_plan(layers, cluster, 1, base_batch, **kwargs).times[overlap]
@@ -399,6 +398,7 @@ def plan_text(plan: Plan) -> str:
     if not plan.sharded:
         return "data"
     kind = "model" if plan.group_size == plan.nodes else "hybrid"
-    names = plan.sharded if len(plan.sharded) <= 4 else (*plan.sharded[:2], "...", plan.sharded[-1])
+    names = [f"{name} rows" if name in plan.rows else name for name in plan.sharded]
+    names = names if len(names) <= 4 else (*names[:2], "...", names[-1])
     more = f" ({len(plan.sharded)} layers)" if len(plan.sharded) > 4 else ""
     return f"G={plan.group_size} {kind}: {', '.join(names)}{more}"

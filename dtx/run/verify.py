@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ from dtx.perf import flops as flops_lib
 from dtx.comm import hlo
 from dtx import parallel
 from dtx.perf import model as perfmodel
+from dtx.perf import row_split
 from dtx import mesh as mesh_lib
 from dtx.perf.clusters import Cluster
 from dtx.precision import Policy
@@ -118,12 +120,20 @@ def verify_layers(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.
         compiled, arriving = _layer_program(module, (plan.global_batch, *in_shape), dtype, mesh, arriving,
                                             kernels.get(layer.name))
         # The layer alone: an output layer's hand-over to the loss belongs to the whole step's row.
-        predicted = perfmodel.layer_bytes(layer, plan.nodes, plan.global_batch, plan.group_size,
-                                          layer.name in plan.sharded, cluster.bytes_per_element, algorithm)
+        predicted = _layer_bytes(plan, layer, cluster, algorithm)
         checks.append(Check(
             layer.name, plan.choice(layer.name), layer.train_flops * plan.global_batch / plan.nodes,
             flops_lib.compiled_flops(compiled) or 0.0, sum(predicted), hlo.total(compiled).bytes_sent))
     return checks
+
+
+def _layer_bytes(plan: perfmodel.Plan, layer, cluster: Cluster, algorithm: str = "ring", last: bool = False):
+    """The model's ``(activation, gradient)`` bytes of ``layer`` in ``plan``: split by rows or as it chose."""
+    if layer.name in plan.rows:
+        return row_split.row_bytes(layer, plan.nodes, plan.global_batch, plan.group_size, cluster.bytes_per_element,
+                                   algorithm)
+    return perfmodel.layer_bytes(layer, plan.nodes, plan.global_batch, plan.group_size, layer.name in plan.sharded,
+                                 cluster.bytes_per_element, algorithm, last)
 
 
 def _dtype(cluster: Cluster):
@@ -131,10 +141,9 @@ def _dtype(cluster: Cluster):
 
 
 def _kernel_specs(plan: perfmodel.Plan) -> dict[str, PartitionSpec]:
-    """``layer -> kernel spec`` of the plan's model-parallel layers (column split, :meth:`Plan.rules`)."""
-    by_name = {layer.name: layer for layer in plan.layers}
-    return {name: PartitionSpec(*[None] * (len(by_name[name].kernel_shape) - 1), mesh_lib.MODEL_AXIS)
-            for name in plan.sharded}
+    """``layer -> kernel spec`` of the plan's model-parallel layers (column or row split, :meth:`Plan.rules`)."""
+    specs = {regex: spec for regex, spec in plan.rules()}
+    return {name: specs[f"^{re.escape(name)}/kernel$"] for name in plan.sharded}
 
 
 def _batch_entry(mesh):
@@ -168,7 +177,9 @@ def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionS
     arriving = layout._arriving(x.ndim, arriving)
     _, out_spec = layout.specs("layer", x.ndim, y.ndim)
     named = functools.partial(NamedSharding, mesh)
-    split = {"kernel": kernel_spec, "bias": PartitionSpec(mesh_lib.MODEL_AXIS)} if kernel_spec is not None else {}
+    row = kernel_spec is not None and kernel_spec[-1] is None  # a row split's bias is whole
+    split = {"kernel": kernel_spec, "bias": PartitionSpec(None if row else mesh_lib.MODEL_AXIS)
+             } if kernel_spec is not None else {}
     param_shardings = jax.tree_util.tree_map_with_path(
         lambda path, p: named(split.get(str(path[-1].key), PartitionSpec())), params)
 
@@ -204,10 +215,7 @@ def compile_plan_step(model: nn.Module, input_shape: Sequence[int], plan: perfmo
 
 def step_check(compiled: Any, plan: perfmodel.Plan, cluster: Cluster) -> Check:
     """Predicted against compiled FLOPs and bytes of a plan's whole step (:func:`compile_plan_step`)."""
-    predicted = sum(sum(perfmodel.layer_bytes(layer, plan.nodes, plan.global_batch, plan.group_size,
-                                              layer.name in plan.sharded, cluster.bytes_per_element,
-                                              last=layer is plan.layers[-1]))
-                    for layer in plan.layers)
+    predicted = sum(sum(_layer_bytes(plan, layer, cluster, last=layer is plan.layers[-1])) for layer in plan.layers)
     return Check("step", "whole step", sum(l.train_flops for l in plan.layers) * plan.global_batch / plan.nodes,
                  flops_lib.compiled_flops(compiled) or 0.0, predicted, hlo.total(compiled).bytes_sent)
 

@@ -110,6 +110,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="bound that speedup and plan use; both are printed")
     p.add_argument("--plan", default="auto", choices=perfmodel.PLANS, help="per-layer parallelism")
     p.add_argument("--group-size", type=_positive(int), help="fix the model-parallel group size G")
+    p.add_argument("--fc-pairs", action="store_true",
+                   help="also consider a fully connected layer split by its input rows after a column-split one "
+                        "(Megatron's pairing: no gather between them; dtx.perf.row_split, parallel.fc_pairs)")
     p.add_argument("--out", help="folder for the PNG speedup plot (default: no plot is written)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     p.add_argument("--verify", action="store_true",
@@ -271,14 +274,15 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         layers = _analyze(args.model, args.input_shape)
         setting = dict(global_batch=args.global_batch, per_node_batch=args.per_node_batch, mode=args.plan,
                        overlap=args.overlap, algorithm=args.algorithm, group_size=args.group_size)
-        points = perfmodel.scaling(layers, cluster, args.nodes, **setting)
+        points = perfmodel.scaling(layers, cluster, args.nodes, **setting, pairs=args.fc_pairs)
         memory_rows, refused = [], {}
         if args.memory:  # the planner then picks, per node count, the fastest plan that fits
             estimate = _memory_setup(args, cluster)
             fitted = []
             for point in points:
                 try:
-                    fitted += perfmodel.scaling(layers, cluster, [point.nodes], **setting, memory=lambda plan: estimate(
+                    fitted += perfmodel.scaling(layers, cluster, [point.nodes], **setting, pairs=args.fc_pairs,
+                                                memory=lambda plan: estimate(
                         plan.layers, "rules", nodes=plan.nodes, global_batch=plan.global_batch,
                         group_size=plan.group_size, sharded=plan.sharded).total)
                 except layers_lib.PerfModelError as e:
