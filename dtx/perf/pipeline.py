@@ -50,6 +50,11 @@ WORK_STAGE_ROWS = 1
 # Buffers of one message (micro-batch x width) the slots keep apart: received, sent, their gradients, the stage's
 # activations and ReLU masks (read from a 4-stage MLP of widths 16-64, where they are a sixth of the peak).
 WORK_MESSAGES = 20
+# The program's scalars and tuple tables (each 64-byte aligned: loop counters, predicates, the branches' tuples), read
+# from the top of XLA:CPU's temporary arena in four LeNet pipelines: 2.6-4.8 KB whatever the model's size. Counted
+# beside a convolutional stage's slot (conv_slot_bytes); the Dense stacks' WORK_MESSAGES, read from programs of the
+# same small size, already hold them.
+SMALL_BUFFERS = 4096
 
 
 def pool_work_bytes(plan: StagePlan, micro: int, itemsize: int = 4) -> int:
@@ -70,16 +75,54 @@ def pool_work_bytes(plan: StagePlan, micro: int, itemsize: int = 4) -> int:
     return largest * micro * itemsize
 
 
-PLANNER_CONV = ("a pipeline of convolutions: the planner's pipeline memory (dtx.perf.pipeline_plan, from the analysed "
-                "layers) counts no max pool's backward, which memory_limit's estimate (dtx.perf.memory.estimate_pipeline) "
-                "counts; without it the compiled peak measured 1.02-1.80x the estimate (LeNet, VGG-A at 1/32 width)")
+def conv_slot_bytes(layers, bounds, micro: int, itemsize: int = 4) -> int:
+    """The working buffers of the costliest convolutional stage's backward slot, from the planner's analysed layers
+    (:class:`dtx.perf.layers.Layer`, which describe no pooling) cut at ``bounds`` (``(0, ..., len(layers))``).
+
+    A convolution whose next layer takes fewer elements than it gives is pooled, the pool's input its output
+    (``out_elements``, of the kernel's rank: a 2-d convolution's ``(H, W, C)`` map, rank 4 with the batch). Read
+    from XLA:CPU's buffer assignments of LeNet and VGG-A stages (dtx.step.pipeline's slot, one micro-batch):
+
+    * each max pool's backward (select-and-scatter, expanded) needs one int32 index array per dimension of its
+      input and the zeros its scatter fills; XLA makes them for *every* pool of the stage when the slot starts, so
+      ``rank + 1`` buffers of each pool's input are live together;
+    * the largest pool's convolution output and its ReLU, re-run in the slot: 2 more of its input (its
+      concatenated indices, scatter and select then reuse the index arrays' and the output's buffers);
+    * each kernel of the stage sliced out of the row, and flipped for its input gradient (the model's first
+      convolution, which has none, is only sliced).
+
+    The costliest stage's count on each device (every device's program holds every stage's code, the stages being
+    branches sharing one temporary arena). The slot runs while the row-sized temporaries (the gradient row the slot
+    returns, the all-reduce's result) are not live: the caller counts the larger of the two."""
+    worst = 0
+    for start, stop in zip(bounds, bounds[1:]):
+        pools, kernels = [], 0
+        for i in range(start, stop):
+            layer = layers[i]
+            if layer.kind != "conv":
+                continue
+            kernels += (1 if i == 0 else 2) * (layer.weights - layer.kernel_shape[-1])
+            if i + 1 < len(layers) and layers[i + 1].in_elements < layer.out_elements:
+                pools.append((len(layer.kernel_shape), layer.out_elements))
+        if pools:
+            largest = max(n for _, n in pools)
+            work = (sum((rank + 1) * n for rank, n in pools) + 2 * largest) * micro + kernels
+            worst = max(worst, work)
+    return worst * itemsize
 
 
-def planner_outside(layers) -> str:
-    """Why ``dtx simulate --memory``'s pipeline rows of ``layers`` (:class:`dtx.perf.layers.Layer`) may miss by more
-    than 15 % (:data:`PLANNER_CONV` where a layer is a convolution, whose pooling the analysed layers do not
-    describe), or ``""``."""
-    return PLANNER_CONV if any(layer.kind == "conv" for layer in layers) else ""
+INPUT_SHARE = 0.15
+PLANNER_INPUTS = ("a pipeline of convolutions whose inputs (the data shard's batch, gathered over the stages) are over "
+                  "15 % of the planner's memory: XLA:CPU keeps two or three copies of them (gathered, re-laid out as "
+                  "micro-batches, a stage's slice), which meet the peak or not by schedule; measured 0.96-1.48x the "
+                  "estimate (VGG-A at 1/32 width and LeNet on 32x32 images)")
+
+
+def planner_outside(plan) -> str:
+    """Why the planner's memory of ``plan`` (a :class:`dtx.perf.pipeline_plan.PipelinePlan`) may miss by more than
+    15 % (:data:`PLANNER_INPUTS` where a pipeline of convolutions holds inputs over :data:`INPUT_SHARE` of it), or
+    ``""``."""
+    return PLANNER_INPUTS if plan.conv_bytes and plan.batch_bytes > INPUT_SHARE * plan.memory_bytes else ""
 
 
 def _pool_inputs(layer) -> list[tuple[int, ...]]:

@@ -22,7 +22,10 @@ global batch ``B`` in ``M`` micro-batches of ``b = B/(D·M)`` examples costs (on
 * **gradient all-reduce** — the device's row, ``V`` times the largest (virtual) stage's ``W·e``, over its ``D``
   data replicas (ring, α-β);
 * **memory** — :mod:`dtx.perf.pipeline`'s per-device model (the stage's parameter row, optimizer state,
-  working rows, the schedule's kept inputs, the batch), against ``Cluster.device_memory``.
+  working rows, the schedule's kept inputs, the batch), against ``Cluster.device_memory``; for a pipeline of
+  convolutions, the costliest stage's backward slot (its pools' index arrays, the largest pool's convolution output,
+  the stage's kernels sliced and flipped: :func:`dtx.perf.pipeline.conv_slot_bytes`) in place of the row-sized
+  temporaries where larger, and the program's small buffers.
 
 The stages are cut to balance the roofline costs (:func:`dtx.parallel.stages.balance`) and the schedule is
 ``1f1b`` (GPipe's time, fewer kept inputs) or, with ``V`` in :data:`CHUNKS` above 1, ``interleaved`` (dtx runs
@@ -48,7 +51,8 @@ from dtx.perf import decoder
 from dtx.perf import model as perfmodel
 from dtx.perf.clusters import Cluster
 from dtx.perf.layers import Layer
-from dtx.perf.pipeline import OPTIMIZER_SLOTS, WORK_MESSAGES, WORK_ROWS, WORK_STAGE_ROWS
+from dtx.perf.pipeline import (OPTIMIZER_SLOTS, SMALL_BUFFERS, WORK_MESSAGES, WORK_ROWS, WORK_STAGE_ROWS,
+                               conv_slot_bytes)
 
 SCHEDULE = "1f1b"
 CHUNKS = (1, 2, 4)  # V candidates: 1 plans 1F1B, more the interleaved schedule
@@ -85,19 +89,26 @@ class PipelinePlan:
     runnable: bool = True
     chunks: int = 1  # V: virtual stages per device (the interleaved schedule when > 1)
     fixes: tuple[str, ...] = ()  # overrides the model needs to run as a pipeline (VGG-A: no dropout)
+    conv_bytes: float = 0.0  # a convolutional stage's backward slot (dtx.perf.pipeline.conv_slot_bytes)
+    order: str = SCHEDULE  # the schedule with V = 1 (the planner plans 1F1B; gpipe for the memory model's checks)
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.chunks > 1 else SCHEDULE
+        return "interleaved" if self.chunks > 1 else self.order
 
     @property
     def memory(self) -> dict[str, float]:
         """Per-device bytes by :mod:`dtx.perf.memory`'s categories (:mod:`dtx.perf.pipeline`'s model): the row as
-        params, its accumulator as grads, the other working rows as buffers, kept inputs and batch as activations."""
+        params, its accumulator as grads, the other working rows as buffers, kept inputs and batch as activations.
+        A pipeline of convolutions (``conv_bytes``: :func:`dtx.perf.pipeline.conv_slot_bytes`) runs its costliest
+        slot's pools and kernel copies where the row-sized buffers are not live (the larger of the two counts) and
+        holds the program's small buffers (read from XLA:CPU's buffer assignments, docs/pipeline.md)."""
+        conv = self.conv_bytes > 0
         return dict(params=self.row_bytes, grads=self.row_bytes, optimizer=self.optimizer_bytes,
                     activations=self.kept_bytes + self.batch_bytes + self.batch_bytes / self.stages,
-                    buffers=(WORK_ROWS[self.schedule] - 1) * self.row_bytes
-                    + WORK_STAGE_ROWS * self.row_bytes / self.chunks + WORK_MESSAGES * self.message_bytes)
+                    buffers=max((WORK_ROWS[self.schedule] - 1) * self.row_bytes
+                                + WORK_STAGE_ROWS * self.row_bytes / self.chunks, self.conv_bytes)
+                    + WORK_MESSAGES * self.message_bytes + (SMALL_BUFFERS if conv else 0))
 
     @property
     def memory_bytes(self) -> float:
@@ -148,10 +159,11 @@ def _hop(cluster: Cluster, nbytes: float, stages: int) -> float:
 
 def plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: int, stages: int, micro: int, *,
          optimizer: str = "adam", algorithm: str = "ring", example_bytes: float | None = None,
-         runnable: bool = True, chunks: int = 1, fixes: tuple[str, ...] = ()) -> PipelinePlan:
+         runnable: bool = True, chunks: int = 1, fixes: tuple[str, ...] = (), schedule: str = SCHEDULE) -> PipelinePlan:
     """The plan of ``stages`` × ``nodes/stages`` with ``micro`` micro-batches and ``chunks`` virtual stages per device
     (module docstring); ``example_bytes``: one example's inputs and label (default: the first layer's input in float32
-    and an int32 label)."""
+    and an int32 label); ``schedule``: ``1f1b`` or ``gpipe`` where ``chunks`` is 1 (the same time, GPipe keeps ``M``
+    inputs)."""
     data, e, v = nodes // stages, cluster.bytes_per_element, chunks
     example_bytes = 4 * layers[0].in_elements + 4 if example_bytes is None else example_bytes
     b = global_batch // (data * micro)
@@ -165,7 +177,7 @@ def plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: in
     # is the analysed layer's; what crosses is the pooled map, the next layer's input)
     width = max(span[0].in_elements for span in spans[1:]) if len(spans) > 1 else 0
     message = b * width * e
-    schedule = make_schedule("interleaved" if v > 1 else SCHEDULE, stages, micro, v)
+    order, schedule = schedule, make_schedule("interleaved" if v > 1 else schedule, stages, micro, v)
     row = v * max(sum(layer.weights for layer in span) for span in spans) * e
     allreduce_bytes = costmodel.cost_terms(algorithm, row, data).path_bytes if data > 1 else 0.0
     allreduce_s = cluster.allreduce_time(row, data, max(1, cluster.local_size // stages), algorithm)
@@ -182,7 +194,8 @@ def plan(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: in
     return PipelinePlan(nodes, global_batch, stages, data, micro, b, cuts, schedule.bubble, ticks * tick, p2p_s,
                         allreduce_s, schedule.messages * message, allreduce_bytes, gather, row,
                         OPTIMIZER_SLOTS.get(optimizer, 2) * row, kept, message, batch, flops,
-                        max(stage_costs) * len(spans) / sum(stage_costs), runnable, v, fixes)
+                        max(stage_costs) * len(spans) / sum(stage_costs), runnable, v, fixes,
+                        conv_slot_bytes(layers, bounds, b, e), order)
 
 
 def candidates(layers: Sequence[Layer], cluster: Cluster, nodes: int, global_batch: int, **kwargs) -> list[PipelinePlan]:

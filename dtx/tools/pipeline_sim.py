@@ -59,7 +59,8 @@ def rows(args, cluster: Cluster, layers, points, optimizer: str = "adam") -> lis
                                              args.overlap, optimizer=optimizer, algorithm=args.algorithm,
                                              runnable=can_run, fixes=fixes)
         out.append(dict(nodes=n, global_batch=point.global_batch, das=das, das_memory=das_memory, chosen=chosen,
-                        pipeline=fitting[0] if fitting else None, outside=pipeline_estimate.planner_outside(layers),
+                        pipeline=fitting[0] if fitting else None,
+                        outside=pipeline_estimate.planner_outside(fitting[0]) if fitting else "",
                         why=pipeline_plan.why(chosen, das, das_memory, fitting, cluster, args.overlap)))
     return out
 
