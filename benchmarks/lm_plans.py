@@ -4,11 +4,12 @@ nodes at 8 to 1024 GPUs (dtx.perf.lm_plan), and the runnable kinds compiled at 8
     python benchmarks/lm_plans.py [--verify] [--update-docs]    # seconds; --verify: minutes (compiles)
 
 For each shape, cluster and GPU count: the fastest plan that fits a GPU's memory, its step time and per-device
-memory, the fastest plan dtx runs where the chosen one is modelled only (a pipeline of the transformer), and why
+memory, the fastest plan dtx runs where the chosen one is modelled only, and why
 (:func:`dtx.perf.lm_plan.why`). Strong scaling at GPT-2's and GPT-3's batches: 512 sequences of 1024 tokens for
 GPT-2 small (experiments/gpt2_small.py), 1024 sequences of 2048 tokens for the 7B shape (32 blocks of 4096, 32
 heads). ``--verify`` compiles, as ``dtx simulate --verify`` does, the kinds of plan dtx runs (data, ZeRO, tensor,
-SP, tensor.zero_stage, each remat policy) at the width-scaled twin on 8 emulated CPU devices and records per-device
+SP, tensor.zero_stage, each remat policy, a pipeline split over model) at the width-scaled twin on 8 emulated CPU
+devices and records per-device
 FLOPs and bytes, modelled and compiled (dtx.tools.lm_sim).
 """
 
@@ -84,8 +85,9 @@ def main() -> int:
     preamble = (f"`{COMMAND}{' --verify' if args.verify else ''}` on {report.machine()}; "
                 f"{time.perf_counter() - start:.0f} s. Per shape, cluster and GPU count, the fastest plan of "
                 "dtx.perf.lm_plan that fits a GPU's memory (D data x T tensor x P pipeline, ZeRO stage, remat "
-                "policy, M micro-batches), its step time and per-device memory; where it is modelled only (dtx "
-                "does not run a transformer pipeline yet), the fastest plan dtx runs; and why. GPT-2 small: 512 "
+                "policy, M micro-batches; pipelines as dtx runs them, each stage's forward re-run in its backward "
+                "slot and the output layer untied: dtx.perf.lm_pipeline), its step time and per-device memory; "
+                "and why. GPT-2 small: 512 "
                 "sequences of 1024 tokens per step; the 7B shape (32 blocks of 4096, 32 heads): 1024 of 2048. "
                 "`dtx simulate --model experiments/gpt2_small.py --cluster h100_nvlink_ndr` prints the GPT-2 rows "
                 "with their `dtx train` overrides.")

@@ -5,8 +5,9 @@ attention split by heads and its MLP by columns then rows, the boundary buffer r
 here: GPipe and 1F1B equal one device after 3 steps (the pipeline tests' convention and tolerance), a device holds
 ``1/T`` of each split kernel, the compiled collective-permutes carry the pipeline formula's bytes, the all-reduces
 over ``model`` are Megatron's per block and micro-batch (forward and backward slot, the backward slot's re-run of
-the forward included), the step's accountant counts what the program sends, and the settings it cannot run are
-refused by key before compiling.
+the forward included), the step's accountant counts what the program sends, the settings it cannot run are
+refused by key before compiling, and dtx simulate's model of such a pipeline (dtx.perf.lm_pipeline, written before
+any was compiled) predicts this program's FLOPs and bytes within --verify's 2 %.
 
 Hand-breaks (each fails the test named): the row layer's ``psum`` over ``model`` dropped (``reduce_from_model``
 returning its input) -> ``test_split_stages_equal_one_device``; the forward ``ppermute`` skipped (the forward slot
@@ -172,6 +173,7 @@ def test_messages_are_the_pipeline_formulas(runs, schedule):
     static_model = sum(found.values()) * tensor_model.bytes_sent("all-reduce", message, 2)
     busiest = MICRO * 6 * tensor_model.bytes_sent("all-reduce", message, 2)
     assert run["metrics"]["comm_bytes"] == total - static_model + busiest
+    assert tensor_stages.step_bytes(hlo.collectives(run["compiled"]), schedule_, 2) == total - static_model + busiest
 
 
 def test_what_split_stages_cannot_run_is_refused_by_key():
@@ -199,3 +201,25 @@ def test_a_model_without_pairs_is_refused():
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 8), np.float32))["params"])
     with pytest.raises(PipelineError, match="--config.mesh"):
         pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH), micro=MICRO)
+
+
+def test_the_planner_predicts_the_compiled_split_pipeline(runs):
+    """dtx simulate's T x P plans (dtx.perf.lm_pipeline, --verify's reading: dtx.tools.lm_sim) against this file's
+    compiled 1F1B program: the bytes a device of the last stage sends per step and its slots' FLOPs times M, each
+    within --verify's 2 %."""
+    from types import SimpleNamespace
+
+    from dtx.perf import lm_plan
+    from dtx.perf.clusters import get_cluster
+    from dtx.precision import Policy
+    from dtx.tools import lm_sim
+    from dtx.tools.plancheck import VERIFY_TOLERANCE
+
+    run = runs["1f1b"]
+    shape = lm_plan.LMShape(2, WIDTH, 2, SEQ, vocab=VOCAB, mlp_ratio=2)
+    p = lm_plan.plan(shape, get_cluster("h100_nvlink_ndr"), 8, BATCH, tensor=2, stages=2, micro=MICRO,
+                     tensor_element=4)
+    parts = SimpleNamespace(placement=SimpleNamespace(pipeline=run["pipeline"]), policy=Policy(),
+                            task=tasks.next_token())
+    flops, sent = lm_sim._pipeline_figures(parts, mesh_lib.make_mesh(MESH), p, run["compiled"])  # 1.007, 1.0002
+    assert abs(sent / p.bytes_sent - 1) <= VERIFY_TOLERANCE and abs(flops / p.flops - 1) <= VERIFY_TOLERANCE

@@ -28,12 +28,12 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   the loss's float32 softmax, split as the head is; 1F1B keeps ``min(M, P)``
   micro-batches of a stage in flight.
 
-:func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs today: data
+:func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
-``tensor.zero_stage`` under ``driver=jit``, and any remat policy; a pipeline (``P > 1``) of the transformer is
-modelled only (dtx's pipeline refuses the tied embedding planned here, and tensor does not combine with pipeline
-yet), as is
-``offload``, whose host transfers are not modelled (not planned).
+``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
+stage, with or without a ``model`` axis splitting each stage (no ZeRO, SP or remat policy there), planned as dtx
+runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's forward re-run in its backward slot).
+``offload`` is not planned: its host transfers are not modelled.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from dtx.parallel.pipeline_schedules import make_schedule
-from dtx.perf import decoder
+from dtx.perf import decoder, lm_pipeline
 from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 from dtx.perf.pipeline_plan import SCHEDULE, _hop
@@ -138,6 +138,7 @@ class LMPlan:
     p2p_bytes: float
     grad_bytes: float
     memory: dict
+    update_flops: float = 0.0  # of flops: the optimizer's update (a pipeline's --verify reads its slots apart)
 
     @property
     def time(self) -> float:
@@ -154,7 +155,7 @@ class LMPlan:
     @property
     def runnable(self) -> bool:
         """Whether ``dtx train`` takes it (module docstring)."""
-        return self.stages == 1
+        return self.stages == 1 or (not self.zero and not self.sp and self.policy == "none")
 
     def text(self) -> str:
         parts = [f"D{self.data}"] + ([f"T{self.tensor}" + ("+SP" if self.sp else "")] if self.tensor > 1 else [])
@@ -167,8 +168,17 @@ class LMPlan:
     def overrides(self) -> list[str]:
         """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
         if not self.runnable:
-            raise PlanError(f"{self.text()} is modelled only: dtx's pipeline refuses the tied embedding planned here")
+            raise PlanError(f"{self.text()} is modelled only: dtx's pipeline takes no ZeRO, SP or remat policy")
         out = []
+        if self.stages > 1:  # dtx.perf.lm_pipeline: L/P blocks per stage, the output layer untied
+            axes = [("data", self.data), ("stage", self.stages)] + [("model", self.tensor)] * (self.tensor > 1)
+            mesh = ", ".join(f'(\"{name}\", {size})' for name, size in axes)
+            cut = lm_pipeline.boundaries(self.shape.layers, self.stages)
+            return [f"--config.mesh='({mesh})'", "--config.parallel.name=pipeline", "--config.driver=shard_map",
+                    f"--config.pipeline.schedule={lm_pipeline.SCHEDULE}",
+                    f"--config.pipeline.microbatches={self.micro}",
+                    f"--config.pipeline.boundaries='{cut}'",
+                    "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"]
         if self.tensor > 1:
             out += [f"--config.mesh='((\"data\", {self.data}), (\"model\", {self.tensor}))'",
                     "--config.parallel.name=tensor", "--config.driver=jit"]
@@ -195,6 +205,12 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     data = nodes // (tensor * stages)
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
+    if stages > 1:  # dtx's pipeline as it runs (dtx.perf.lm_pipeline)
+        if zero or sp or policy != "none":
+            raise PlanError(f"dtx's pipeline takes no ZeRO, SP or remat policy (zero={zero}, sp={sp}, policy={policy})")
+        figures = lm_pipeline.costs(shape, cluster, nodes, global_batch, tensor, stages, micro, ELEMENTWISE,
+                                    reduce_bytes=reduce_bytes, element=tensor_element)
+        return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, **figures)
     e, s, d = COMPUTE, shape.seq, shape.width
     b = global_batch // (data * micro)  # sequences per micro-batch of a data shard
     shard_tokens = global_batch * s / data  # the tokens of one data shard per step
@@ -244,8 +260,8 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                 for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
                     if p > 1 and zero:
                         continue  # dtx's pipeline has no ZeRO; not planned
-                    for policy in policies:
-                        for sp in ((False, True) if t > 1 else (False,)):
+                    for policy in (policies if p == 1 else ("none",)):  # a pipeline re-runs each stage anyway
+                        for sp in ((False, True) if t > 1 and p == 1 else (False,)):
                             if sp and shape.seq % t:
                                 continue
                             out.append(plan(shape, cluster, nodes, global_batch, tensor=t, stages=p, zero=zero,

@@ -2,12 +2,14 @@
 remat (:mod:`dtx.perf.lm_plan`), and ``--verify`` of the printed plans compiled at 8 devices.
 
 Per node count: the fastest plan that fits the device's memory, why, and the ``dtx train`` overrides that run it
-(a plan dtx cannot run yet, a pipeline of the transformer, is marked "modelled only", beside the fastest plan dtx
-runs). ``--verify`` compiles, on 8 emulated CPU devices (nothing runs), the plans of 8 nodes it printed and one of
-each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat policy), as overrides of the
+(pipelines as dtx runs them: :mod:`dtx.perf.lm_pipeline`). ``--verify`` compiles, on 8 emulated CPU devices
+(nothing runs), the plans of 8 nodes it printed and one of
+each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat policy, a pipeline of ``M = P``
+micro-batches with its stages split over ``model``), as overrides of the
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
 twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
-loop trip counts included: :mod:`dtx.comm.hlo`) to the planner's within
+loop trip counts included: :mod:`dtx.comm.hlo`; a pipeline's as its last stage runs them, its FLOPs from that
+stage's slots: :func:`_pipeline_figures`) to the planner's within
 :data:`dtx.tools.plancheck.VERIFY_TOLERANCE`; the per-device memory, modelled over XLA:CPU's compiled peak, is
 reported beside them (not held: the planner's activation terms are Korthikanti et al.'s GPU figures).
 """
@@ -29,9 +31,10 @@ VERIFY_NODES = 8
 # XLA:CPU upcasts bf16 collectives: the tensor layout's activation collectives, bf16 in the program JAX hands it
 # (tests/test_tensor_parallel.py reads them), move as float32 in what it compiles, so --verify charges 4 bytes.
 CPU_TENSOR_ELEMENT = 4
-# One plan of each kind dtx runs, as (tensor, zero, policy, sp), compiled beside the printed ones.
-KINDS = ((1, 0, "none", False), (1, 1, "none", False), (1, 3, "none", False), (1, 0, "full", False),
-         (2, 0, "none", False), (4, 1, "dots", True), (8, 0, "full", True))
+# One plan of each kind dtx runs, as (tensor, zero, policy, sp, stages), compiled beside the printed ones; a
+# pipeline with M = P micro-batches, its stages split over model (dtx.parallel.tensor_stages).
+KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
+         (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2))
 
 
 def load_shape(path: str) -> tuple[lm_plan.LMShape, object]:
@@ -76,7 +79,7 @@ def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], glob
         print(f"{row['nodes']:>6} {p.text():<34} {p.time * 1e3:>6.4g} ms {_gib(p.memory_bytes):>10}  {row['why']}")
         runs = row["runnable"]
         if not p.runnable:
-            print(f"{'':>6} (modelled only: dtx does not run a transformer pipeline yet)")
+            print(f"{'':>6} (modelled only: dtx's pipeline takes no ZeRO, SP or remat policy)")
             if runs is not None:
                 print(f"{'':>6} fastest dtx runs: {runs.text()}, {runs.time * 1e3:.4g} ms, {_gib(runs.memory_bytes)}")
         if runs is not None:
@@ -100,12 +103,14 @@ def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4
     for row in table:
         if row["nodes"] == VERIFY_NODES and row["runnable"] is not None:
             p = row["runnable"]
-            wanted.append((p.tensor, p.zero, p.policy, p.sp))
+            wanted.append((p.tensor, p.zero, p.policy, p.sp, p.stages))
     wanted += [k for k in KINDS if k not in wanted]
     out = []
-    for tensor, zero, policy, sp in wanted:
+    for tensor, zero, policy, sp, stages in wanted:
+        if twin.layers % stages:
+            continue  # the twin's 2 blocks: pipelines of 2 stages
         p = lm_plan.plan(twin, cluster, VERIFY_NODES, TWIN_BATCH, tensor=tensor, zero=zero, policy=policy, sp=sp,
-                         reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT)
+                         stages=stages, micro=stages, reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT)
         start = time.perf_counter()
         flops, sent, peak = compiled_figures(path, p)
         ratios = (flops / p.flops, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
@@ -143,8 +148,46 @@ def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float, float]
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), parts.abstract_state,
                          parts.placement.state)
     compiled = setup.compile_step(setup.make_step(config, parts, mesh), state, inputs.loader.batch(0))
+    if p.stages > 1:
+        return _pipeline_figures(parts, mesh, p, compiled) + (float(memory_lib.compiled_peak(compiled)),)
     return (float(flops_lib.compiled_flops(compiled)), float(hlo.total(compiled).bytes_sent),
             float(memory_lib.compiled_peak(compiled)))
+
+
+def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, float]:
+    """A pipeline plan's ``(FLOPs, bytes sent)`` per device of the last (busiest) stage: its forward and backward
+    slots (the step's own functions, over the ``model`` axis) compiled on one micro-batch, times ``M``, plus the
+    planner's update (the whole step's cost analysis counts each loop's body once, whichever stage a device is);
+    the bytes as that stage sends them (:func:`dtx.parallel.tensor_stages.step_bytes`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    from dtx import mesh as mesh_lib
+    from dtx.comm import hlo
+    from dtx.parallel import tensor_stages
+    from dtx.perf import flops as flops_lib
+    from dtx.step import pipeline as pp
+
+    pipeline = parts.placement.pipeline
+    plan, schedule, policy = pipeline.plan, pipeline.schedule, parts.policy
+    forward, backward = pp.slot_functions(plan, parts.task, p.micro, policy)
+    b, last = p.global_batch // (p.data * p.micro), plan.num_stages - 1
+    row = jax.ShapeDtypeStruct((plan.row,), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((b, *plan.layers[0].in_shape), jnp.int32)
+    buffer = jax.ShapeDtypeStruct((b, plan.width), policy.compute)
+    labels = jax.ShapeDtypeStruct((b, *plan.layers[-1].out_shape[:-1]), jnp.int32)
+    seed = jax.ShapeDtypeStruct((), jnp.float32)
+    group = mesh_lib.make_mesh([("model", p.tensor)], devices=mesh.devices.flat[:p.tensor])
+
+    def compiled_slot(fn, *args):
+        mapped = jax.shard_map(fn, mesh=group, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False)
+        return flops_lib.compiled_flops(jax.jit(mapped).lower(*args).compile()) or 0.0
+
+    slots = (compiled_slot(forward[last], row, tokens, buffer, labels)
+             + compiled_slot(backward[last], row, tokens, buffer, labels, buffer, seed))
+    sent = tensor_stages.step_bytes(hlo.collectives(compiled), schedule, p.tensor)
+    return float(slots * p.micro + p.update_flops), float(sent)
 
 
 def print_verified(verified: list[dict]) -> None:
