@@ -13,9 +13,11 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
   row-sized buffers: 0 for SGD, 1 for momentum, 2 for Adam) and its ``1/P`` of the data shard's batch; and its
   temporaries: :data:`WORK_ROWS` device rows (the gradient accumulator, the all-reduce's out-of-place result) and
   :data:`WORK_STAGE_ROWS` stage row (the backward slot's gradient) — read from XLA:CPU's buffer assignment — and
-  :data:`WORK_MESSAGES` buffers of one micro-batch's message; where a stage max-pools, a max pool's backward on one
-  micro-batch (:func:`pool_work_bytes`: its index arrays, scatter and select, each the size of the pool's input,
-  which is no boundary's); the kept stage inputs: ``slots`` buffers of one
+  :data:`WORK_MESSAGES` buffers of one micro-batch's message; where a stage max-pools, the costliest stage's
+  backward slot on one micro-batch in place of the row-sized temporaries but the accumulator, where larger (its
+  pools' index arrays, the largest pool's convolution output, its kernels sliced and flipped:
+  :func:`stage_conv_slot_bytes`, :func:`conv_slot_bytes` from the planner's layers), and :data:`SMALL_BUFFERS`;
+  the kept stage inputs: ``slots`` buffers of one
   micro-batch (``M`` under GPipe, ``min(M, 2P - 1)`` under 1F1B, ``VM`` interleaved) — the term that separates
   the schedules — and the data shard's batch, gathered over the stages (``M`` micro-batches of ``example_bytes`` each example).
   ``memory_bytes`` is the step's peak as :func:`dtx.perf.memory.compiled_peak` reads it, held to 15 %.
@@ -57,24 +59,6 @@ WORK_MESSAGES = 20
 SMALL_BUFFERS = 4096
 
 
-def pool_work_bytes(plan: StagePlan, micro: int, itemsize: int = 4) -> int:
-    """The working buffers of the largest max pool's backward on one micro-batch: ``rank + 3`` buffers of the
-    pool's input (a ``(micro, H, W, C)`` map: rank 4), 0 without a max pool.
-
-    Why: XLA:CPU expands a max pool's gradient (select-and-scatter) into a reduce-window that carries each window
-    maximum's position as one int32 index array per dimension of the pool's input (iotas of its shape), their
-    concatenation into scatter indices, the scatter's output and the select that masks it: ``rank + 3`` buffers
-    the size of the convolution's output before pooling, read from LeNet's buffer assignment (4 iotas ``s32[2,8,8,2]``,
-    ``s32[64,4]``, the scatter, the select) — 4x its boundary there, so the boundary-sized message buffers miss it.
-    Every device's program holds every stage's code (the stages are branches of one SPMD program sharing one
-    temporary arena), so the largest pool of any stage counts on each device."""
-    largest = 0
-    for layer in plan.layers:
-        for shape in _pool_inputs(layer):
-            largest = max(largest, (len(shape) + 1 + 3) * math.prod(shape))
-    return largest * micro * itemsize
-
-
 def conv_slot_bytes(layers, bounds, micro: int, itemsize: int = 4) -> int:
     """The working buffers of the costliest convolutional stage's backward slot, from the planner's analysed layers
     (:class:`dtx.perf.layers.Layer`, which describe no pooling) cut at ``bounds`` (``(0, ..., len(layers))``).
@@ -94,7 +78,7 @@ def conv_slot_bytes(layers, bounds, micro: int, itemsize: int = 4) -> int:
     The costliest stage's count on each device (every device's program holds every stage's code, the stages being
     branches sharing one temporary arena). The slot runs while the row-sized temporaries (the gradient row the slot
     returns, the all-reduce's result) are not live: the caller counts the larger of the two."""
-    worst = 0
+    stages = []
     for start, stop in zip(bounds, bounds[1:]):
         pools, kernels = [], 0
         for i in range(start, stop):
@@ -104,10 +88,33 @@ def conv_slot_bytes(layers, bounds, micro: int, itemsize: int = 4) -> int:
             kernels += (1 if i == 0 else 2) * (layer.weights - layer.kernel_shape[-1])
             if i + 1 < len(layers) and layers[i + 1].in_elements < layer.out_elements:
                 pools.append((len(layer.kernel_shape), layer.out_elements))
+        stages.append((pools, kernels))
+    return _slot_bytes(stages, micro, itemsize)
+
+
+def stage_conv_slot_bytes(plan: StagePlan, micro: int, itemsize: int = 4) -> int:
+    """:func:`conv_slot_bytes` of the built stages (``memory_limit``'s estimate): each piece's max pools traced
+    (``reduce_window_max``, their inputs' shapes), its kernels the leaves of three or more dimensions (the first
+    piece's sliced only)."""
+    stages = []
+    for s in range(plan.num_stages):
+        pools, kernels = [], 0
+        for layer in plan.stage_layers(s):
+            pools += [(len(shape) + 1, math.prod(shape)) for shape in _pool_inputs(layer)]
+            first = layer is plan.layers[0]
+            kernels += sum((1 if first else 2) * math.prod(shape) for _, shape in layer.leaves if len(shape) >= 3)
+        stages.append((pools, kernels))
+    return _slot_bytes(stages, micro, itemsize)
+
+
+def _slot_bytes(stages, micro: int, itemsize: int) -> int:
+    """The largest stage's slot (:func:`conv_slot_bytes`): ``stages`` of ``(pools, kernel elements)``, each pool a
+    ``(rank, elements of one example's input)``; 0 where no stage pools."""
+    worst = 0
+    for pools, kernels in stages:
         if pools:
             largest = max(n for _, n in pools)
-            work = (sum((rank + 1) * n for rank, n in pools) + 2 * largest) * micro + kernels
-            worst = max(worst, work)
+            worst = max(worst, (sum((rank + 1) * n for rank, n in pools) + 2 * largest) * micro + kernels)
     return worst * itemsize
 
 
@@ -192,6 +199,7 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
     row_bytes = plan.chunks * plan.row * itemsize
     message = plan.message_bytes(micro, itemsize)
     allreduce = costmodel.expected_traffic("ring", row_bytes, data, None, itemsize).bytes_sent if data > 1 else 0
+    conv = stage_conv_slot_bytes(plan, micro, itemsize)
     step_s = None
     if cluster is not None:
         flops = max(plan.stage_flops) * micro  # the slowest (virtual) stage sets every tick's pace
@@ -203,8 +211,9 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
     return PipelineEstimate(schedule.bubble, schedule.messages, schedule.messages * message, allreduce, row_bytes,
                             OPTIMIZER_SLOTS[optimizer] * row_bytes, schedule.slots * message,
                             schedule.micro * micro * example_bytes, step_s,
-                            WORK_ROWS[schedule.name] * row_bytes + WORK_STAGE_ROWS * plan.row * itemsize
-                            + WORK_MESSAGES * message + pool_work_bytes(plan, micro, itemsize), plan.devices)
+                            row_bytes + max((WORK_ROWS[schedule.name] - 1) * row_bytes
+                                            + WORK_STAGE_ROWS * plan.row * itemsize, conv)
+                            + WORK_MESSAGES * message + (SMALL_BUFFERS if conv else 0), plan.devices)
 
 
 @dataclasses.dataclass(frozen=True)
