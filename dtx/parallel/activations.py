@@ -46,6 +46,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
+from dtx.parallel import nested
 from dtx.paths import named_leaves
 
 
@@ -70,12 +71,16 @@ class ActivationLayout:
     mesh: Mesh
     kernels: Mapping[str, PartitionSpec]
     mappable: ClassVar[bool] = True  # runs inside a per-shard map (:meth:`inside_map`; gradient accumulation)
+    # That map is a shard_map manual over the data axes (dtx.step.accumulate.manual_gradients): under a vmap XLA
+    # gathered a convolution's activations across the map and computed them again (hybrid VGG-A, k = 2: 3.4x).
+    manual: ClassVar[bool] = True
     mapped: tuple[str, ...] = ()
 
     def inside_map(self, axes: tuple[str, ...]) -> ActivationLayout:
-        """This layout for the body of a ``jax.vmap`` over shards along mesh ``axes`` (``spmd_axis_name``;
-        :mod:`dtx.step.accumulate`): vmap adds those axes to every constraint, so they must not be in it.
-        Only axes a model group does not span can be mapped (a layer's group gather stays inside a shard)."""
+        """This layout for the body of a ``shard_map`` manual over mesh ``axes`` (:mod:`dtx.step.accumulate`):
+        those axes are in no constraint inside it, and a model-parallel layer's own region nests in it over
+        ``model`` (:func:`dtx.parallel.nested.region`). Only axes a model group does not span can be mapped (a
+        layer's group gather stays inside a shard)."""
         if mesh_lib.MODEL_AXIS in axes:
             raise ValueError(f"a model-parallel layer's group cannot be split by a map over {axes}")
         return dataclasses.replace(self, mapped=tuple(axes))
@@ -141,8 +146,7 @@ class ActivationLayout:
             return local.apply({"params": params}, x)
 
         specs = {k: split[k] for k in params}
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(x_spec, specs), out_specs=out_spec)(
-            x, dict(params))
+        return self._region(per_device, (x_spec, specs), out_spec)(x, dict(params))
 
     def _row_parallel(self, module: nn.Module, x: jax.Array) -> jax.Array:
         """A row-split Dense (its input features over ``model``), the partner of a column-split one (Megatron's
@@ -160,8 +164,7 @@ class ActivationLayout:
             y = local.apply({"params": {"kernel": kernel}}, x)
             return jax.lax.psum_scatter(y, model, scatter_dimension=0, tiled=True)
 
-        y = jax.shard_map(per_device, mesh=self.mesh, in_specs=(x_spec, PartitionSpec(model, None)),
-                          out_specs=out_spec)(x, params["kernel"])
+        y = self._region(per_device, (x_spec, PartitionSpec(model, None)), out_spec)(x, params["kernel"])
         return y + params["bias"].astype(y.dtype) if "bias" in params else y
 
     def _arriving(self, ndim: int, arriving: PartitionSpec | None) -> PartitionSpec:
@@ -197,11 +200,21 @@ class ActivationLayout:
         """
         forward, _ = self.specs(layer, x.ndim, x.ndim)
         arriving = self._arriving(x.ndim, arriving)
-        return _reshard(x, NamedSharding(self.mesh, forward), NamedSharding(self.mesh, arriving))
+        return _reshard(x, self._sharding(forward), self._sharding(arriving))
 
     def leave(self, y: jax.Array, layer: str, in_ndim: int) -> jax.Array:
         """Pin ``layer``'s output to its output layout (features split for model-parallel layers)."""
-        return jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, self.specs(layer, in_ndim, y.ndim)[1]))
+        return jax.lax.with_sharding_constraint(y, self._sharding(self.specs(layer, in_ndim, y.ndim)[1]))
+
+    def _sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """``spec`` on the mesh; inside the map, on the context's mesh (the map's axes manual there)."""
+        return NamedSharding(jax.sharding.get_abstract_mesh() if self.mapped else self.mesh, spec)
+
+    def _region(self, per_device, in_specs: tuple, out_specs: PartitionSpec):
+        """A model-parallel layer's per-device computation: a ``shard_map``, nested over ``model`` inside the map."""
+        if self.mapped:
+            return nested.region(per_device, in_specs, out_specs, mesh_lib.MODEL_AXIS)
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def _reshard(x: jax.Array, forward: NamedSharding, backward: NamedSharding) -> jax.Array:

@@ -324,8 +324,8 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
     Measured (benchmarks/memory_model.py, held-out table; docs/memory.md): FSDP, whose peak depends on
     which layers XLA's SPMD partitioner runs on gathered weights, gathered activations or contracted
     slices and on when it gathers them (held-out rows 0.62 to 1.41 of XLA's); accumulation under ``jit`` with
-    kernels split over ``model`` (the loss mapped over model groups by a vmap, :mod:`dtx.step.accumulate`; no
-    held-out row: whole gradients per device read 0.96 and 1.01, since their map is a ``shard_map``); a compute
+    kernels split over ``model`` (each model group's gradient summed apart, :mod:`dtx.step.accumulate`; no held-out
+    row measures it: whole gradients per device read 0.96 and 1.01); a compute
     dtype narrower than float32 on XLA:CPU, which computes in float32 and keeps converted copies (0.68 to 0.90).
     """
     lay = get_layout(layout)
@@ -335,7 +335,7 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
                 "conv nets 0.43-0.70)")
     if accum_steps > 1 and not explicit and lay.kernels != "none":
         return ("gradient accumulation under jit with kernels split over model (each model group's gradient summed "
-                "apart by a vmap, dtx/step/accumulate.py): no held-out row measures it")
+                "apart, dtx/step/accumulate.py): no held-out row measures it")
     if backend == "xla_cpu" and np.dtype(policy.compute).itemsize < 4:
         return "a 2-byte compute dtype on XLA:CPU (computed in float32): measured 0.68-0.90x the compiled peak"
     return ""

@@ -8,10 +8,10 @@ program (:func:`dtx.comm.hlo.total`).
 
 With gradient accumulation the gradients are reduced once per step, as under ``shard_map``: each
 shard's are summed apart over the micro-batches (:mod:`dtx.step.accumulate`). A shard is a device where
-each device holds a whole gradient (data, ZeRO-1: mapped by a ``shard_map``, so that a convolution computes
-its own examples only), and a model group under the model-parallel layouts
+each device holds a whole gradient (data, ZeRO-1), and a model group under the model-parallel layouts
 (model, hybrid, rules): their split layers gather activations inside a group, so only the other axes
-are mapped; a data-parallel layer among them is still summed inside its group per micro-batch. ZeRO-2
+are mapped; a data-parallel layer among them is still summed inside its group per micro-batch. The map is a
+``shard_map`` (under a vmap XLA gathered a conv net's activations and computed them again) but for FSDP. ZeRO-2
 and FSDP reduce every micro-batch's gradient to their split accumulator (that is what they are), unless FSDP
 is told ``parallel.reduce=once`` ("no sync"): then a shard is a device, holding its own whole gradient. Under
 ``parallel.name=tensor`` a shard is a model group too, and the map is a ``shard_map`` manual over the data
@@ -102,8 +102,7 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
         whole = placement is None or (placement.layout.kernels == "none" and placement.layout.zero_stage < 3)
         return accumulate.Apart(mesh, mesh_lib.batch_axes(mesh), manual=True) if reuses and whole else None
     if placement is None or placement.whole_gradients:
-        # A shard_map (under a vmap XLA gathered a conv net's activations and computed them again, ~3x a trip),
-        # but for FSDP: it would hold the whole parameters through the loop beside the whole accumulator.
+        # A shard_map (module docstring), but for FSDP: it held the whole parameters beside the whole accumulator.
         fsdp = placement is not None and placement.layout.zero_stage == 3
         return accumulate.Apart(mesh, mesh_lib.batch_axes(mesh), manual=not fsdp)
     axes = mesh_lib.group_batch_axes(mesh)
