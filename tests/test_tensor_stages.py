@@ -11,7 +11,9 @@ any was compiled) predicts this program's FLOPs and bytes within --verify's 2 %.
 
 Hand-breaks (each fails the test named): the row layer's ``psum`` over ``model`` dropped (``reduce_from_model``
 returning its input) -> ``test_split_stages_equal_one_device``; the forward ``ppermute`` skipped (the forward slot
-keeping its output) -> ``test_split_stages_equal_one_device`` and ``test_messages_are_the_pipeline_formulas``.
+keeping its output) -> ``test_split_stages_equal_one_device`` and ``test_messages_are_the_pipeline_formulas``; the
+column input's gradient not summed over ``model`` (``copy_to_model``'s backward as the identity) -> every test of the
+compiled steps; the backward slot's re-run left out of the planner's FLOPs -> ``test_the_planner_predicts_...``.
 """
 
 import os
