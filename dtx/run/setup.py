@@ -23,7 +23,7 @@ from dtx import mesh as mesh_lib
 from dtx.data import tasks as tasks_lib
 from dtx.data import pipeline, userdata
 from dtx import compress
-from dtx.perf import clusters, flops, model as perfmodel, simclock
+from dtx.perf import clusters, flops, model as perfmodel, row_split, simclock
 from dtx.perf import layers as layers_lib
 from dtx.comm import hlo
 from dtx import models, optim, precision
@@ -398,13 +398,16 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
     kernels = dict(activations.kernels) if activations is not None else {}
     split = {path.rsplit("/", 1)[0] for path, sharding in named_leaves(parts.placement.state.params)
              if not sharding.is_fully_replicated}
-    columns = all(tuple(spec)[-1:] == (mesh_lib.MODEL_AXIS,) and not any(tuple(spec)[:-1]) for spec in kernels.values())
+    rows = {name for name, spec in kernels.items() if tuple(spec) == (mesh_lib.MODEL_AXIS, None)}  # fc_pairs' rows
+    columns = all(tuple(spec)[-1:] == (mesh_lib.MODEL_AXIS,) and not any(tuple(spec)[:-1])
+                  for name, spec in kernels.items() if name not in rows)
     if (parts.strategy.caps.identity and parts.compressor.caps.identity and split <= set(kernels) and columns
             and set(kernels) <= {layer.name for layer in layers}):
         group = mesh.shape[mesh_lib.MODEL_AXIS] if kernels else 1
         e = np.dtype(parts.policy.reduce).itemsize
         out["comm_bytes_modelled_per_step"] = float(sum(
-            sum(perfmodel.layer_bytes(layer, mesh.size, global_batch, group, layer.name in kernels, e,
+            sum(row_split.row_bytes(layer, mesh.size, global_batch, group, e) if layer.name in rows else
+                perfmodel.layer_bytes(layer, mesh.size, global_batch, group, layer.name in kernels, e,
                                       last=layer is layers[-1]))
             for layer in layers))
     return out
