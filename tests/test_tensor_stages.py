@@ -30,6 +30,7 @@ from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
 from dtx.parallel import tensor_stages
 from dtx.parallel.stages import PipelineError
+from dtx.perf import pipeline as pipeline_model
 from dtx.perf import tensor as tensor_model
 from dtx.step import StepSpec, make_train_step
 from dtx.step import pipeline as pp
@@ -161,15 +162,22 @@ def test_all_reduces_are_megatrons_per_block_and_micro_batch(runs, schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_messages_are_the_pipeline_formulas(runs, schedule):
     """The collective-permutes, trip counts included, carry the pipeline's 2(M + P - 2) = 2M messages of one
-    micro-batch's stream per device, as without the model axis (the buffer is replicated over model: each device
-    sends its copy); the step's comm_bytes are the program's, the model all-reduces counted as the busiest stage
-    runs them (M x 6)."""
+    micro-batch's stream per device (dtx.perf.pipeline.estimate), as without the model axis (the buffer is replicated
+    over model: each device sends its copy), and the gradient all-reduce over data carries the device's local row
+    once; the step's comm_bytes are the program's, the model all-reduces counted as the busiest stage runs them
+    (M x 6)."""
     run = runs[schedule]
     plan, schedule_ = run["pipeline"].plan, run["pipeline"].schedule
     message = plan.message_bytes(micro=BATCH // 2 // MICRO)
     assert message == 4 * SEQ * WIDTH * 4  # 4 sequences per micro-batch
-    permutes = sum(c.bytes_sent * c.trips for c in hlo.collectives(run["compiled"]) if c.kind == "collective-permute")
-    assert permutes == schedule_.messages * message == 2 * MICRO * message
+    collectives = hlo.collectives(run["compiled"])
+    permutes = sum(c.bytes_sent * c.trips for c in collectives if c.kind == "collective-permute")
+    e = pipeline_model.estimate(plan, schedule_, micro=BATCH // 2 // MICRO, data=2)  # dtx.perf.pipeline's formulas
+    assert permutes == e.p2p_bytes == schedule_.messages * message == 2 * MICRO * message
+    grad = [c for c in collectives
+            if c.kind == "all-reduce" and c.context == "entry" and c.operand_bytes >= plan.row * 4]
+    # The local row once over data (XLA sends the metrics' pmean, two float32 scalars, in the same all-reduce).
+    assert len(grad) == 1 and grad[0].bytes_sent - e.allreduce_bytes == 8 and e.allreduce_bytes == plan.row * 4
     total = hlo.total(run["compiled"]).bytes_sent
     found, _ = _model_all_reduces(run["compiled"])
     static_model = sum(found.values()) * tensor_model.bytes_sent("all-reduce", message, 2)
