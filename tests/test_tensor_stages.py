@@ -29,7 +29,7 @@ from dtx.comm import hlo
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
 from dtx.parallel import tensor_stages
-from dtx.parallel.stages import PipelineError
+from dtx.parallel.stages import PipelineError, StagePlan
 from dtx.perf import pipeline as pipeline_model
 from dtx.perf import tensor as tensor_model
 from dtx.step import StepSpec, make_train_step
@@ -120,6 +120,14 @@ def test_a_device_holds_its_slices(runs):
     whole = 4 * d + d + d  # two LayerNorms, the out and row biases
     stage1 = split // 2 + whole + 2 * d + d * VOCAB + VOCAB  # block 1 and the head (final LayerNorm, Dense)
     assert plan.stage_sizes[1] == stage1 and plan.row == max(plan.stage_sizes)
+    # After 3 steps the two devices of a group hold the same replicated parameters, bit for bit: their gradients
+    # are equal without a reduction over model (f sums the input gradients first).
+    rows = np.asarray(jax.device_get(rows)).reshape(2, 2, plan.row)
+    halves = [StagePlan.unpack(plan, rows[:, t]) for t in range(2)]
+    split = {path for path, _ in plan.splits}
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(halves[0]), jax.tree.leaves(halves[1])):
+        if tuple(k.key for k in path) not in split:
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def _model_all_reduces(compiled):
