@@ -171,3 +171,10 @@ def test_fc_pairs_is_refused_where_it_does_not_apply(digits):
         get_layout("model").place(abstract, mesh_lib.make_mesh([("data", 4), ("model", 2)]), fc_pairs=True)
     with pytest.raises(PartitionError, match=r"parallel.fc_pairs=True .* not 'fsdp'"):
         get_layout("fsdp").place(abstract, mesh_lib.make_mesh([("data", 8)]), fc_pairs=True)
+    # 10 classes do not split over 4 by columns; the output layer as a row layer splits its 64 inputs instead.
+    abstract = abstract_train_state(models.build_model("mlp", **MODELS["mlp"]), optax.sgd(0.1), example)
+    four = mesh_lib.make_mesh([("data", 2), ("model", 4)])
+    with pytest.raises(PartitionError, match=r"layer 'Dense_2'\'s 10 output features"):
+        get_layout("model").place(abstract, four)
+    placement = get_layout("model").place(abstract, four, fc_pairs=True)
+    assert placement.state.params["Dense_2"]["kernel"].spec == P("model", None)

@@ -11,8 +11,8 @@ reduce-scatter of the input gradient backward), a row layer its output width (re
 all-gather of the output gradient backward); the weights are split ``1/G`` either way.
 
 Which layers become rows: :func:`choose`, a shortest path over the layers (a row only right after a column
-whose output it takes), used twice — by the layout on the parameters' widths (:func:`pair_rules`, each
-layer's exchanged elements per example), and by the planner on modelled seconds (:mod:`dtx.perf.row_split`).
+whose output it takes), used twice — by the layout on the parameters' widths (:func:`row_layers`, each
+layer's exchanged elements per example; :func:`dtx.parallel.rules.split_kernels` splits them), and by the planner on modelled seconds (:mod:`dtx.perf.row_split`).
 For a VGG-A head ``25088 → 4096 → 4096 → 1000`` it splits fc6 and fc7 by columns and fc8 by rows:
 ``25088 + 4096 + 1000`` elements per example instead of ``25088 + 4096 + 4096`` (and no all-to-all of the
 logits); a chain ``a → b → c`` with ``c < b`` always gains ``b − c``.
@@ -24,9 +24,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jax.sharding import PartitionSpec as P
-
-from dtx import mesh as mesh_lib
 from dtx.parallel.rules import PartitionError
 from dtx.paths import named_leaves
 
@@ -80,25 +77,18 @@ def dense_chains(abstract_params: Any) -> list[list[tuple[str, tuple[int, int]]]
     return chains
 
 
-def pair_rules(rules: list, abstract_params: Any, layout: str) -> list:
-    """``rules`` (every kernel split by columns) with the row layers of each Dense chain split by their input
-    features instead (kernel ``P("model", None)``, bias whole): :func:`choose` on the elements each layer
-    exchanges per example (a column its input width, a row its output width). Refuses a model with no two
-    chaining Dense layers, naming the key."""
-    leaves = dict(named_leaves(abstract_params))
-    rows = []
-    for chain in dense_chains(abstract_params):
-        kinds = choose([{"column": i_o[0], "row": i_o[1]} for _, i_o in chain], [i > 0 for i in range(len(chain))])
-        rows += [layer for (layer, _), kind in zip(chain, kinds) if kind == "row"]
-    if not any(len(chain) > 1 for chain in dense_chains(abstract_params)):
-        dense = [layer for chain in dense_chains(abstract_params) for layer, _ in chain]
+def row_layers(abstract_params: Any, layout: str) -> list[str]:
+    """The Dense layers to split by their input features: in each chain (:func:`dense_chains`), :func:`choose` on
+    the elements each layer exchanges per example (a column its input width, a row its output width). Refuses a
+    model with no two chaining Dense layers, naming the key."""
+    chains = dense_chains(abstract_params)
+    if not any(len(chain) > 1 for chain in chains):
         raise PartitionError(
             f"{KEY}=True pairs consecutive fully connected layers (one's output features the next one's input), "
-            f"and this model has none (its Dense layers: {dense or 'none'}); leave {KEY} at its default False "
-            f"with parallel.name={layout!r}")
-    paired = []
-    for layer in rows:
-        paired.append((f"^{re.escape(layer)}/kernel$", P(mesh_lib.MODEL_AXIS, None)))
-        if f"{layer}/bias" in leaves:  # added once, after the reduction
-            paired.append((f"^{re.escape(layer)}/bias$", P()))
-    return paired + list(rules)
+            f"and this model has none (its Dense layers: {[layer for chain in chains for layer, _ in chain] or 'none'}"
+            f"); leave {KEY} at its default False with parallel.name={layout!r}")
+    rows = []
+    for chain in chains:
+        kinds = choose([{"column": i_o[0], "row": i_o[1]} for _, i_o in chain], [i > 0 for i in range(len(chain))])
+        rows += [layer for (layer, _), kind in zip(chain, kinds) if kind == "row"]
+    return rows

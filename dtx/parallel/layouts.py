@@ -169,8 +169,8 @@ class Layout:
             return tensor_lib.megatron_rules(abstract_params, mesh, self.name, data=self.zero_stage == 3)
         if self.zero_stage == 3:
             return rules_lib.fsdp_rules(abstract_params, mesh)
-        split = rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name)
-        return fc_pairs_lib.pair_rules(split, abstract_params, self.name) if self.fc_pairs else split
+        rows = fc_pairs_lib.row_layers(abstract_params, self.name) if self.fc_pairs else ()
+        return rules_lib.split_kernels(abstract_params, mesh, self.kernels, self.name, rows)
 
     def optimizer_rules(self, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
         """The rules of the optimizer state (and under ZeRO 1/2 of the reduced gradients): split over every

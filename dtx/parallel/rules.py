@@ -87,18 +87,22 @@ def state_shardings(abstract_state: Any, rules: Rules, mesh: Mesh, opt_rules: Ru
                              worker=jax.tree.map(lambda _: split, abstract_state.worker))
 
 
-def split_kernels(abstract_params: Any, mesh: Mesh, which: str, layout: str) -> list[tuple[str, PartitionSpec]]:
+def split_kernels(abstract_params: Any, mesh: Mesh, which: str, layout: str,
+                  rows: Sequence[str] = ()) -> list[tuple[str, PartitionSpec]]:
     """Rules splitting kernels over the ``model`` axis by their output features, each bias with its kernel.
 
     ``which``: ``"all"`` (every Dense and Conv kernel: model parallelism, Das et al. §3.2) or ``"dense"``
     (fully connected layers only: their weights dominate, Das et al. §3.3's hybrid). ``layout`` names the
-    layout in errors.
+    layout in errors. ``rows``: Dense layers split by their input features instead, their bias whole
+    (``parallel.fc_pairs``, :mod:`dtx.parallel.fc_pairs`).
     """
     leaves = dict(named_leaves(abstract_params))
     ranks = (_CONV_KERNEL, _DENSE_KERNEL) if which == "all" else (_DENSE_KERNEL,)
     rules = []
     for path, leaf in leaves.items():
-        if path.endswith("kernel") and len(leaf.shape) in ranks:
+        if path.endswith("/kernel") and path[: -len("/kernel")] in rows:
+            rules.append((f"^{re.escape(path)}$", _split_dim(path, leaf.shape, 0, mesh_lib.MODEL_AXIS, mesh, layout)))
+        elif path.endswith("kernel") and len(leaf.shape) in ranks:
             rules.append((f"^{re.escape(path)}$",
                           _split_dim(path, leaf.shape, len(leaf.shape) - 1, mesh_lib.MODEL_AXIS, mesh, layout)))
             bias = path[: -len("kernel")] + "bias"
