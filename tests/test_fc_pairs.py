@@ -11,6 +11,7 @@ all-gather backward, and fewer bytes than the gather-per-layer split. The planne
 programs compile the row layer to the model's bytes.
 """
 
+import json
 import re
 
 import jax
@@ -143,6 +144,19 @@ def test_the_planner_splits_vgg_a_fc8_by_rows():
     assert "(\"^fc8/kernel$\", (\"model\", None))" in plan_overrides(paired)[-1]
     assert perfmodel.plan_text(paired) == "G=8 model: fc6, fc7, fc8 rows"
     assert fc8.name == "fc8"
+
+
+def test_simulate_fc_pairs_prints_the_row_split(capsys):
+    """``dtx simulate --fc-pairs``: the plan's rules split fc8 by rows (its bias whole); without the flag, by
+    columns."""
+    from dtx.tools.simulate import simulate_main
+
+    rules = {}
+    for flags in ([], ["--fc-pairs"]):
+        assert simulate_main(["--model", "vgg_a", "--cluster", "haswell_fdr", "--nodes", "8", "--json", *flags]) == 0
+        rules[bool(flags)] = dict((regex, spec) for regex, spec in json.loads(capsys.readouterr().out)["points"][0]["rules"])
+    assert rules[True]["^fc8/kernel$"] == ["model", None] and "^fc8/bias$" not in rules[True]
+    assert rules[False]["^fc8/kernel$"] == [None, "model"] and rules[False]["^fc8/bias$"] == ["model"]
 
 
 def test_the_layout_pairs_to_exchange_the_fewest_elements():
