@@ -36,7 +36,7 @@ from dtx.strategies.stragglers import Stragglers
 from dtx.step.state import TrainState, abstract_train_state, init_train_state
 from dtx.step import StepSpec, get_driver, check_accumulation, check_combination, make_eval_step, make_train_step
 from dtx.step import pipeline as step_pipeline
-from dtx.step import pipeline_check
+from dtx.step import pipeline_check, pipeline_relayout
 from dtx.step.pipeline_check import micro_batches
 from dtx.parallel import stages as stages_lib
 
@@ -351,15 +351,15 @@ def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
 
 
 def relayout(parts: Parts, mesh):
-    """How this run restores a checkpoint saved in the other layout (:func:`dtx.step.pipeline.relayout`): a pipeline's
-    stage rows into the model's tree, or the tree into this pipeline's rows."""
+    """How this run restores a checkpoint saved in the other layout (:func:`dtx.step.pipeline_relayout.relayout`): a
+    pipeline's stage rows into the model's tree, or the tree into this pipeline's rows."""
     tree_state = abstract_train_state(parts.model, parts.tx, parts.example, parts.loss_scaler, parts.strategy,
                                       parts.compressor, parts.workers)
     plan = parts.placement.pipeline.plan if parts.placement.pipeline is not None else None
     def pipelined(saved: dict) -> bool:  # the saved run's parallel block: its layout cut stages
         return saved.get("name") in parallel.LAYOUTS and bool(parallel.get_layout(saved["name"]).stages)
-    return step_pipeline.relayout(parts.model, parts.tx, parts.example, tree_state, parts.abstract_state,
-                                  parts.placement.state, mesh, plan, pipelined)
+    return pipeline_relayout.relayout(parts.model, parts.tx, parts.example, tree_state, parts.abstract_state,
+                                      parts.placement.state, mesh, plan, pipelined)
 
 
 def compile_step(train_step, state: TrainState, batch):

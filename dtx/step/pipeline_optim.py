@@ -7,7 +7,7 @@ runs, on each device, the optimizer on its stage's tree — the row's static sli
 (virtual) stage — and the results go back into rows. The optimizer state is kept the same way: every subtree of
 a stage's optax state shaped like the stage's parameters is flattened into that stage's row (laid out as the
 parameters: ``(P, V·row)``, split over ``stage``); scalars (Adam's count) are shared. A checkpoint's tree and rows
-convert as the parameters do (:func:`dtx.step.pipeline.to_rows`). The step takes this path only for the
+convert as the parameters do (:func:`dtx.step.pipeline_relayout.to_rows`). The step takes this path only for the
 optimizers that need it (:func:`dtx.step.pipeline_check.per_tensor`): an element-wise one updates the rows
 directly, with fewer temporaries, from the same state (:func:`init` lays it out for both).
 """

@@ -1,0 +1,77 @@
+"""A pipeline's state as the model's own parameter tree and back: checkpoints restore across layouts.
+
+A pipeline run (:mod:`dtx.step.pipeline`) keeps its parameters, and every optimizer subtree shaped like them, packed
+into its plan's ``(P, V·row)`` rows; any other run keeps the model's tree. Resuming one as the other (pipeline
+2×4 -> data ×8 -> 1 device, and back; another cut or chunk count) unpacks the saved rows by the saved run's plan and
+packs them by this run's (:func:`relayout`, called by :meth:`dtx.ckpt.checkpoint.Checkpointer.resume`).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dtx.parallel.stages import StagePlan, make_plan
+from dtx.step.pipeline import abstract_state
+from dtx.step.state import TrainState
+
+
+def _like_params(params):
+    """Whether a subtree of the optimizer state has the parameters' structure (Adam's ``mu`` and ``nu``)."""
+    structure = jax.tree.structure(params)
+    return lambda x: isinstance(x, dict) and bool(x) and jax.tree.structure(x) == structure
+
+
+def to_rows(state: TrainState, plan: StagePlan) -> TrainState:
+    """A state holding the model's parameter tree as a pipeline's: the parameters, and every optimizer subtree shaped
+    like them, packed into the plan's ``(P, V·row)`` rows (padding zeros, as a pipeline's own padding stays)."""
+    like = _like_params(state.params)
+    opt_state = jax.tree.map(lambda x: plan.pack(x) if like(x) else x, state.opt_state, is_leaf=like)
+    return state.replace(params=plan.pack(state.params), opt_state=opt_state)
+
+
+def to_tree(state: TrainState, plan: StagePlan) -> TrainState:
+    """A pipeline state as one holding the model's parameter tree (the inverse of :func:`to_rows`): every leaf shaped
+    like the rows unpacked."""
+    rows = plan.rows_shape
+    opt_state = jax.tree.map(lambda x: plan.unpack(x) if tuple(x.shape) == rows else x, state.opt_state)
+    return state.replace(params=plan.unpack(state.params), opt_state=opt_state)
+
+
+def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh, plan: StagePlan | None,
+             pipelined=lambda parallel: False):
+    """``(saved config, saved arrays) -> (target, convert) | None``: how a run whose state is ``state`` (placed by
+    ``shardings``; its pipeline ``plan``, None for the model's own tree ``tree_state``) restores a checkpoint saved in
+    the other layout, pipeline rows or tree (:meth:`dtx.ckpt.checkpoint.Checkpointer.resume`'s ``relayout``). The
+    saved state is restored replicated on ``mesh`` as it was saved, then unpacked by the saved run's plan (its stage
+    count read from the saved rows, its cut and chunks from its ``pipeline`` block) and packed by this run's; None when the
+    checkpoint holds no other layout of this model. ``pipelined(saved parallel block)``: whether it saved rows."""
+    if jax.tree.leaves((tree_state.worker, tree_state.shared)):  # per-worker state: no pipeline ever had it
+        return lambda saved_config, arrays: None
+
+    def adapt(saved_config: dict, arrays: dict):
+        parallel = saved_config.get("parallel") or {}
+        saved_plan = None
+        if pipelined(parallel):
+            shape = tuple(arrays.get("params", ((),))[0])
+            if len(shape) != 2 or not shape[0]:
+                return None
+            try:
+                # The cut is in the saved pipeline block (checkpoints of dtx before it: in the parallel block).
+                cut = saved_config.get("pipeline") or parallel
+                saved_plan = make_plan(model, tree_state.params, shape[0], tuple(cut.get("boundaries") or ()),
+                                       int(cut.get("virtual_stages") or 1), example_inputs)
+            except ValueError:
+                return None
+        if saved_plan == plan:
+            return None
+        saved = tree_state if saved_plan is None else abstract_state(model, tx, example_inputs, saved_plan)
+        whole = NamedSharding(mesh, PartitionSpec())
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), saved)
+
+        def convert(restored):
+            restored = restored if saved_plan is None else to_tree(restored, saved_plan)
+            restored = restored if plan is None else to_rows(restored, plan)
+            return restored.replace(worker=state.worker, shared=state.shared)  # both without leaves (above)
+        return target, jax.jit(convert, out_shardings=shardings)
+    return adapt
