@@ -92,7 +92,7 @@ class ActivationLayout:
 
     def __call__(self, arriving: PartitionSpec | None = None):
         """The interception context; ``arriving``: where the model's input is (default: the batch split)."""
-        produced = [arriving]  # the previous layer's output spec, in trace (= forward) order
+        produced = [(arriving, None)]  # the previous layer's output spec and width, in trace (= forward) order
         inside = []  # set while a model-parallel layer's own per-device computation is traced
 
         def constrain(next_fun, args, kwargs, context):
@@ -104,7 +104,7 @@ class ActivationLayout:
             if name in self.kernels and _column_split(module, self.kernels[name]):
                 inside.append(name)
                 try:
-                    out = self._model_parallel(module, x, self._arriving(x.ndim, produced[-1]))
+                    out = self._model_parallel(module, x, self._arriving(x.ndim, carried(*produced[-1], x.shape)))
                 finally:
                     inside.pop()
             elif name in self.kernels and _row_split(module, self.kernels[name]):
@@ -114,8 +114,9 @@ class ActivationLayout:
                 finally:
                     inside.pop()
             else:
-                out = self.leave(next_fun(self.enter(x, name, produced[-1]), *args[1:], **kwargs), name, x.ndim)
-            produced.append(self.specs(name, x.ndim, out.ndim)[1])
+                out = self.leave(next_fun(self.enter(x, name, carried(*produced[-1], x.shape)), *args[1:], **kwargs),
+                                 name, x.ndim)
+            produced.append((self.specs(name, x.ndim, out.ndim)[1], out.shape[-1]))
             return out
 
         return nn.intercept_methods(constrain)
@@ -215,6 +216,18 @@ class ActivationLayout:
         if self.mapped:
             return nested.region(per_device, in_specs, out_specs, mesh_lib.MODEL_AXIS)
         return jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def carried(spec: PartitionSpec | None, width: int | None, x_shape) -> PartitionSpec | None:
+    """Where the previous layer's output (``spec``, ``width`` features) arrives as an input of shape ``x_shape``. A
+    flatten of positions pooled to 1x1 (VGG-A on 32x32 images: fc6 takes conv5_2's 512 channels) keeps a model-split
+    layer's channels split over ``model``: they arrive as they left, and a column layer gathers them (the Das model's
+    features gather; without this XLA resharded them to the batch split, 1.5x the bytes). Any other change of rank
+    (positions flattened into features) is left to :meth:`ActivationLayout._arriving`: the batch split."""
+    if (spec is not None and width is not None and len(spec) > 2 and len(spec) != len(x_shape)
+            and _is_model(spec[-1]) and x_shape[-1] == width):
+        return PartitionSpec(spec[0], *[None] * (len(x_shape) - 2), spec[-1])
+    return spec
 
 
 def _reshard(x: jax.Array, forward: NamedSharding, backward: NamedSharding) -> jax.Array:

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dtx.perf import flops as flops_lib
 from dtx.comm import hlo
 from dtx import parallel
+from dtx.parallel import activations
 from dtx.perf import model as perfmodel
 from dtx.perf import row_split
 from dtx import mesh as mesh_lib
@@ -114,11 +115,13 @@ def verify_layers(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.
     kernels = _kernel_specs(plan)
     modules = capture_layers(model, input_shape)
     checks = []
-    arriving = PartitionSpec(_batch_entry(mesh))  # the batch arrives split over every device
+    arriving, width = PartitionSpec(_batch_entry(mesh)), None  # the batch arrives split over every device
     for layer in plan.layers:
         module, in_shape = modules[layer.name]
-        compiled, arriving = _layer_program(module, (plan.global_batch, *in_shape), dtype, mesh, arriving,
-                                            kernels.get(layer.name))
+        x_shape = (plan.global_batch, *in_shape)
+        compiled, arriving, width = _layer_program(module, x_shape, dtype, mesh,
+                                                   activations.carried(arriving, width, x_shape),
+                                                   kernels.get(layer.name))
         # The layer alone: an output layer's hand-over to the loss belongs to the whole step's row.
         predicted = _layer_bytes(plan, layer, cluster, algorithm)
         checks.append(Check(
@@ -165,8 +168,8 @@ def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionS
     """Compile forward + input gradient + weight gradient of one layer as the plan lays it out.
 
     The layer runs under the same :class:`dtx.parallel.ActivationLayout` interception as
-    in training; ``arriving`` is where its input comes from. Returns the compiled program
-    and the spec of the layer's output (where the next layer finds its input).
+    in training; ``arriving`` is where its input comes from. Returns the compiled program,
+    the spec of the layer's output (where the next layer finds its input) and its width.
     """
     alone = _Alone(module)
     layout = parallel.ActivationLayout(mesh, {} if kernel_spec is None else {"layer": kernel_spec})
@@ -193,7 +196,7 @@ def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionS
 
     program = jax.jit(forward_backward, in_shardings=(param_shardings, named(arriving), named(out_spec)),
                       out_shardings=(named(out_spec), param_shardings, named(arriving)))
-    return program.lower(params, x, jax.ShapeDtypeStruct(y.shape, y.dtype)).compile(), out_spec
+    return program.lower(params, x, jax.ShapeDtypeStruct(y.shape, y.dtype)).compile(), out_spec, y.shape[-1]
 
 
 def verify_step(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.Plan, cluster: Cluster, *,
