@@ -171,33 +171,15 @@ def _conv_plan(case):
 def conv_peaks():
     """Each case's planned pipeline compiled as dtx runs it (the planner's cut, optimizer and micro-batches; shapes
     only), and its peak (memory_analysis)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from dtx import mesh as mesh_lib
-    from dtx import optim
-    from dtx.parallel.stages import make_plan
     from dtx.perf import memory
-    from dtx.step import pipeline as pp
+    from dtx.tools.pipeline_sim import compile_pipeline_step
 
     out = {}
     for name, case in CONV_CASES.items():
         model, p = _conv_plan(case)
-        shape = (case[2], case[2], 1)
-        example = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
-        abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(example.shape))["params"])
-        plan = make_plan(model, abstract, p.stages, p.boundaries, 1, example)
-        mesh = mesh_lib.make_mesh([("stage", p.stages), ("data", p.data)])
-        tx = optim.make_optimizer(case[-1], 0.1)
-        state = pp.abstract_state(model, tx, example, plan)
-        state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state,
-                             pp.state_shardings(state, mesh, plan))
-        split = NamedSharding(mesh, PartitionSpec(mesh_lib.batch_axes(mesh)))
-        batch = {"inputs": jax.ShapeDtypeStruct((p.global_batch, *shape), jnp.float32, sharding=split),
-                 "labels": jax.ShapeDtypeStruct((p.global_batch,), jnp.int32, sharding=split)}
-        step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, make_schedule(p.schedule, p.stages, p.micro)))
-        out[name] = memory.compiled_peak(step.lower(state, batch).compile())
+        assert p.chunks == 1, p
+        compiled, _ = compile_pipeline_step(model, (case[2], case[2], 1), p, optimizer=case[-1], learning_rate=0.1)
+        out[name] = memory.compiled_peak(compiled)
     return out
 
 

@@ -157,28 +157,27 @@ def as_json(table: list[dict]) -> list[dict]:
     return out
 
 
-def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan, devices) -> tuple[float, float]:
-    """``(busiest stage's FLOPs per step, bytes one device sends per step)`` of the compiled pipeline ``p``."""
+def compile_pipeline_step(model, shape, p: pipeline_plan.PipelinePlan, *, optimizer: str = "adam",
+                          learning_rate: float = 1e-3, devices=None):
+    """``(compiled train step, stage plan)`` of the pipeline ``p`` for ``model`` on inputs of ``shape``, from
+    abstract state and batch (nothing runs), on the first ``p.nodes`` of ``devices`` (default: JAX's)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from dtx import mesh as mesh_lib
     from dtx import optim
-    from dtx.comm import hlo
-    from dtx.data import tasks
     from dtx.parallel.pipeline_schedules import make_schedule
     from dtx.parallel.stages import make_plan
-    from dtx.perf import flops as flops_lib
     from dtx.step import pipeline as pp
 
-    model, _ = pipeline_model(model_name)
-    shape = tuple(input_shape or type(model).default_input_shape)
+    shape = tuple(shape)
     example = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *shape)))["params"])
     plan = make_plan(model, abstract, p.stages, p.boundaries, p.chunks, example)
+    devices = jax.devices() if devices is None else devices
     mesh = mesh_lib.make_mesh([("stage", p.stages), ("data", p.data)], devices=devices[:p.nodes])
-    tx = optim.make_optimizer("adam", 1e-3)
+    tx = optim.make_optimizer(optimizer, learning_rate)
     state = pp.abstract_state(model, tx, example, plan)
     state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state,
                          pp.state_shardings(state, mesh, plan))
@@ -187,7 +186,22 @@ def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan
              "labels": jax.ShapeDtypeStruct((p.global_batch,), jnp.int32, sharding=split)}
     schedule = make_schedule(p.schedule, p.stages, p.micro, p.chunks)
     step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule))
-    sent = hlo.total(step.lower(state, batch).compile()).bytes_sent
+    return step.lower(state, batch).compile(), plan
+
+
+def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan, devices) -> tuple[float, float]:
+    """``(busiest stage's FLOPs per step, bytes one device sends per step)`` of the compiled pipeline ``p``."""
+    import jax
+    import jax.numpy as jnp
+
+    from dtx.comm import hlo
+    from dtx.data import tasks
+    from dtx.perf import flops as flops_lib
+    from dtx.step import pipeline as pp
+
+    model, _ = pipeline_model(model_name)
+    compiled, plan = compile_pipeline_step(model, input_shape or type(model).default_input_shape, p, devices=devices)
+    sent = hlo.total(compiled).bytes_sent
     forward, backward = pp.slot_functions(plan, tasks.classification(), p.micro)  # the step's own slot functions
     row = jax.ShapeDtypeStruct((plan.row,), jnp.float32)
     x0 = jax.ShapeDtypeStruct((p.micro_batch, *plan.layers[0].in_shape), jnp.float32)  # as the step shapes it
