@@ -24,7 +24,7 @@ so ZeRO's reduction still goes straight to its shards. Activation layouts (Das e
 Megatron's regions) declare ``manual``: their constraints leave the map's axes out and their regions nest in it
 over ``model`` (:mod:`dtx.parallel.nested`). FSDP reducing once keeps the vmap, and with it the recomputation on
 conv nets: in the map its parameters were whole through each micro-batch beside the whole accumulator (a
-256-1024-16 MLP: 2.39 -> 3.56 MB compiled), and FSDP exists to save memory.
+256-1024-16 MLP: 2.39 -> 3.46 MB compiled), and FSDP exists to save memory.
 """
 
 from __future__ import annotations
@@ -146,10 +146,11 @@ def _key(rng, shard, index, k: int):
 
 def manual_gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Apart):
     """:func:`gradients` with the micro-batch loop inside one ``shard_map`` manual over ``apart.axes`` (the data
-    axes; ``model`` stays the compiler's): for an activation layout whose own ``shard_map`` regions a ``vmap``
-    cannot carry (:class:`dtx.parallel.tensor.TensorLayout`: JAX's replication typing refuses the vmap of a
-    region). The parameters enter typed as varying over the map, so each shard's gradient stays its own
-    (unreduced) through the loop, and one ``psum`` after it is the step's reduction."""
+    axes; ``model`` stays the compiler's): each device computes its own examples only (module docstring), and an
+    activation layout's own regions nest in it (a vmap of Megatron's fails JAX's replication typing). The
+    parameters enter typed as varying over the map, so each shard's gradient stays its own (unreduced) through
+    the loop; the step's one reduction is the sum of the shard rows outside the map (whole gradients) or one
+    ``psum`` inside it (gradients split over ``model``)."""
     axes, shards, within = apart.axes, apart.shards, apart.within
     spec = PartitionSpec(axes)
 
@@ -183,7 +184,7 @@ def manual_gradients(grad_fn, params, model_state, batch, rng, k: int, apart: Ap
                                            (grads, loss, values))
         return grads, loss, values, states
 
-    # Whole gradients (apart.params None: data, ZeRO, FSDP "once") are reduced outside the map, by the sum over
+    # Whole gradients (apart.params None: data, ZeRO-1) are reduced outside the map, by the sum over
     # its shard rows, as the vmap form does: the partitioner then sends them straight to the layout the step
     # asks for (a reduce-scatter to ZeRO's shards) where a psum inside would all-reduce them first.
     stacked = apart.params is None
