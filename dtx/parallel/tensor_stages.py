@@ -39,7 +39,7 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from dtx import mesh as mesh_lib
 from dtx.parallel.stages import PipelineError, StagePlan
@@ -226,6 +226,12 @@ def split_plan(plan: StagePlan, abstract_params, mesh: Mesh, example=None) -> Te
     split = TensorStagePlan(plan.layers, plan.bounds, plan.chunks, size, tuple(splits), kinds)
     _check_pieces(split, abstract_params, example)
     return split
+
+
+def split_over(plan: StagePlan, abstract_params, tensor: int, example=None) -> TensorStagePlan:
+    """:func:`split_plan` over ``tensor`` devices of ``model`` without a mesh of devices: the layout of a run saved
+    on another mesh (:func:`dtx.step.pipeline_relayout.relayout`)."""
+    return split_plan(plan, abstract_params, AbstractMesh((tensor,), (MODEL,)), example)
 
 
 def _check_pieces(plan: TensorStagePlan, abstract_params, example) -> None:

@@ -3,7 +3,9 @@
 A pipeline run (:mod:`dtx.step.pipeline`) keeps its parameters, and every optimizer subtree shaped like them, packed
 into its plan's ``(P, V·row)`` rows; any other run keeps the model's tree. Resuming one as the other (pipeline
 2×4 -> data ×8 -> 1 device, and back; another cut or chunk count) unpacks the saved rows by the saved run's plan and
-packs them by this run's (:func:`relayout`, called by :meth:`dtx.ckpt.checkpoint.Checkpointer.resume`).
+packs them by this run's (:func:`relayout`, called by :meth:`dtx.ckpt.checkpoint.Checkpointer.resume`). Stages split
+over a ``model`` axis (:mod:`dtx.parallel.tensor_stages`, rows ``(P, T·V·row)``) convert the same way, by the saved
+run's ``T``: a layout change moves bytes, it computes nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dtx.mesh import MODEL_AXIS
 from dtx.parallel.stages import StagePlan, make_plan
+from dtx.parallel.tensor_stages import split_over
 from dtx.step.pipeline import abstract_state
 from dtx.step.state import TrainState
 
@@ -32,10 +36,31 @@ def to_rows(state: TrainState, plan: StagePlan) -> TrainState:
 
 def to_tree(state: TrainState, plan: StagePlan) -> TrainState:
     """A pipeline state as one holding the model's parameter tree (the inverse of :func:`to_rows`): every leaf shaped
-    like the rows unpacked."""
+    like the rows unpacked (stages split over ``model``: each split leaf's ``T`` slices joined, the rest read from
+    ``model`` index 0, whose copy every index of the group holds bit for bit)."""
     rows = plan.rows_shape
     opt_state = jax.tree.map(lambda x: plan.unpack(x) if tuple(x.shape) == rows else x, state.opt_state)
     return state.replace(params=plan.unpack(state.params), opt_state=opt_state)
+
+
+def _split(plan: StagePlan, params, example, mesh, shape) -> StagePlan:
+    """The saved run's plan with its stages split over its mesh's ``model`` axis, if it had one
+    (:mod:`dtx.parallel.tensor_stages`): ``T`` read from its ``mesh``, or, where that said -1 (the devices left), the
+    ``T`` (up to 256) whose rows are the saved ``shape`` (each of the ``T`` holds the unsplit parameters whole, so the
+    rows widen with ``T`` and at most one matches)."""
+    sizes = [int(size) for name, size in (mesh or ()) if name == MODEL_AXIS]
+    if not sizes or sizes[0] == 1:
+        return plan
+    for tensor in [sizes[0]] if sizes[0] > 1 else range(2, 257):
+        try:
+            split = split_over(plan, params, tensor, example)
+        except ValueError:  # heads or widths this T does not divide
+            continue
+        if split.rows_shape == shape or sizes[0] > 1:
+            return split
+        if split.rows_shape[1] > shape[1]:  # wider with every T: none will fit
+            break
+    return plan
 
 
 def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh, plan: StagePlan | None,
@@ -44,8 +69,9 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
     ``shardings``; its pipeline ``plan``, None for the model's own tree ``tree_state``) restores a checkpoint saved in
     the other layout, pipeline rows or tree (:meth:`dtx.ckpt.checkpoint.Checkpointer.resume`'s ``relayout``). The
     saved state is restored replicated on ``mesh`` as it was saved, then unpacked by the saved run's plan (its stage
-    count read from the saved rows, its cut and chunks from its ``pipeline`` block) and packed by this run's; None when the
-    checkpoint holds no other layout of this model. ``pipelined(saved parallel block)``: whether it saved rows."""
+    count read from the saved rows, its cut and chunks from its ``pipeline`` block, its ``model`` split from its
+    ``mesh``) and packed by this run's; None when the checkpoint holds no other layout of this model.
+    ``pipelined(saved parallel block)``: whether it saved rows."""
     if jax.tree.leaves((tree_state.worker, tree_state.shared)):  # per-worker state: no pipeline ever had it
         return lambda saved_config, arrays: None
 
@@ -61,6 +87,7 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
                 cut = saved_config.get("pipeline") or parallel
                 saved_plan = make_plan(model, tree_state.params, shape[0], tuple(cut.get("boundaries") or ()),
                                        int(cut.get("virtual_stages") or 1), example_inputs)
+                saved_plan = _split(saved_plan, tree_state.params, example_inputs, saved_config.get("mesh"), shape)
             except ValueError:
                 return None
         if saved_plan == plan:
