@@ -25,7 +25,7 @@ from dtx import models, optim
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
-from dtx.parallel.stages import StagePlan, make_plan
+from dtx.parallel.stages import PipelineError, StagePlan, make_plan
 from dtx.step import StepSpec, make_train_step
 from dtx.step import pipeline as pp
 from dtx.step import pipeline_relayout as relayout_lib
@@ -198,7 +198,8 @@ def test_training_continues_as_the_uninterrupted_run(runs, name):
 
 def test_the_saved_model_size_is_read_from_its_mesh_or_from_the_rows(runs):
     """The saved run's T: its mesh's model size; where that was -1 (the devices left), the T whose rows are the
-    saved width; no model axis (or none whose rows fit): the plain stages, whose other shape the restore names."""
+    saved width; no model axis: the plain stages. Rows no T lays out are refused, naming the keys, before any array
+    is read."""
     model, abstract, example, split = runs["model"], runs["abstract"], runs["example"], runs["plan"]
     plain = make_plan(model, abstract, 2, (), 1, example)
 
@@ -208,3 +209,13 @@ def test_the_saved_model_size_is_read_from_its_mesh_or_from_the_rows(runs):
     assert saved([["stage", 2], ["model", -1]]) == split
     assert saved([["stage", 2], ["data", -1]]) == plain
     assert saved([["stage", 2], ["model", -1]], (2, split.rows_shape[1] - 1)) == plain
+    data8 = mesh_lib.make_mesh([("data", 8)])
+    tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
+    tree = abstract_train_state(model, tx, example)
+    adapt = relayout_lib.relayout(model, tx, example, tree, tree, None, data8, None,
+                                  lambda parallel: parallel.get("name") == "pipeline")
+    config = {**CONFIGS["split"], "mesh": [["stage", 2], ["model", -1]]}
+    narrow = [2, split.rows_shape[1] - 1]
+    with pytest.raises(PipelineError, match=rf"rows \[2, {narrow[1]}\].*not split over model.* the layout it was saved"):
+        adapt(config, {"params": (narrow, "float32", None)})
+    assert adapt(config, {"params": (list(split.rows_shape), "float32", None)}) is not None

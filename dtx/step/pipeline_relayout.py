@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx.mesh import MODEL_AXIS
-from dtx.parallel.stages import StagePlan, make_plan
+from dtx.parallel.stages import PipelineError, StagePlan, make_plan
 from dtx.parallel.tensor_stages import split_over
 from dtx.step.pipeline import abstract_state
 from dtx.step.state import TrainState
@@ -92,6 +92,15 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
                 return None
         if saved_plan == plan:
             return None
+        if saved_plan is not None and saved_plan.rows_shape != shape:  # refused before any array is read
+            tensor = getattr(saved_plan, "tensor", 1)
+            raise PipelineError(
+                f"this checkpoint's run (parallel.name={parallel.get('name')!r}, mesh={saved_config.get('mesh')}) "
+                f"saved parameter rows {list(shape)}, but this model cut as its config says ({shape[0]} stages, "
+                f"pipeline.boundaries={list(saved_plan.bounds[1:-1])}, pipeline.virtual_stages={saved_plan.chunks}, "
+                f"{f'split over model {tensor}' if tensor > 1 else 'not split over model'}) lays them out as "
+                f"{list(saved_plan.rows_shape)}, so they cannot be converted; resume it in the layout it was saved "
+                "in (its --config.mesh and pipeline block)")
         saved = tree_state if saved_plan is None else abstract_state(model, tx, example_inputs, saved_plan)
         whole = NamedSharding(mesh, PartitionSpec())
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), saved)
