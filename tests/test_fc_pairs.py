@@ -157,6 +157,13 @@ def test_simulate_fc_pairs_prints_the_row_split(capsys):
         rules[bool(flags)] = dict((regex, spec) for regex, spec in json.loads(capsys.readouterr().out)["points"][0]["rules"])
     assert rules[True]["^fc8/kernel$"] == ["model", None] and "^fc8/bias$" not in rules[True]
     assert rules[False]["^fc8/kernel$"] == [None, "model"] and rules[False]["^fc8/bias$"] == ["model"]
+    # The same study from Python (dtx.perf.report.simulate's pairs= is --fc-pairs): its rows and printed table.
+    from dtx.perf import report
+
+    study = report.simulate("vgg_a", "haswell_fdr", [8], pairs=True)
+    assert study.points[0].plan.rows == ("fc8",)
+    assert simulate_main(["--model", "vgg_a", "--cluster", "haswell_fdr", "--nodes", "8", "--fc-pairs"]) == 0
+    assert capsys.readouterr().out.startswith(str(study) + "\n")
 
 
 def test_the_layout_pairs_to_exchange_the_fewest_elements():

@@ -151,8 +151,10 @@ def report(model: str, layers: Sequence[Layer], cluster: Cluster, points: Sequen
 
 def simulate(model: str, cluster: str | Cluster, nodes: Sequence[int], *, global_batch: int | None = None,
              per_node_batch: int | None = None, input_shape: Sequence[int] | None = None, mode: str = "auto",
-             overlap: str = "none", algorithm: str = "ring", group_size: int | None = None) -> ScalingReport:
-    """``dtx simulate --model MODEL --cluster CLUSTER --nodes ...`` from Python (``mode`` is ``--plan``).
+             overlap: str = "none", algorithm: str = "ring", group_size: int | None = None,
+             pairs: bool = False) -> ScalingReport:
+    """``dtx simulate --model MODEL --cluster CLUSTER --nodes ...`` from Python (``mode`` is ``--plan``, ``pairs``
+    ``--fc-pairs``: fully connected layers may be split by rows after a column layer, :mod:`dtx.perf.row_split`).
 
     ``cluster`` is a preset's name or a :class:`dtx.perf.clusters.Cluster`; without ``global_batch`` or
     ``per_node_batch``, strong scaling at global batch 512 (the command's default). Raises
@@ -164,4 +166,5 @@ def simulate(model: str, cluster: str | Cluster, nodes: Sequence[int], *, global
     layers = model_layers(model, input_shape)
     setting = dict(global_batch=global_batch, per_node_batch=per_node_batch, mode=mode, overlap=overlap,
                    algorithm=algorithm, group_size=group_size)
-    return report(model, layers, cluster, perfmodel.scaling(layers, cluster, list(nodes), **setting), **setting)
+    return report(model, layers, cluster, perfmodel.scaling(layers, cluster, list(nodes), **setting, pairs=pairs),
+                  **setting)
