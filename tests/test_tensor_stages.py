@@ -28,7 +28,7 @@ from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
-from dtx.parallel import tensor_stages
+from dtx.parallel import stage_positions, tensor_stages
 from dtx.parallel.stages import PipelineError, StagePlan
 from dtx.perf import pipeline as pipeline_model
 from dtx.perf import tensor as tensor_model
@@ -55,10 +55,10 @@ def _setup():
     return model, split, example, abstract
 
 
-def _run(tx, mesh, schedule):
+def _run(tx, mesh, schedule, sequence_parallel=False):
     model, split, example, abstract = _setup()
     pipeline = pp.make_pipeline(model, abstract, mesh, schedule=schedule, micro=MICRO, example=example,
-                                task=tasks.next_token())
+                                task=tasks.next_token(), sequence_parallel=sequence_parallel)
     state = pp.init_state(model, tx, example, 0, mesh, pipeline.plan)
     compiled = pp.make_pipeline_step(tx, mesh, pipeline).lower(state, TrainLoader(split, BATCH, mesh, seed=0)
                                                                .batch(0)).compile()
@@ -85,11 +85,20 @@ def _one_device(tx):
 @pytest.fixture(scope="module")
 def runs():
     """GPipe and 1F1B on data 2 x stage 2 x model 2, M = 4 micro-batches of 4 sequences, SGD with momentum (as
-    tests/test_pipeline_stages.py's transformer, for the attention key bias's sake); and one device."""
+    tests/test_pipeline_stages.py's transformer, for the attention key bias's sake), with tensor parallelism and
+    with sequence parallelism ("sp-gpipe", "sp-1f1b"); and one device."""
     tx, mesh = optim.make_optimizer("momentum", 0.1, momentum=0.9), mesh_lib.make_mesh(MESH)
     out = {name: _run(tx, mesh, name) for name in ("gpipe", "1f1b")}
+    out.update({"sp-" + name: _run(tx, mesh, name, sequence_parallel=True) for name in ("gpipe", "1f1b")})
     out["one"] = _one_device(tx)
     return out
+
+
+def _collectives(run):
+    """The run's compiled collectives (dtx.comm.hlo), parsed once."""
+    if "collectives" not in run:
+        run["collectives"] = hlo.collectives(run["compiled"])
+    return run["collectives"]
 
 
 def _close(got, want, atol):
@@ -122,6 +131,11 @@ def test_a_device_holds_its_slices(runs):
     assert plan.stage_sizes[1] == stage1 and plan.row == max(plan.stage_sizes)
     # After 3 steps the two devices of a group hold the same replicated parameters, bit for bit: their gradients
     # are equal without a reduction over model (f sums the input gradients first).
+    _replicated_equal(run)
+
+
+def _replicated_equal(run):
+    plan, rows = run["pipeline"].plan, run["state"].params
     rows = np.asarray(jax.device_get(rows)).reshape(2, 2, plan.row)
     halves = [StagePlan.unpack(plan, rows[:, t]) for t in range(2)]
     split = {path for path, _ in plan.splits}
@@ -130,11 +144,11 @@ def test_a_device_holds_its_slices(runs):
             np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
-def _model_all_reduces(compiled):
+def _model_all_reduces(collectives):
     """The all-reduces over model (2 devices) by stage branch and slot: (stage, "forward" / "re-run" / "backward")
     -> trips summed, and their operand bytes."""
     found, operands = {}, set()
-    for c in hlo.collectives(compiled):
+    for c in collectives:
         m = re.search(r"branch_(\d+)_fun/(jvp\(|transpose\(jvp\()?Block", c.op_name)
         if c.kind != "all-reduce" or c.group_size != 2 or not m:
             continue
@@ -153,7 +167,7 @@ def test_all_reduces_are_megatrons_per_block_and_micro_batch(runs, schedule):
     and XLA drops it). Each carries one micro-batch's (time, d_model) stream; the accountant counts M times them."""
     run = runs[schedule]
     schedule_ = run["pipeline"].schedule
-    found, operands = _model_all_reduces(run["compiled"])
+    found, operands = _model_all_reduces(_collectives(run))
     megatron = tensor_model.block_collectives(examples=BATCH // 2 // MICRO, positions=SEQ, width=WIDTH, group=2,
                                               sequence_parallel=False)
     assert operands == set(megatron["all-reduce"])
@@ -178,7 +192,7 @@ def test_messages_are_the_pipeline_formulas(runs, schedule):
     plan, schedule_ = run["pipeline"].plan, run["pipeline"].schedule
     message = plan.message_bytes(micro=BATCH // 2 // MICRO)
     assert message == 4 * SEQ * WIDTH * 4  # 4 sequences per micro-batch
-    collectives = hlo.collectives(run["compiled"])
+    collectives = _collectives(run)
     permutes = sum(c.bytes_sent * c.trips for c in collectives if c.kind == "collective-permute")
     e = pipeline_model.estimate(plan, schedule_, micro=BATCH // 2 // MICRO, data=2)  # dtx.perf.pipeline's formulas
     assert permutes == e.p2p_bytes == schedule_.messages * message == 2 * MICRO * message
@@ -186,17 +200,18 @@ def test_messages_are_the_pipeline_formulas(runs, schedule):
             if c.kind == "all-reduce" and c.context == "entry" and c.operand_bytes >= plan.row * 4]
     # The local row once over data (XLA sends the metrics' pmean, two float32 scalars, in the same all-reduce).
     assert len(grad) == 1 and grad[0].bytes_sent - e.allreduce_bytes == 8 and e.allreduce_bytes == plan.row * 4
-    total = hlo.total(run["compiled"]).bytes_sent
-    found, _ = _model_all_reduces(run["compiled"])
+    total = sum(c.bytes_sent * (c.trips or 1) for c in collectives)
+    found, _ = _model_all_reduces(collectives)
     static_model = sum(found.values()) * tensor_model.bytes_sent("all-reduce", message, 2)
     busiest = MICRO * 6 * tensor_model.bytes_sent("all-reduce", message, 2)
     assert run["metrics"]["comm_bytes"] == total - static_model + busiest
-    assert tensor_stages.step_bytes(hlo.collectives(run["compiled"]), schedule_, 2) == total - static_model + busiest
+    assert tensor_stages.step_bytes(collectives, schedule_, 2) == total - static_model + busiest
 
 
 def test_what_split_stages_cannot_run_is_refused_by_key():
-    """Before compiling: LARS and LAMB (each whole tensor's norm) under a model axis, and the tensor layout's own
-    keys (sequence parallelism, ZeRO over the data axes) with parallel.name=pipeline, each naming its key."""
+    """Before compiling: LARS and LAMB (each whole tensor's norm) under a model axis, the tensor layout's ZeRO key
+    with parallel.name=pipeline (naming the one tensor.* key a pipeline takes), sequence parallelism without a model
+    axis, and under it a sequence the model axis does not split (naming the lengths that split)."""
     from dtx import config as config_lib
     from dtx.step import pipeline_check
 
@@ -208,9 +223,16 @@ def test_what_split_stages_cannot_run_is_refused_by_key():
     base = ["--config.parallel.name=pipeline", "--config.mesh=((\"data\", 2), (\"stage\", 2), (\"model\", 2))",
             "--config.pipeline.microbatches=4"]
     experiment = os.path.join(os.path.dirname(__file__), "..", "experiments", "tiny_lm.py")
-    for key in ("tensor.sequence_parallel=True", "tensor.zero_stage=1"):
-        with pytest.raises(config_lib.ConfigError, match=key.split("=")[0]):
-            config_lib.load(experiment, base + ["--config." + key])
+    with pytest.raises(config_lib.ConfigError, match=r"tensor.zero_stage=1 .*takes tensor.sequence_parallel only"):
+        config_lib.load(experiment, base + ["--config.tensor.zero_stage=1"])
+    assert config_lib.load(experiment, base + ["--config.tensor.sequence_parallel=True"]).tensor.sequence_parallel
+    with pytest.raises(config_lib.ConfigError, match="tensor.sequence_parallel=True .*has none"):
+        config_lib.load(experiment, base[:1] + ["--config.mesh=((\"data\", 4), (\"stage\", 2))",
+                                                "--config.tensor.sequence_parallel=True"])
+    model, _, _, abstract = _setup()
+    odd = jax.ShapeDtypeStruct((BATCH, SEQ - 1), np.int32)
+    with pytest.raises(PipelineError, match=r"7 positions .*dataset.seq_len, e.g. \[2, 4, 6, 8\]"):
+        pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH), micro=MICRO, example=odd, sequence_parallel=True)
 
 
 def test_a_model_without_pairs_is_refused():
@@ -241,3 +263,95 @@ def test_the_planner_predicts_the_compiled_split_pipeline(runs):
                             task=tasks.next_token())
     flops, sent = lm_sim._pipeline_figures(parts, mesh_lib.make_mesh(MESH), p, run["compiled"])  # 1.007, 1.0002
     assert abs(sent / p.bytes_sent - 1) <= VERIFY_TOLERANCE and abs(flops / p.flops - 1) <= VERIFY_TOLERANCE
+
+
+def _blocks(collectives, schedule):
+    """The collectives over model (2 devices) inside the blocks, per micro-batch, by stage branch and slot:
+    (stage, slot) -> {kind: count}, (stage, slot) -> bytes one device sends, and kind -> operand bytes."""
+    counts, sent, operands = {}, {}, {}
+    for c in collectives:
+        m = re.search(r"branch_(\d+)_fun/(jvp\(|transpose\(jvp\()?Block", c.op_name)
+        if c.group_size != 2 or not m:
+            continue
+        slot = {None: "forward", "jvp(": "re-run", "transpose(jvp(": "backward"}[m.group(2)]
+        key = (int(m.group(1)), slot)
+        counts.setdefault(key, {})[c.kind] = counts.get(key, {}).get(c.kind, 0) + c.trips
+        sent[key] = sent.get(key, 0) + c.bytes_sent * c.trips
+        operands.setdefault(c.kind, set()).add(c.operand_bytes)
+
+    def per_micro(key, trips):  # each slot's collectives run once per tick of its loops
+        ticks = schedule.slot_ticks("forward" if key[1] == "forward" else "backward")
+        assert trips % ticks == 0
+        return trips // ticks
+    counts = {key: {kind: per_micro(key, n) for kind, n in kinds.items()} for key, kinds in counts.items()}
+    return counts, {key: per_micro(key, n) for key, n in sent.items()}, operands
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sequence_parallel_stages_equal_one_device(runs, schedule):
+    """tensor.sequence_parallel=True: the stream split over model by positions inside each stage (Korthikanti et
+    al.), the embedding's output and the head's labels each device's own positions, the loss summed over model:
+    3 steps == one device within 1e-6 (this file's tolerance), losses included, and the two devices of a group
+    hold bit-equal replicated parameters (their gradients, each from its own positions, summed over model)."""
+    run, one = runs["sp-" + schedule], runs["one"]
+    _close(run["params"], one["params"], 1e-6)
+    np.testing.assert_allclose(run["losses"], one["losses"], rtol=1e-6)
+    _replicated_equal(run)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sequence_parallel_collectives_are_korthikantis(runs, schedule):
+    """Inside the blocks SP runs reduce-scatters of one micro-batch's whole (time, d_model) stream and all-gathers of
+    a device's 1/T of it (dtx.perf.tensor.block_collectives(sequence_parallel=True)'s operands), no all-reduce:
+    per block and micro-batch 2 + 2 in the forward slot, 2 + 2 in the backward slot's re-run (less the stage output's
+    dead reduce-scatter on stage 0) and 2 + 2 in its backward (tensor_stages.stage_collectives). Forward and backward
+    send Megatron's all-reduce bytes (dtx.perf.tensor.block_bytes of TP), slot by slot the TP run's, but for the
+    re-run on stage 0: TP's dead g is an all-reduce, SP's a reduce-scatter, so SP sends one all-gather's bytes more
+    there. Outside the blocks one all-reduce over model: the replicated entries of the gradient row, once a step
+    (each device's embedding, positions, LayerNorms, biases and head gradients are its own positions')."""
+    sp, tp = runs["sp-" + schedule], runs[schedule]
+    plan, schedule_ = sp["pipeline"].plan, sp["pipeline"].schedule
+    micro = BATCH // 2 // MICRO
+    stream = micro * SEQ * WIDTH * 4
+    counts, sent, operands = _blocks(_collectives(sp), schedule_)
+    korthikanti = tensor_model.block_collectives(examples=micro, positions=SEQ, width=WIDTH, group=2,
+                                                 sequence_parallel=True)
+    assert operands == {kind: set(korthikanti[kind]) for kind in ("reduce-scatter", "all-gather")}
+    pair = {"reduce-scatter": 2, "all-gather": 2}
+    assert counts == {(0, "forward"): pair, (0, "re-run"): {"reduce-scatter": 1, "all-gather": 2},
+                      (0, "backward"): pair, (1, "forward"): pair, (1, "re-run"): pair, (1, "backward"): pair}
+    assert [tensor_stages.stage_collectives(plan, s) for s in range(2)] == [
+        {"reduce-scatter": 5, "all-gather": 6}, {"reduce-scatter": 6, "all-gather": 6}]
+    _, tp_sent, _ = _blocks(_collectives(tp), schedule_)
+    megatron = tensor_model.block_bytes(micro, SEQ, WIDTH, 2, sequence_parallel=False)
+    for stage in range(2):
+        assert sent[stage, "forward"] + sent[stage, "backward"] == megatron
+    dead = tensor_model.bytes_sent("all-gather", stream // 2, 2)
+    assert sent == {key: value + (dead if key == (0, "re-run") else 0) for key, value in tp_sent.items()}
+    outside = [c for c in _collectives(sp) if c.group_size == 2 and "Block" not in c.op_name]
+    # (the other: the row's all-reduce over data, with the metrics' two float32 scalars)
+    assert sorted((c.kind, c.context, c.operand_bytes) for c in outside) == [
+        ("all-reduce", "entry", 4 * stage_positions.replicated_size(plan)), ("all-reduce", "entry", 4 * plan.row + 8)]
+    assert stage_positions.replicated_size(plan) == VOCAB * WIDTH + SEQ * WIDTH + 6 * WIDTH  # stage 0's
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sequence_parallel_sends_and_keeps_a_tth_at_the_boundary(runs, schedule):
+    """The boundary buffer carries a device's 1/T of the positions: the collective-permutes send half the TP
+    pipeline's bytes (dtx.perf.pipeline.estimate's p2p bytes of the SP plan's message); the step's comm_bytes are
+    the program's as the busiest stage sends them (tensor_stages.step_bytes); and a device's temporaries (the kept
+    stage inputs among them) are smaller than the TP pipeline's (memory_analysis)."""
+    sp, tp = runs["sp-" + schedule], runs[schedule]
+    plan, schedule_ = sp["pipeline"].plan, sp["pipeline"].schedule
+    micro = BATCH // 2 // MICRO
+
+    def permutes(run):
+        return sum(c.bytes_sent * c.trips for c in _collectives(run) if c.kind == "collective-permute")
+    assert plan.message_bytes(micro) * 2 == tp["pipeline"].plan.message_bytes(micro) == micro * SEQ * WIDTH * 4
+    e = pipeline_model.estimate(plan, schedule_, micro=micro, data=2)
+    assert permutes(sp) * 2 == permutes(tp)
+    assert permutes(sp) == e.p2p_bytes == schedule_.messages * micro * SEQ * WIDTH * 4 // 2
+    assert sp["metrics"]["comm_bytes"] == tensor_stages.step_bytes(_collectives(sp), schedule_, 2)
+    temp = {name: run["compiled"].memory_analysis().temp_size_in_bytes for name, run in (("sp", sp), ("tp", tp))}
+    kept = schedule_.slots * plan.message_bytes(micro)  # what the kept inputs save
+    assert temp["tp"] - temp["sp"] >= kept, temp

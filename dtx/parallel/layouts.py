@@ -103,6 +103,8 @@ class Layout:
         instead of ``W/N``) and reduce-scatters once per step (:mod:`dtx.step.accumulate`).
       fc_pairs: ``model``/``hybrid`` (``parallel.fc_pairs``): consecutive Dense layers as column/row pairs
         (:mod:`dtx.parallel.fc_pairs`).
+      borrows: keys of another layout's block it takes too (``pipeline``: ``tensor.sequence_parallel``, its stages
+        split over ``model``: :mod:`dtx.parallel.tensor_stages`).
     """
 
     name: str
@@ -115,6 +117,7 @@ class Layout:
     block: str = ""
     reduce: str = "per_microbatch"
     fc_pairs: bool = False
+    borrows: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
@@ -216,7 +219,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("model", kernels="all", drivers=("jit",), cost_rank=4, settings=("fc_pairs",)),
     Layout("fsdp", zero_stage=3, drivers=("jit",), cost_rank=5, settings=("reduce",)),
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
-    Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True),
+    Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True, borrows=("tensor.sequence_parallel",)),
     Layout("tensor", kernels="paired", drivers=("jit",), cost_rank=4, block="tensor"),
 )}
 
@@ -269,7 +272,14 @@ def check_config(config) -> None:
     check_block(config, "parallel", {name: layout.settings for name, layout in LAYOUTS.items()})
     for layout in LAYOUTS.values():  # a layout's own block (tensor.*) is set only for it
         for key, value in (config.get(layout.block) or {}).items() if layout.block != chosen.block else ():
-            if value:
+            if value and f"{layout.block}.{key}" not in chosen.borrows:
+                takes = f" (it takes {', '.join(chosen.borrows)} only)" if chosen.borrows else ""
                 raise ConfigError(f"{layout.block}.{key}={value!r} applies to parallel.name={layout.name}, not "
-                                  f"{config.parallel.name!r}: set --config.parallel.name={layout.name} or leave "
-                                  f"{layout.block}.{key} at its default")
+                                  f"{config.parallel.name!r}{takes}: set --config.parallel.name={layout.name} or "
+                                  f"leave {layout.block}.{key} at its default")
+            if value and not any(name == mesh_lib.MODEL_AXIS for name, _ in config.mesh):
+                raise ConfigError(f"{layout.block}.{key}={value!r} with parallel.name={config.parallel.name!r} "
+                                  f"splits each stage's positions over the {mesh_lib.MODEL_AXIS!r} mesh axis, and "
+                                  f"the mesh {tuple(config.mesh)} has none: add one, e.g. --config.mesh='((\"data\", "
+                                  f"-1), (\"stage\", 2), (\"model\", 2))', or leave {layout.block}.{key} at its "
+                                  "default")

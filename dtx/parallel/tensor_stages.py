@@ -29,11 +29,15 @@ What lives where:
 * **replicated parameters' gradients**: equal on every device of the group (``f`` sums the input gradients
   over ``model`` before they reach them), so they need no reduction over ``model``; the gradient rows are
   all-reduced over the data axes only.
+
+**Sequence parallelism** (``tensor.sequence_parallel=True``): the stream between the regions, the boundary buffer
+and the ends split over ``model`` by positions too (:mod:`dtx.parallel.stage_positions`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import flax.linen as nn
@@ -42,6 +46,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from dtx import mesh as mesh_lib
+from dtx.parallel.stage_positions import (check_positions, gather_from_model, own_positions, replicated_size,
+                                          scatter_to_model)
 from dtx.parallel.stages import PipelineError, StagePlan
 from dtx.parallel.tensor import megatron_rules
 from dtx.paths import named_leaves
@@ -67,12 +73,16 @@ def reduce_from_model(x):
 reduce_from_model.defvjp(lambda x: (jax.lax.psum(x, MODEL), None), lambda _, g: (g,))
 
 
-def _attention(module, args, kwargs):
+# (f, g) of a region: tensor parallelism's, or sequence parallelism's.
+PAIRS = {False: (copy_to_model, reduce_from_model), True: (gather_from_model, scatter_to_model)}
+
+
+def _attention(module, args, kwargs, f, g):
     """Self-attention on this device's heads (their Q, K, V and rows of the output projection); the partial
     outputs summed over ``model``, the output bias added once after."""
     params = dict(module.variables["params"])
     x = args[0]
-    fx = copy_to_model(x)
+    fx = f(x)
     args = tuple(fx if a is x else a for a in args)
     kwargs = {k: fx if v is x else v for k, v in kwargs.items()}
     heads, head_dim = params["query"]["kernel"].shape[1:]
@@ -81,33 +91,35 @@ def _attention(module, args, kwargs):
     out_bias = params["out"].get("bias")
     if out_bias is not None:  # added once, after the reduction
         params["out"] = {**params["out"], "bias": jnp.zeros_like(out_bias)}
-    y = reduce_from_model(local.apply({"params": params}, *args, **kwargs))
+    y = g(local.apply({"params": params}, *args, **kwargs))
     return y if out_bias is None else y + out_bias.astype(y.dtype)
 
 
-def _column(module, args, kwargs):
+def _column(module, args, kwargs, f, g):
     """The MLP's up-projection: the whole input times this device's columns (and their bias)."""
     params = module.variables["params"]
     local = module.clone(parent=None, name=None, features=params["kernel"].shape[-1])
-    return local.apply({"params": params}, copy_to_model(args[0]), *args[1:], **kwargs)
+    return local.apply({"params": params}, f(args[0]), *args[1:], **kwargs)
 
 
-def _row(module, args, kwargs):
+def _row(module, args, kwargs, f, g):
     """The MLP's down-projection: this device's hidden units times its rows, summed over ``model``; the bias
     after."""
     params = module.variables["params"]
     local = module.clone(parent=None, name=None, use_bias=False)
-    y = reduce_from_model(local.apply({"params": {"kernel": params["kernel"]}}, *args, **kwargs))
+    y = g(local.apply({"params": {"kernel": params["kernel"]}}, *args, **kwargs))
     return y + params["bias"].astype(y.dtype) if "bias" in params else y
 
 
 REGIONS = {"attention": _attention, "column": _column, "row": _row}
 
 
-def regions(kinds: dict, hits: set | None = None):
+def regions(kinds: dict, hits: set | None = None, sequence_parallel: bool = False):
     """The interception context that runs the modules at ``kinds`` (module path inside a piece's ``fn`` -> region
-    kind) split; ``hits`` collects the paths it ran."""
+    kind) split, with ``f`` and ``g`` of tensor or sequence parallelism (:data:`PAIRS`); ``hits`` collects the paths
+    it ran."""
     inside: list = []
+    pair = PAIRS[bool(sequence_parallel)]
 
     def intercept(next_fun, args, kwargs, context):
         path = tuple(context.module.path)
@@ -117,7 +129,7 @@ def regions(kinds: dict, hits: set | None = None):
             hits.add(path)
         inside.append(path)
         try:
-            return REGIONS[kinds[path]](context.module, args, kwargs)
+            return REGIONS[kinds[path]](context.module, args, kwargs, *pair)
         finally:
             inside.pop()
 
@@ -132,11 +144,28 @@ class TensorStagePlan(StagePlan):
       tensor: ``T``.
       splits: ``(leaf path, dimension)`` of every leaf split over ``model`` (the rest whole on every device).
       kinds: per layer index, ``(module path inside its fn, region kind)`` of its split modules.
+      sequence_parallel: the stream between the regions split over ``model`` by positions (module docstring).
     """
 
     tensor: int = 1
     splits: tuple = ()
     kinds: tuple = ()
+    sequence_parallel: bool = False
+
+    @property
+    def positions_split(self) -> int:
+        """Over how many devices a stage's stream is split by positions: ``T`` under SP, else 1."""
+        return self.tensor if self.sequence_parallel else 1
+
+    def local_shape(self, shape) -> tuple[int, ...]:
+        """One example's ``(positions, features)`` stream as a device holds it."""
+        return (shape[0] // self.positions_split,) + tuple(shape[1:])
+
+    @property
+    def boundary_widths(self) -> tuple[int, ...]:
+        """Elements per example a device sends at each boundary: under SP its ``1/T`` of the positions."""
+        return tuple(math.prod(self.local_shape(self.stage_layers(s)[-1].out_shape))
+                     for s in range(self.num_stages - 1))
 
     def leaf_shape(self, path, shape) -> tuple[int, ...]:
         dim = dict(self.splits).get(tuple(path))
@@ -181,10 +210,15 @@ class TensorStagePlan(StagePlan):
 
     def apply_params(self, stage: int, params, x):
         """Stage ``stage``'s pieces on this device's slices, the split modules run as Megatron's regions."""
-        first = self.bounds[stage]
+        first, sp = self.bounds[stage], self.positions_split
         for i, layer in enumerate(self.stage_layers(stage)):
-            with regions(dict(self.kinds[first + i])):
+            scatter = sp > 1 and first + i == 0  # SP: the model's input arrives whole (Megatron's embedding)
+            if scatter and self.kinds[0]:
+                x = own_positions(x, sp)
+            with regions(dict(self.kinds[first + i]), sequence_parallel=self.sequence_parallel):
                 x = layer.fn({key: params[key] for key in layer.keys}, x)
+            if scatter and not self.kinds[0]:  # run whole (a lookup), then this device's positions kept
+                x = own_positions(x, sp)
         return x
 
 
@@ -206,10 +240,12 @@ def _kinds(rules, layers) -> tuple:
     return tuple(kinds)
 
 
-def split_plan(plan: StagePlan, abstract_params, mesh: Mesh, example=None) -> TensorStagePlan:
-    """``plan`` with its stages split over ``mesh``'s ``model`` axis (module docstring). Refused, naming the fix:
-    a model with no attention or MLP pair, heads or widths the axis does not divide (:func:`megatron_rules`), and
-    a split layer its piece does not apply as a flax module (a Dense stack's named layers)."""
+def split_plan(plan: StagePlan, abstract_params, mesh: Mesh, example=None,
+               sequence_parallel: bool = False) -> TensorStagePlan:
+    """``plan`` with its stages split over ``mesh``'s ``model`` axis (module docstring), the stream split by positions
+    too under ``sequence_parallel``. Refused, naming the fix: a model with no attention or MLP pair, heads or widths
+    the axis does not divide (:func:`megatron_rules`), a split layer its piece does not apply as a flax module (a
+    Dense stack's named layers), and under SP a stream whose positions the axis does not divide."""
     size = mesh.shape[MODEL]
     try:
         rules = megatron_rules(abstract_params, mesh, "pipeline")
@@ -223,7 +259,9 @@ def split_plan(plan: StagePlan, abstract_params, mesh: Mesh, example=None) -> Te
         if MODEL in tuple(spec):
             splits.append((tuple(path.split("/")), tuple(spec).index(MODEL)))
     kinds = _kinds(rules, plan.layers)
-    split = TensorStagePlan(plan.layers, plan.bounds, plan.chunks, size, tuple(splits), kinds)
+    split = TensorStagePlan(plan.layers, plan.bounds, plan.chunks, size, tuple(splits), kinds, bool(sequence_parallel))
+    if sequence_parallel:
+        check_positions(split)
     _check_pieces(split, abstract_params, example)
     return split
 
@@ -251,7 +289,7 @@ def _check_pieces(plan: TensorStagePlan, abstract_params, example) -> None:
             hits: set = set()
 
             def run(params, x, layer=layer, i=i):
-                with regions(dict(plan.kinds[i]), hits):
+                with regions(dict(plan.kinds[i]), hits, plan.sequence_parallel):
                     return layer.fn(plan.local(params, 0), x)
             # Traced outside the step's shard_map: model bound as a map's axis of size 1.
             mapped = jax.vmap(run, in_axes=None, axis_size=1, axis_name=MODEL)
@@ -285,18 +323,45 @@ def stage_all_reduces(plan: TensorStagePlan, stage: int) -> int:
     return total - (stage < plan.num_stages - 1 and "row" in last)
 
 
+def stage_collectives(plan: TensorStagePlan, stage: int) -> dict[str, int]:
+    """The collectives over ``model`` one device of (virtual) stage ``stage`` runs per micro-batch, by kind. TP:
+    :func:`stage_all_reduces`. SP: each all-reduce's place taken by a reduce-scatter and an all-gather — ``g`` a
+    reduce-scatter forward (and in the re-run; the dead closing one dropped alike) and an all-gather backward, ``f``
+    an all-gather forward (and in the re-run) and a reduce-scatter backward."""
+    if not plan.sequence_parallel:
+        return {"all-reduce": stage_all_reduces(plan, stage)}
+    kinds = [kind for i in range(plan.bounds[stage], plan.bounds[stage + 1]) for _, kind in plan.kinds[i]]
+    g = sum(kind in ("attention", "row") for kind in kinds)
+    f = sum(kind in ("attention", "column") for kind in kinds)
+    last = [kind for _, kind in plan.kinds[plan.bounds[stage + 1] - 1]]
+    return {"reduce-scatter": 2 * g + f - (stage < plan.num_stages - 1 and "row" in last), "all-gather": 2 * f + g}
+
+
 def tensor_traffic(plan: StagePlan, schedule, micro: int, itemsize: int):
     """What one device of the busiest stage sends over ``model`` per step (:mod:`dtx.comm.costmodel`): ``M`` times
-    :func:`stage_all_reduces` ring all-reduces of one micro-batch's residual stream (the compute dtype's)."""
+    :func:`stage_collectives` of one micro-batch's residual stream (the compute dtype's): ring all-reduces of it
+    (TP), reduce-scatters of it and all-gathers of its ``1/T`` (SP); and under SP the replicated gradients'
+    all-reduce (float32, :func:`sum_replicated`)."""
     from dtx.comm import costmodel
 
     if not split_stages(plan):
         return costmodel.Traffic(0, 0)
-    stream = micro * plan.width * itemsize  # the (time, d_model) stream of a micro-batch: the boundary buffer's
-    count = max(sum(stage_all_reduces(plan, c * plan.devices + s) for c in range(plan.chunks))
-                for s in range(plan.devices))
-    one = costmodel.expected_traffic("ring", stream, plan.tensor, itemsize=itemsize)
-    return costmodel.Traffic(schedule.micro * count * one.messages, schedule.micro * count * one.bytes_sent)
+    # the (time, d_model) stream of a micro-batch, whole: the boundary buffer's (T of a device's under SP)
+    stream, t = micro * plan.width * plan.positions_split * itemsize, plan.tensor
+    one = {"all-reduce": costmodel.expected_traffic("ring", stream, t, itemsize=itemsize),
+           "reduce-scatter": costmodel.Traffic(t - 1, (t - 1) * stream // t),
+           "all-gather": costmodel.all_gather_traffic(stream // t, t)}
+
+    def device(s):
+        counts = [stage_collectives(plan, c * plan.devices + s) for c in range(plan.chunks)]
+        return costmodel.add_traffic(*(costmodel.Traffic(schedule.micro * n * one[kind].messages,
+                                                         schedule.micro * n * one[kind].bytes_sent)
+                                       for count in counts for kind, n in count.items()))
+    busiest = max((device(s) for s in range(plan.devices)), key=lambda traffic: traffic.bytes_sent)
+    if not plan.sequence_parallel:
+        return busiest
+    return costmodel.add_traffic(busiest, costmodel.expected_traffic("ring", 4 * replicated_size(plan), t,
+                                                                     itemsize=4))
 
 
 _BRANCH = re.compile(r"branch_(\d+)_fun/(jvp\(|transpose\(jvp\()?\w+\)*/")
@@ -311,10 +376,12 @@ def step_bytes(collectives, schedule, tensor: int) -> int:
     every, stages = 0, {}
     for c in collectives:
         m = ([None] + list(_BRANCH.finditer(c.op_name)))[-1]  # the innermost branch: the stage's
-        if c.kind == "all-reduce" and c.group_size == tensor and tensor > 1 and m and "conditional" == c.context:
+        if c.kind in ("all-reduce", "reduce-scatter", "all-gather") and c.group_size == tensor and tensor > 1 \
+                and m and "conditional" == c.context:
             kind = "forward" if m.group(2) is None else "backward"
             stage = int(m.group(1))
             stages[stage] = stages.get(stage, 0) + c.bytes_sent * c.trips * schedule.micro / schedule.slot_ticks(kind)
         else:
             every += c.bytes_sent * (c.trips or 1)
     return every + round(max(stages.values(), default=0))
+

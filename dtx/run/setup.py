@@ -192,7 +192,8 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
                                                boundaries=block.boundaries, micro=block.microbatches,
                                                chunks=block.virtual_stages, example=example,
-                                               per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay))
+                                               per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay),
+                                               sequence_parallel=config.tensor.sequence_parallel)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None
     return pipeline, step_pipeline.abstract_state(model, tx, example, pipeline.plan)

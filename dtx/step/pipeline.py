@@ -45,6 +45,7 @@ from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
 from dtx.parallel.pipeline_schedules import Schedule, make_schedule
 from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan, row_spec
+from dtx.parallel.stage_positions import arriving_shape, own_positions, positions_split, sum_replicated
 from dtx.parallel.tensor_stages import MODEL, split_plan, tensor_traffic
 from dtx.step import pipeline_optim
 from dtx.step.spec import StepError
@@ -133,7 +134,8 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
                                                              micro, jnp.dtype(policy.compute).itemsize)))
     row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), policy.reduce)
     scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
-    for tree, p in ((row, data), (scalars, plan.devices), (scalars, data)):
+    scored = plan.devices * positions_split(plan)  # the scalars' psum: over model too under SP
+    for tree, p in ((row, data), (scalars, scored), (scalars, data)):
         sent = costmodel.add_traffic(sent, comm_lib.pmean_traffic(tree, p))
     return sent
 
@@ -160,18 +162,22 @@ def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: P
     Parameters and inputs are cast to ``policy.compute`` (activations travel in it), the logits to
     ``policy.output`` before the loss, as :func:`dtx.step.body.make_loss_fn` casts them."""
     width, last, names = plan.width, plan.num_stages - 1, metric_names(task, plan)
+    split = positions_split(plan)  # SP: a device holds 1/T of the positions, its loss 1/T of the micro-batch's
     zero_values = {n: jnp.zeros((), jnp.float32) for n in names}
 
     def apply(s, params, x0, received, labels):
         first = plan.stage_layers(s)[0]
-        x = x0 if s == 0 else received[:, :first.in_width].reshape((received.shape[0],) + first.in_shape)
+        shape = arriving_shape(plan, first)
+        x = x0 if s == 0 else received[:, :math.prod(shape)].reshape((received.shape[0],) + shape)
         y = plan.apply_params(s, policy.cast_to_compute(params), policy.cast_to_compute(x))
         if s < last:
             zero = jnp.zeros((), jnp.float32)
             y = y.reshape((y.shape[0], -1))
             return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in names}
+        labels = own_positions(labels, split) if split > 1 else labels
         loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(y), labels, None)
-        values = {n: lax.stop_gradient(v).astype(jnp.float32) for n, v in values.items()}
+        loss = loss / split  # SP: summed over model with the metrics (every device scores as many positions)
+        values = {n: lax.stop_gradient(v).astype(jnp.float32) / split for n, v in values.items()}
         return jnp.zeros((y.shape[0], width), policy.compute), loss.astype(jnp.float32), values
 
     def forward_branch(s):
@@ -279,13 +285,15 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             carry, _ = lax.scan(tick(phase), carry, tables)
         _, _, _, grads, loss, values = carry
         grads = grads * (1.0 / m_count)  # the step's loss is the micro-batches' mean
+        grads = sum_replicated(plan, grads)  # SP: the replicated leaves' gradients summed over model
         if axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
             grads = policy.cast_to_params(lax.pmean(policy.cast_to_reduce(grads), axes))
         grads = scaler.unscale(state.loss_scale, grads)
         # The last stage alone scored the micro-batches; the others add zeros. With loss scaling every stage adds
         # whether its reduced gradient overflowed: the step is skipped on all of them alike.
         overflow = [1.0 - all_finite(grads).astype(jnp.float32)] if scaler.enabled else []
-        scalars = lax.psum(jnp.stack([loss / m_count, *(values[n] / m_count for n in names), *overflow]), STAGE_AXIS)
+        scalars = lax.psum(jnp.stack([loss / m_count, *(values[n] / m_count for n in names), *overflow]),
+                           (STAGE_AXIS, MODEL) if positions_split(plan) > 1 else STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
         if pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
@@ -325,7 +333,7 @@ def gather_params(state: TrainState, plan: StagePlan):
 
 def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
                   chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False,
-                  example=None) -> Pipeline:
+                  example=None, sequence_parallel: bool = False) -> Pipeline:
     """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
     ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
     optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
@@ -336,7 +344,8 @@ def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe"
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
     plan = make_plan(model, abstract_params, stages, boundaries, chunks, example)
     if MODEL in mesh.axis_names:  # each stage's blocks split over model (Megatron; LARS/LAMB: pipeline_check)
-        plan = split_plan(plan, abstract_params, mesh, example)
+        # sequence_parallel (tensor.sequence_parallel): each stage's stream split over model by positions too
+        plan = split_plan(plan, abstract_params, mesh, example, sequence_parallel)
     return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor)
 
 
