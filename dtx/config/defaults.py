@@ -101,6 +101,7 @@ def base_config() -> ConfigDict:
     c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | interleaved
     c.pipeline.boundaries = ()
     c.pipeline.virtual_stages = 1
+    c.pipeline.zero_stage = 0  # 1: ZeRO-1 over the data axes (each stage row's optimizer state split over them)
 
     # parallel.name=tensor (a "model" mesh axis; docs/tensor_parallel.md): Megatron's heads and MLP split; with
     # sequence_parallel the activations between them also split by positions (dataset.seq_len divisible by it)

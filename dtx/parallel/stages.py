@@ -201,11 +201,14 @@ class StagePlan:
       bounds: ``S + 1`` layer indices: (virtual) stage ``v`` runs layers ``bounds[v]:bounds[v+1]``.
       chunks: ``V``, the stages each device holds (the interleaved schedule's virtual stages): device ``s``
         holds stages ``c·P + s``, its row the ``V`` stage rows side by side; 1: one stage per device.
+      row_multiple: the row's length is padded to a multiple of it (ZeRO-1 splits each row over the ``D`` data
+        ranks: :mod:`dtx.step.pipeline_zero`); 1: the largest stage's parameters exactly.
     """
 
     layers: tuple[Layer, ...]
     bounds: tuple[int, ...]
     chunks: int = 1
+    row_multiple: int = dataclasses.field(default=1, kw_only=True)  # keyword: subclasses' fields stay positional
 
     @property
     def num_stages(self) -> int:
@@ -242,8 +245,8 @@ class StagePlan:
 
     @property
     def row(self) -> int:
-        """Length of a stage's parameter row: the largest stage's parameters."""
-        return max(self.stage_sizes)
+        """Length of a stage's parameter row: the largest stage's parameters (padded to :attr:`row_multiple`)."""
+        return -(-max(self.stage_sizes) // self.row_multiple) * self.row_multiple
 
     @property
     def width(self) -> int:

@@ -348,14 +348,15 @@ def estimate_plan(plan: Plan, **kwargs) -> MemoryEstimate:
 
 
 def estimate_pipeline(stage_plan, schedule, *, micro: int, data: int, optimizer: str = "adam",
-                      example_bytes: int = 0) -> MemoryEstimate:
+                      example_bytes: int = 0, zero_stage: int = 0) -> MemoryEstimate:
     """A pipeline step's memory (:mod:`dtx.perf.pipeline`'s model of :mod:`dtx.step.pipeline`; within 15 % of the
     compiled peak per schedule, ``tests/test_pipeline_parallel.py``), in this module's categories: the stage row as
     params, its accumulator as grads, the kept inputs and the batch as activations, the other working rows as
-    buffers."""
+    buffers; ``zero_stage=1``: ZeRO-1's optimizer state, ``1/data`` of it (``tests/test_pipeline_zero.py``)."""
     from dtx.perf import pipeline as pipeline_model
 
-    e = pipeline_model.estimate(stage_plan, schedule, micro, data, optimizer, example_bytes=example_bytes)
+    e = pipeline_model.estimate(stage_plan, schedule, micro, data, optimizer, example_bytes=example_bytes,
+                                zero_stage=zero_stage)
     activations = e.kept_bytes + e.batch_bytes + e.batch_bytes // e.stages
     return MemoryEstimate(f"pipeline ({schedule.name})", e.params_bytes, e.params_bytes, e.optimizer_bytes,
                           activations, e.work_bytes - e.params_bytes, e.memory_bytes, {}, {})

@@ -10,7 +10,9 @@ Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the comp
   collective-permutes' bytes times their loops' trip counts);
 * **gradient all-reduce** — one ring all-reduce of the device's parameter row over the data axes;
 * **memory** — the step's arguments: the device's parameter row and its optimizer state (``optimizer_slots``
-  row-sized buffers: 0 for SGD, 1 for momentum, 2 for Adam) and its ``1/P`` of the data shard's batch; and its
+  row-sized buffers: 0 for SGD, 1 for momentum, 2 for Adam; ``1/D`` of them under ZeRO-1, whose reduce-scatter's
+  slice and all-gather's row take the all-reduce's place among the temporaries, the compiled temp unchanged)
+  and its ``1/P`` of the data shard's batch; and its
   temporaries: :data:`WORK_ROWS` device rows (the gradient accumulator, the all-reduce's out-of-place result) and
   :data:`WORK_STAGE_ROWS` stage row (the backward slot's gradient) — read from XLA:CPU's buffer assignment — and
   :data:`WORK_MESSAGES` buffers of one micro-batch's message; where a stage max-pools, the costliest stage's
@@ -191,9 +193,11 @@ class PipelineEstimate:
 
 
 def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimizer: str = "adam",
-             cluster: Cluster | None = None, itemsize: int = 4, example_bytes: int = 0) -> PipelineEstimate:
+             cluster: Cluster | None = None, itemsize: int = 4, example_bytes: int = 0,
+             zero_stage: int = 0) -> PipelineEstimate:
     """The estimate for ``micro`` examples per micro-batch on ``data`` data shards (module docstring);
-    ``example_bytes``: one example's inputs and labels."""
+    ``example_bytes``: one example's inputs and labels; ``zero_stage=1``: ZeRO-1 (:mod:`dtx.step.pipeline_zero`),
+    the optimizer state ``1/D`` of the (padded) row per device, the bytes unchanged (reduce-scatter + all-gather)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"the pipeline model knows the optimizers {sorted(OPTIMIZER_SLOTS)}, not {optimizer!r}")
     row_bytes = plan.chunks * plan.row * itemsize
@@ -209,7 +213,8 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
         ring = 2 * (data - 1) * (cluster.latency + row_bytes / data / cluster.bandwidth) if data > 1 else 0.0
         step_s = schedule.slot_ticks("forward") * forward + schedule.slot_ticks("backward") * backward + ring
     return PipelineEstimate(schedule.bubble, schedule.messages, schedule.messages * message, allreduce, row_bytes,
-                            OPTIMIZER_SLOTS[optimizer] * row_bytes, schedule.slots * message,
+                            OPTIMIZER_SLOTS[optimizer] * row_bytes // (data if zero_stage else 1),
+                            schedule.slots * message,
                             schedule.micro * micro * example_bytes, step_s,
                             row_bytes + max((WORK_ROWS[schedule.name] - 1) * row_bytes
                                             + WORK_STAGE_ROWS * plan.row * itemsize, conv)

@@ -163,6 +163,8 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
         pipeline, abstract_state = _pipeline(config, model, tx, example, abstract_state.params, mesh)
     settings = dict(config[chosen.block]) if chosen.block else {}  # the layout's own block (tensor.*)
     placement = chosen.place(abstract_state, mesh, config.parallel.rules, **settings)._replace(pipeline=pipeline)
+    if pipeline is not None and pipeline.zero_stage:  # ZeRO-1's optimizer rows split over the data axes too
+        placement = placement._replace(state=step_pipeline.state_shardings(abstract_state, mesh, pipeline.plan, 1))
     layout = placement.activations
     if config.driver not in placement.layout.drivers:
         raise config_lib.ConfigError(
@@ -188,11 +190,13 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
             virtual_stages=block.virtual_stages, num_layers=len(layers), global_batch_size=config.global_batch_size,
             microbatches=block.microbatches, driver=config.driver, optimizer=opt.name,
             weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
-            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision)
+            allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
+            zero_stage=block.zero_stage)
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
                                                boundaries=block.boundaries, micro=block.microbatches,
                                                chunks=block.virtual_stages, example=example,
                                                per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay),
+                                               zero_stage=block.zero_stage,
                                                sequence_parallel=config.tensor.sequence_parallel)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None

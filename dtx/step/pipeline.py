@@ -47,7 +47,7 @@ from dtx.parallel.pipeline_schedules import Schedule, make_schedule
 from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan, row_spec
 from dtx.parallel.stage_positions import arriving_shape, own_positions, positions_split, sum_replicated
 from dtx.parallel.tensor_stages import MODEL, split_plan, tensor_traffic
-from dtx.step import pipeline_optim
+from dtx.step import pipeline_optim, pipeline_zero
 from dtx.step.spec import StepError
 from dtx.precision import LossScaler, Policy, all_finite, select_tree
 from dtx.step.state import TrainState, run_init
@@ -64,6 +64,7 @@ class Pipeline:
     policy: Policy = Policy()  # compute (and the activation buffer) in policy.compute, the all-reduce in .reduce
     per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.step.pipeline_optim), not the row
     loss_scaler: LossScaler = LossScaler()  # dynamic loss scaling (float16 compute): scaled seeds, skipped steps
+    zero_stage: int = 0  # 1: the optimizer state and update split over the data axes (dtx.step.pipeline_zero)
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -85,10 +86,13 @@ def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
                         f"the mesh is {dict(mesh.shape)}")
 
 
-def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan) -> TrainState:
-    """Every leaf shaped like the parameter rows split over ``stage`` (and ``model``); the rest replicated."""
+def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan, zero_stage: int = 0) -> TrainState:
+    """Every leaf shaped like the parameter rows split over ``stage`` (and ``model``); the rest replicated. ZeRO-1:
+    the optimizer's rows split over the data axes too (:func:`dtx.step.pipeline_zero.state_shardings`)."""
     rows = plan.rows_shape
     split, whole = NamedSharding(mesh, row_spec(mesh)), NamedSharding(mesh, PartitionSpec())
+    if zero_stage:
+        return pipeline_zero.state_shardings(abstract_state, mesh, rows, split)
     return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
 
 
@@ -120,11 +124,12 @@ def init_state(model, tx: optax.GradientTransformation, example_inputs, seed: in
 
 
 def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records: int,
-            batch_bytes: tuple[int, ...] = (), policy: Policy = Policy()) -> costmodel.Traffic:
+            batch_bytes: tuple[int, ...] = (), policy: Policy = Policy(), zero_stage: int = 0) -> costmodel.Traffic:
     """What one device sends per step, the accountant's count (:mod:`dtx.comm.costmodel`): the all-gather over
     ``stage`` of its ``batch_bytes`` (each array's local part), the schedule's ``ppermute`` messages of one
     micro-batch's buffer (in the policy's compute dtype), the gradient row's all-reduce over the data axes (in its
-    reduce dtype), and the ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
+    reduce dtype; ZeRO-1: its reduce-scatter and the updated row's all-gather, :func:`pipeline_zero.traffic`),
+    and the ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
     data = math.prod(mesh.shape[a] for a in data_axes(mesh))
     group = math.prod(mesh.shape[a] for a in _group(mesh))
     sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, group) for n in batch_bytes),
@@ -134,8 +139,11 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
                                                              micro, jnp.dtype(policy.compute).itemsize)))
     row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), policy.reduce)
     scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
+    if zero_stage:
+        sent = costmodel.add_traffic(sent, pipeline_zero.traffic(row, 4, data))
     scored = plan.devices * positions_split(plan)  # the scalars' psum: over model too under SP
-    for tree, p in ((row, data), (scalars, scored), (scalars, data)):
+    for tree, p in ((scalars, scored), (scalars, data)) if zero_stage else (
+            (row, data), (scalars, scored), (scalars, data)):
         sent = costmodel.add_traffic(sent, comm_lib.pmean_traffic(tree, p))
     return sent
 
@@ -200,6 +208,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     plan, schedule = pipeline.plan, pipeline.schedule
     task, policy, scaler = pipeline.task or task_lib.classification(), pipeline.policy, pipeline.loss_scaler
     axes = data_axes(mesh)
+    sliced = bool(pipeline.zero_stage and axes)  # ZeRO-1: the row's optimizer state and update split over axes
     p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
     if schedule.chunks != plan.chunks or schedule.stages != p:
         raise StepError(f"schedule {schedule.name!r} is for {schedule.stages} devices x {schedule.chunks} chunks, "
@@ -286,7 +295,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         _, _, _, grads, loss, values = carry
         grads = grads * (1.0 / m_count)  # the step's loss is the micro-batches' mean
         grads = sum_replicated(plan, grads)  # SP: the replicated leaves' gradients summed over model
-        if axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
+        if sliced:  # ZeRO-1: this data rank's slice of the row's mean, one reduce-scatter
+            grads = pipeline_zero.reduce_scatter(grads, axes, policy)
+        elif axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
             grads = policy.cast_to_params(lax.pmean(policy.cast_to_reduce(grads), axes))
         grads = scaler.unscale(state.loss_scale, grads)
         # The last stage alone scored the micro-batches; the others add zeros. With loss scaling every stage adds
@@ -296,12 +307,16 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
                            (STAGE_AXIS, MODEL) if positions_split(plan) > 1 else STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
-        if pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
+        if sliced:  # the slice updated with its slice of the state, then the rows all-gathered
+            params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, axes)
+        elif pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
             updates, opt_state = pipeline_optim.update(tx, plan, grads[None], state.opt_state, state.params, stage)
+            params = optax.apply_updates(state.params, updates)
         else:  # an element-wise optimizer acts on the row as on the tree
             updates, opt_state = tx.update(grads[None], state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
-        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+        new_state = state.replace(step=state.step + 1, params=params,
                                   opt_state=opt_state, rng=jax.random.key_data(rng))
         metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(names)}}
         if scaler.enabled:  # Micikevicius et al. 2018, §3.2: skip an overflowing step, back off; grow when finite
@@ -311,11 +326,11 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
                                           loss_scale=scaler.update(state.loss_scale, finite))
             metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32),
                            skipped_steps=new_state.loss_scale.skipped_steps)
-        sent = traffic(plan, schedule, micro, mesh, 1 + len(names) + scaler.enabled, batch_bytes, policy)
+        sent = traffic(plan, schedule, micro, mesh, 1 + len(names) + scaler.enabled, batch_bytes, policy, sliced)
         return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
-        return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan))
+        return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan, sliced))
 
     def step(state, batch):
         batch_spec = PartitionSpec(mesh_lib.batch_axes(mesh))  # as every dtx batch is placed (dtx.data.loader)
@@ -333,11 +348,12 @@ def gather_params(state: TrainState, plan: StagePlan):
 
 def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
                   chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False,
-                  example=None, sequence_parallel: bool = False) -> Pipeline:
+                  example=None, zero_stage: int = 0, sequence_parallel: bool = False) -> Pipeline:
     """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
     ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
     optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
-    shape and dtype (:func:`dtx.parallel.stages.make_plan`)."""
+    shape and dtype (:func:`dtx.parallel.stages.make_plan`); ``zero_stage=1``: ZeRO-1 over the data axes
+    (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them)."""
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
@@ -346,7 +362,10 @@ def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe"
     if MODEL in mesh.axis_names:  # each stage's blocks split over model (Megatron; LARS/LAMB: pipeline_check)
         # sequence_parallel (tensor.sequence_parallel): each stage's stream split over model by positions too
         plan = split_plan(plan, abstract_params, mesh, example, sequence_parallel)
-    return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor)
+    if zero_stage:
+        plan = dataclasses.replace(plan, row_multiple=pipeline_zero.data_size(mesh))
+    return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor,
+                    zero_stage=zero_stage)
 
 
 def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):

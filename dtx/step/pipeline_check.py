@@ -33,7 +33,7 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
                    global_batch_size: int, microbatches: int = 1, driver: str = "shard_map",
                    optimizer: str = "adam", weight_decay: float = 0.0, strategy: str = "sync",
                    compression: str = "none", allreduce: str = "psum", bucket_bytes: int = 0,
-                   precision: str = "") -> None:
+                   precision: str = "", zero_stage: int = 0) -> None:
     """Raise :class:`~dtx.step.spec.StepError` listing every setting a pipeline run cannot take, each with
     its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size; ``microbatches``:
     ``M`` (:func:`micro_batches` of the config)."""
@@ -76,6 +76,7 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         problems.append(f"optimizer.name={optimizer!r}: a {MODEL_AXIS!r} mesh axis splits each stage's attention and "
                         "MLP kernels (dtx.parallel.tensor_stages), and LARS's and LAMB's trust ratios need each "
                         "tensor's whole norm: use adam, adamw, momentum or sgd, or drop the model axis")
+    problems += zero_problems(zero_stage, mesh_shape, optimizer, weight_decay)
     if precision and np.dtype(parse_policy(precision).params) != np.float32:
         problems.append(f"precision={precision!r}: the pipeline keeps float32 parameters (its rows); compute in "
                         "bfloat16 or float16 with p=f32, e.g. --config.precision=p=f32,c=bf16")
@@ -97,6 +98,41 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
 
 
 ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+
+
+def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_decay: float) -> list[str]:
+    """What ``pipeline.zero_stage`` cannot take (:mod:`dtx.step.pipeline_zero`): stages 2 and 3, a mesh without
+    data axes to split over, an optimizer that needs each tensor whole."""
+    if not zero_stage:
+        return []
+    if zero_stage in (2, 3):
+        what = ("ZeRO-2 splits the gradient over the data ranks, but a pipeline accumulates each stage's gradient "
+                "row whole over its micro-batches and reduces it once per step, which pipeline.zero_stage=1 "
+                "already reduce-scatters: stage 2 would save nothing more (DeepSpeed and Megatron-LM also allow "
+                "only ZeRO-1 with pipelines)" if zero_stage == 2 else
+                "ZeRO-3 splits the parameters too, and every forward and backward slot of every micro-batch "
+                "would gather its stage's row again")
+        return [f"pipeline.zero_stage={zero_stage}: {what}; set --config.pipeline.zero_stage=1"]
+    if zero_stage != 1:
+        return [f"pipeline.zero_stage={zero_stage!r} is unknown: 0 (none) or 1 (the optimizer state split over "
+                "the data axes)"]
+    problems = []
+    data = 1
+    for name, size in mesh_shape.items():
+        data *= size if name not in (STAGE_AXIS, MODEL_AXIS) else 1
+    if data < 2:
+        problems.append(f"pipeline.zero_stage=1 splits the optimizer state over the data axes, and the mesh "
+                        f"{dict(mesh_shape)} has no data replicas to split it over: add a data axis, e.g. "
+                        f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))', or set "
+                        "--config.pipeline.zero_stage=0")
+    if per_tensor(optimizer, weight_decay):
+        problems.append(f"optimizer.name={optimizer!r}" + (f" with optimizer.weight_decay={weight_decay}"
+                                                          if weight_decay else "")
+                        + ": pipeline.zero_stage=1 updates a slice of each stage's row, and LARS's and LAMB's "
+                        "trust ratios and weight decay's mask by name need each tensor whole: use one of "
+                        f"{', '.join(ELEMENTWISE_OPTIMIZERS)} without weight decay, or set "
+                        "--config.pipeline.zero_stage=0")
+    return problems
 
 
 def per_tensor(optimizer: str, weight_decay: float) -> bool:
@@ -152,7 +188,7 @@ def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str
     labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))  # one per example, or per token of a sequence
     example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels
     e = memory.estimate_pipeline(pipeline.plan, pipeline.schedule, micro=micro, data=data,
-                                 optimizer=optimizer, example_bytes=example_bytes)
+                                 optimizer=optimizer, example_bytes=example_bytes, zero_stage=pipeline.zero_stage)
     if e.fits(capacity):
         return
     gib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731

@@ -10,6 +10,8 @@ run's ``T``: a layout change moves bytes, it computes nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -63,6 +65,19 @@ def _split(plan: StagePlan, params, example, mesh, shape) -> StagePlan:
     return plan
 
 
+def _padded(saved: StagePlan, shape, plan: StagePlan | None) -> StagePlan:
+    """The saved run's plan with its rows padded as its ZeRO-1 padded them (``pipeline.zero_stage=1``: to a multiple of
+    its data ranks, :mod:`dtx.step.pipeline_zero`): this run's multiple where that lays them out as saved (the same
+    data ranks), else the saved row's own length (a multiple of the saved ranks, whose count the config may leave
+    to -1)."""
+    width = getattr(saved, "tensor", 1) * saved.chunks
+    for multiple in (getattr(plan, "row_multiple", 1), shape[1] // width if shape[1] % width == 0 else 1):
+        candidate = dataclasses.replace(saved, row_multiple=max(1, multiple))
+        if candidate.rows_shape == shape:
+            return candidate
+    return saved  # refused below: rows it does not lay out
+
+
 def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh, plan: StagePlan | None,
              pipelined=lambda parallel: False):
     """``(saved config, saved arrays) -> (target, convert) | None``: how a run whose state is ``state`` (placed by
@@ -88,6 +103,8 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
                 saved_plan = make_plan(model, tree_state.params, shape[0], tuple(cut.get("boundaries") or ()),
                                        int(cut.get("virtual_stages") or 1), example_inputs)
                 saved_plan = _split(saved_plan, tree_state.params, example_inputs, saved_config.get("mesh"), shape)
+                if int(cut.get("zero_stage") or 0):
+                    saved_plan = _padded(saved_plan, shape, plan)
             except ValueError:
                 return None
         if saved_plan == plan:
