@@ -7,13 +7,23 @@ here: GPipe and 1F1B equal one device after 3 steps (the pipeline tests' convent
 over ``model`` are Megatron's per block and micro-batch (forward and backward slot, the backward slot's re-run of
 the forward included), the step's accountant counts what the program sends, the settings it cannot run are
 refused by key before compiling, and dtx simulate's model of such a pipeline (dtx.perf.lm_pipeline, written before
-any was compiled) predicts this program's FLOPs and bytes within --verify's 2 %.
+any was compiled) predicts this program's FLOPs and bytes within --verify's 2 %. With tensor.sequence_parallel=True
+(dtx.parallel.stage_positions): GPipe and 1F1B equal one device, the collectives over model inside the blocks are
+Korthikanti et al.'s reduce-scatters and all-gathers with the TP run's bytes (no all-reduce), the boundary sends
+half the TP pipeline's bytes, the temporaries are smaller, and a sequence T does not split is refused.
 
 Hand-breaks (each fails the test named): the row layer's ``psum`` over ``model`` dropped (``reduce_from_model``
 returning its input) -> ``test_split_stages_equal_one_device``; the forward ``ppermute`` skipped (the forward slot
 keeping its output) -> ``test_split_stages_equal_one_device`` and ``test_messages_are_the_pipeline_formulas``; the
 column input's gradient not summed over ``model`` (``copy_to_model``'s backward as the identity) -> every test of the
 compiled steps; the backward slot's re-run left out of the planner's FLOPs -> ``test_the_planner_predicts_...``.
+Under SP: ``g``'s reduce-scatter replaced by a psum and the device's slice of it ->
+``test_sequence_parallel_collectives_are_korthikantis`` and ``..._sends_and_keeps_a_tth_at_the_boundary`` (the
+values stay equal); the boundary buffer sent unsplit (the whole stream's width) -> ``..._sends_and_keeps_...``;
+the replicated gradients not summed over model -> every SP test (values, the all-reduce, comm_bytes); the last
+stage's loss not divided by T -> ``test_sequence_parallel_stages_equal_one_device``; ``f``'s backward keeping its own
+positions' gradient instead of reduce-scattering -> every SP test; the positions check skipped ->
+``test_what_split_stages_cannot_run_is_refused_by_key``.
 """
 
 import os
