@@ -31,7 +31,8 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
 :func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
 ``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
-stage, with or without a ``model`` axis splitting each stage (no ZeRO, SP or remat policy there), planned as dtx
+stage, with or without a ``model`` axis splitting each stage (no ZeRO, SP or remat policy planned there: dtx runs
+ZeRO-1 with stages, ``pipeline.zero_stage=1``, but not with AdamW's weight decay), planned as dtx
 runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's forward re-run in its backward slot).
 ``offload`` is not planned: its host transfers are not modelled.
 """
@@ -168,7 +169,7 @@ class LMPlan:
     def overrides(self) -> list[str]:
         """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
         if not self.runnable:
-            raise PlanError(f"{self.text()} is modelled only: dtx's pipeline takes no ZeRO, SP or remat policy")
+            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO, SP or remat policy")
         out = []
         if self.stages > 1:  # dtx.perf.lm_pipeline: L/P blocks per stage, the output layer untied
             axes = [("data", self.data), ("stage", self.stages)] + [("model", self.tensor)] * (self.tensor > 1)
@@ -207,7 +208,8 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
     if stages > 1:  # dtx's pipeline as it runs (dtx.perf.lm_pipeline)
         if zero or sp or policy != "none":
-            raise PlanError(f"dtx's pipeline takes no ZeRO, SP or remat policy (zero={zero}, sp={sp}, policy={policy})")
+            raise PlanError(f"the planned pipeline takes no ZeRO, SP or remat policy (zero={zero}, sp={sp}, "
+                            f"policy={policy})")
         figures = lm_pipeline.costs(shape, cluster, nodes, global_batch, tensor, stages, micro, ELEMENTWISE,
                                     reduce_bytes=reduce_bytes, element=tensor_element)
         return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, **figures)
@@ -259,7 +261,7 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                     continue
                 for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
                     if p > 1 and zero:
-                        continue  # dtx's pipeline has no ZeRO; not planned
+                        continue  # ZeRO-1 with stages takes no weight decay (GPT-2's AdamW): not planned
                     for policy in (policies if p == 1 else ("none",)):  # a pipeline re-runs each stage anyway
                         for sp in ((False, True) if t > 1 and p == 1 else (False,)):
                             if sp and shape.seq % t:
