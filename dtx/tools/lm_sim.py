@@ -79,7 +79,7 @@ def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], glob
         print(f"{row['nodes']:>6} {p.text():<34} {p.time * 1e3:>6.4g} ms {_gib(p.memory_bytes):>10}  {row['why']}")
         runs = row["runnable"]
         if not p.runnable:
-            print(f"{'':>6} (modelled only: dtx's pipeline takes no ZeRO, SP or remat policy)")
+            print(f"{'':>6} (modelled only: the planned pipeline takes no ZeRO, SP or remat policy)")
             if runs is not None:
                 print(f"{'':>6} fastest dtx runs: {runs.text()}, {runs.time * 1e3:.4g} ms, {_gib(runs.memory_bytes)}")
         if runs is not None:
