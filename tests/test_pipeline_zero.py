@@ -24,6 +24,7 @@ from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, datasets, tasks
 from dtx.data.datasets import Split
+from dtx.parallel.stages import PipelineError
 from dtx.perf import memory as memory_lib
 from dtx.run.trainer import train
 from dtx.step import StepError, StepSpec, make_train_step
@@ -183,6 +184,10 @@ def test_what_zero1_cannot_take_is_refused_by_key():
             check_settings(**{**base, **settings})
         assert all(w in str(error.value) for w in words), (words, str(error.value))
     check_settings(**base, zero_stage=1)
+    model = models.build_model("mlp", **MLP)
+    for settings, words in ((dict(zero_stage=2), "zero_stage=2"), (dict(zero_stage=1, per_tensor=True), "per_tensor")):
+        with pytest.raises(PipelineError, match=words):  # from Python: before the plan is made
+            pp.make_pipeline(model, None, mesh_lib.make_mesh([("stage", 2), ("data", 4)]), **settings)
     with pytest.raises(config_lib.ConfigError, match="pipeline.zero_stage=1 applies to parallel.name=pipeline"):
         config_lib.load(DIGITS_MLP, ("--config.pipeline.zero_stage=1",))
 

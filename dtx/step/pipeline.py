@@ -354,6 +354,7 @@ def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe"
     optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
     shape and dtype (:func:`dtx.parallel.stages.make_plan`); ``zero_stage=1``: ZeRO-1 over the data axes
     (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them)."""
+    pipeline_zero.check(zero_stage, per_tensor)
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "

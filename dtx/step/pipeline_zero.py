@@ -35,9 +35,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx.comm import costmodel
 from dtx.mesh import MODEL_AXIS
-from dtx.parallel.stages import STAGE_AXIS
+from dtx.parallel.stages import STAGE_AXIS, PipelineError
 
 STAGES = (0, 1)  # the pipeline.zero_stage values this module runs
+
+
+def check(zero_stage: int, per_tensor: bool) -> None:
+    """Refuse what :func:`dtx.step.pipeline.make_pipeline` cannot build (the config's keys are refused by name
+    earlier, :func:`dtx.step.pipeline_check.zero_problems`): a stage but 0 and 1, and ZeRO-1 with an optimizer
+    that updates each stage's tensors."""
+    if zero_stage not in STAGES:
+        raise PipelineError(f"zero_stage={zero_stage!r}: a pipeline takes ZeRO stage 0 or 1 (its gradient row is "
+                            "accumulated whole over the micro-batches and reduce-scattered once, so 2 saves nothing "
+                            "more; 3 would gather every stage row in every slot)")
+    if zero_stage and per_tensor:
+        raise PipelineError("zero_stage=1 with per_tensor=True: each data rank updates a slice of the row, and an "
+                            "optimizer that needs each tensor whole (LARS, LAMB, weight decay by name) cannot run on "
+                            "it; use SGD, momentum, Nesterov or Adam without weight decay, or zero_stage=0")
 
 
 def _data_axes(mesh) -> tuple[str, ...]:
