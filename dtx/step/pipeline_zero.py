@@ -66,7 +66,8 @@ def data_size(mesh) -> int:
 def optimizer_spec(mesh) -> PartitionSpec:
     """Where ZeRO-1's optimizer rows live: over ``stage``, and the row over ``model`` (where the mesh has one: each
     index its own slices, :mod:`dtx.parallel.tensor_stages`) then the data axes, so device ``(s, t, d)`` holds slice
-    ``d`` of its own row — the order :func:`reduce_scatter` and :func:`gather` number the data ranks in."""
+    ``d`` of its own row — the order :func:`reduce_scatter`, :func:`local_slice` and :func:`update` number the data
+    ranks in."""
     within = tuple(a for a in (MODEL_AXIS,) if a in mesh.axis_names) + _data_axes(mesh)
     return PartitionSpec(STAGE_AXIS, within or None)
 
