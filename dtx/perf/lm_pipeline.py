@@ -11,7 +11,8 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   of the last stage's tensor group (it runs unsplit there);
 * **compute**: each micro-batch's forward slot, and its backward slot, which re-runs the stage's forward from the
   kept input (GPipe's re-materialisation) before the backward: per token ``8·MACs`` of the blocks (``/T``) and
-  ``8·d·V`` of the output layer, the element-wise work :data:`dtx.perf.lm_plan.ELEMENTWISE` counts; on a stage but
+  ``8·d·V`` of the output layer, and the element-wise work of :data:`STAGE_ELEMENTWISE` (the residual stream's
+  LayerNorms and adds whole on each device of a tensor group, the rest of a block's ``/T``); on a stage but
   the last the re-run skips the last block's MLP down-projection (only the stage's output reads it);
 * **messages**: the schedule's ``2(M + P − 2)`` boundary messages of ``t·d`` activation elements
   (:mod:`dtx.parallel.pipeline_schedules`);
@@ -23,10 +24,17 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   stages and the tensor group (dtx places every batch split over all devices);
 * **memory**: the row with its gradient, AdamW's moments and a second gradient row (the reduced one), the kept
   stage inputs (1F1B: at most ``2P − 1``), one micro-batch's activations of the stage's blocks (Korthikanti et
-  al.'s bytes under ``T``) and its logits.
+  al.'s bytes under ``T``) and its logits;
+* **sequence parallelism** (``sp``, :mod:`dtx.parallel.stage_positions`): the messages and kept inputs carry
+  ``t·d/T``; the residual stream's element-wise work, the final LayerNorm, the output layer and the loss run on
+  ``t/T`` tokens; each all-reduce's place is taken by a
+  reduce-scatter and an all-gather of the same bytes (the last stage, which the plan models, has no dead one), twice
+  the collectives' latency; the row's replicated entries (``6d`` per block, and the first stage's embedding and
+  positions or the last's LayerNorm and output layer, the larger) all-reduced over ``model`` once per step in
+  float32; the blocks' activations Korthikanti et al.'s under SP, the logits ``1/T``.
 
-What is not modelled: ZeRO, sequence parallelism and remat policies with stages (dtx's pipeline does not combine
-them: the candidates leave them out).
+What is not planned: ZeRO with stages (``pipeline.zero_stage=1`` takes no weight decay, GPT-2's AdamW's) and remat
+policies (a stage re-runs its forward anyway): the candidates leave them out.
 """
 
 from __future__ import annotations
@@ -36,6 +44,21 @@ from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 
 SCHEDULE = "1f1b"
+# Element-wise FLOPs per token XLA counts in the last stage's slots (its forward, the backward slot's re-run of it
+# and the backward), apart from dtx.perf.lm_plan.ELEMENTWISE (one step's, fitted at MLP ratio 4: its "width" lumps
+# the MLP's work, ∝ f, with the stream's, and a stage runs its forward twice). Per block: ``stream`` per width and
+# ``stream_token`` (the two LayerNorms and residual adds: whole on each device of a tensor group, on its 1/T of the
+# positions under SP), ``mlp`` per MLP width (GELU), ``width`` per width (the rest) and ``score`` per head and
+# position (the softmax), split by T; the final LayerNorm (``head_width`` per width) and the output's bias, softmax
+# and loss (``logit`` per class), whole but under SP. Read from the float32 slots compiled over model (T = 2,
+# 1 and 2 blocks per stage, 4 sequences: one block's terms the difference, the stream's twice the TP run's excess
+# over the SP run's) of transformers with 2 heads: width 16, MLP 2·16, 8 positions, vocabulary 32 (stream
+# 1450 = 86·16 + 74, the rest 2786); MLP 4·16 (5057: 71 per f); 16 positions (3278: 30.8 per head and position);
+# width 32 (stream 2826; the rest 5081: 1.5 per width); vocabulary 64 (head 22 per class; 34.9 per width from
+# width 32's). Held out, chosen before measuring: width 32, 4 heads, MLP 4·32, 16 positions, vocabulary 64 at T=4
+# TP (0.9985 of the compiled slots) and SP (1.0007), and --verify's D2xT2+SPxP2 twin (docs/pipeline.md).
+STAGE_ELEMENTWISE = dict(stream=86.0, stream_token=74.0, mlp=71.0, width=1.5, score=30.8, head_width=34.9,
+                         logit=22.0)
 
 
 def boundaries(layers: int, stages: int) -> tuple[int, ...]:
@@ -56,39 +79,48 @@ def stage_row(shape, tensor: int, stages: int) -> int:
 
 
 def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, stages: int, micro: int,
-          elementwise: dict, *, reduce_bytes: int = 4, element: int = 2) -> dict:
+          elementwise: dict, *, reduce_bytes: int = 4, element: int = 2, sp: bool = False) -> dict:
     """The plan's figures (module docstring) as :class:`dtx.perf.lm_plan.LMPlan`'s fields; ``element``: bytes of an
-    activation element in the messages and the tensor collectives (bf16 on a GPU; XLA:CPU moves float32)."""
+    activation element in the messages and the tensor collectives (bf16 on a GPU; XLA:CPU moves float32); ``sp``:
+    sequence parallelism inside the stages (module docstring)."""
     data = nodes // (tensor * stages)
     d, s, v = shape.width, shape.seq, shape.vocab
     per = shape.layers // stages
     b = global_batch // (data * micro)
     tokens = b * s
     block = shape.block
-    # The last stage: its blocks (forward, re-run, backward: 8 MACs; element-wise as one device's) split over T,
-    # and the output layer (8·d·V) with the loss's element-wise work, whole.
-    blocks = per * (8 * block.macs + elementwise["width"] * d + elementwise["score"] * shape.heads * s)
-    head = 8 * d * v + elementwise["logit"] * v
-    slots = micro * tokens * (blocks / tensor + head)
+    # The last stage: its blocks' products (forward, re-run, backward: 8 MACs) and their inner element-wise work
+    # split over T, the residual stream's whole but under SP, and the output layer (8·d·V) with the final LayerNorm
+    # and the loss whole but under SP (each device's own positions): STAGE_ELEMENTWISE.
+    e, f = STAGE_ELEMENTWISE, shape.mlp_ratio * d
+    split = tensor if sp else 1
+    inner = per * (8 * block.macs + e["mlp"] * f + e["width"] * d + e["score"] * shape.heads * s) / tensor
+    stream = per * (e["stream"] * d + e["stream_token"]) / split
+    head = (8 * d * v + e["logit"] * v + e["head_width"] * d) / split
+    slots = micro * tokens * (inner + stream + head)
     row = stage_row(shape, tensor, stages)
     update = elementwise["update"] * row
     rate = cluster.node_flops * cluster.efficiency["dense"]
     compute_s = (slots + update) / rate * (micro + stages - 1) / micro
     schedule = make_schedule(SCHEDULE, stages, micro)
-    message = tokens * d * element
+    message = tokens * d * element // split
     p2p_bytes = schedule.messages * message
     local = 1 < stages <= cluster.local_size
     hop = (cluster.local_latency + message / cluster.local_bandwidth if local
            else cluster.latency + message / cluster.bandwidth)
     count = micro * 6 * per if tensor > 1 else 0
-    tensor_bytes = count * tensor_model.bytes_sent("all-reduce", message, tensor)
-    tensor_s = tensor_bytes / cluster.local_bandwidth + count * cluster.local_latency
+    tensor_bytes = count * tensor_model.bytes_sent("all-reduce", tokens * d * element, tensor)
+    tensor_s = tensor_bytes / cluster.local_bandwidth + count * (2 if sp else 1) * cluster.local_latency
     batch = global_batch // (data * stages * tensor) * s * 4  # a device's tokens (and as many labels), int32
     grad_bytes = (tensor_model.bytes_sent("all-reduce", row * reduce_bytes, data)
                   + 2 * tensor_model.bytes_sent("all-gather", batch, stages * tensor))
     grad_s = cluster.allreduce_time(row * reduce_bytes, data, max(1, cluster.local_size // (tensor * stages)))
+    if sp:  # the replicated entries of the row, float32, summed over model once per step
+        replicated = 4 * (per * 6 * d + max(v * d + s * d, 2 * d + v * d + v))
+        grad_bytes += tensor_model.bytes_sent("all-reduce", replicated, tensor)
+        grad_s += cluster.allreduce_time(replicated, tensor, tensor)
     kept = min(2 * stages - 1, micro) * tokens * d * element
-    act = per * tokens * block.activation_bytes(tensor, False, "none") + tokens * v * (element + 4)
+    act = per * tokens * block.activation_bytes(tensor, sp, "none") + tokens * v * (element + 4) / split
     memory = dict(params=4 * row, grads=8 * row, optimizer=8 * row, compute_copy=0.0, activations=kept + act)
     return dict(flops=slots + update, update_flops=update, compute_s=compute_s, tensor_s=tensor_s,
                 p2p_s=schedule.messages * hop, grad_s=grad_s, tensor_bytes=tensor_bytes, p2p_bytes=p2p_bytes,

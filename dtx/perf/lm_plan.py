@@ -31,9 +31,10 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
 :func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
 ``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
-stage, with or without a ``model`` axis splitting each stage (no ZeRO, SP or remat policy planned there: dtx runs
-ZeRO-1 with stages, ``pipeline.zero_stage=1``, but not with AdamW's weight decay), planned as dtx
-runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's forward re-run in its backward slot).
+stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages (no ZeRO or
+remat policy planned there: dtx runs ZeRO-1 with stages, ``pipeline.zero_stage=1``, but not with AdamW's weight
+decay), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's forward re-run
+in its backward slot, its own element-wise terms).
 ``offload`` is not planned: its host transfers are not modelled.
 """
 
@@ -156,7 +157,7 @@ class LMPlan:
     @property
     def runnable(self) -> bool:
         """Whether ``dtx train`` takes it (module docstring)."""
-        return self.stages == 1 or (not self.zero and not self.sp and self.policy == "none")
+        return self.stages == 1 or (not self.zero and self.policy == "none")
 
     def text(self) -> str:
         parts = [f"D{self.data}"] + ([f"T{self.tensor}" + ("+SP" if self.sp else "")] if self.tensor > 1 else [])
@@ -169,7 +170,7 @@ class LMPlan:
     def overrides(self) -> list[str]:
         """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
         if not self.runnable:
-            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO, SP or remat policy")
+            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO or remat policy")
         out = []
         if self.stages > 1:  # dtx.perf.lm_pipeline: L/P blocks per stage, the output layer untied
             axes = [("data", self.data), ("stage", self.stages)] + [("model", self.tensor)] * (self.tensor > 1)
@@ -179,7 +180,8 @@ class LMPlan:
                     f"--config.pipeline.schedule={lm_pipeline.SCHEDULE}",
                     f"--config.pipeline.microbatches={self.micro}",
                     f"--config.pipeline.boundaries='{cut}'",
-                    "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"]
+                    "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"] + (
+                ["--config.tensor.sequence_parallel=True"] if self.sp else [])
         if self.tensor > 1:
             out += [f"--config.mesh='((\"data\", {self.data}), (\"model\", {self.tensor}))'",
                     "--config.parallel.name=tensor", "--config.driver=jit"]
@@ -207,11 +209,10 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
     if stages > 1:  # dtx's pipeline as it runs (dtx.perf.lm_pipeline)
-        if zero or sp or policy != "none":
-            raise PlanError(f"the planned pipeline takes no ZeRO, SP or remat policy (zero={zero}, sp={sp}, "
-                            f"policy={policy})")
+        if zero or policy != "none":
+            raise PlanError(f"the planned pipeline takes no ZeRO or remat policy (zero={zero}, policy={policy})")
         figures = lm_pipeline.costs(shape, cluster, nodes, global_batch, tensor, stages, micro, ELEMENTWISE,
-                                    reduce_bytes=reduce_bytes, element=tensor_element)
+                                    reduce_bytes=reduce_bytes, element=tensor_element, sp=sp)
         return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, **figures)
     e, s, d = COMPUTE, shape.seq, shape.width
     b = global_batch // (data * micro)  # sequences per micro-batch of a data shard
@@ -263,7 +264,7 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                     if p > 1 and zero:
                         continue  # ZeRO-1 with stages takes no weight decay (GPT-2's AdamW): not planned
                     for policy in (policies if p == 1 else ("none",)):  # a pipeline re-runs each stage anyway
-                        for sp in ((False, True) if t > 1 and p == 1 else (False,)):
+                        for sp in ((False, True) if t > 1 else (False,)):
                             if sp and shape.seq % t:
                                 continue
                             out.append(plan(shape, cluster, nodes, global_batch, tensor=t, stages=p, zero=zero,

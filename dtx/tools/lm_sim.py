@@ -5,7 +5,7 @@ Per node count: the fastest plan that fits the device's memory, why, and the ``d
 (pipelines as dtx runs them: :mod:`dtx.perf.lm_pipeline`). ``--verify`` compiles, on 8 emulated CPU devices
 (nothing runs), the plans of 8 nodes it printed and one of
 each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat policy, a pipeline of ``M = P``
-micro-batches with its stages split over ``model``), as overrides of the
+micro-batches with its stages split over ``model``, without and with SP), as overrides of the
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
 twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
 loop trip counts included: :mod:`dtx.comm.hlo`; a pipeline's as its last stage runs them, its FLOPs from that
@@ -32,9 +32,11 @@ VERIFY_NODES = 8
 # (tests/test_tensor_parallel.py reads them), move as float32 in what it compiles, so --verify charges 4 bytes.
 CPU_TENSOR_ELEMENT = 4
 # One plan of each kind dtx runs, as (tensor, zero, policy, sp, stages), compiled beside the printed ones; a
-# pipeline with M = P micro-batches, its stages split over model (dtx.parallel.tensor_stages).
+# pipeline with M = P micro-batches, its stages split over model (dtx.parallel.tensor_stages), without and with SP
+# (dtx.parallel.stage_positions).
 KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
-         (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2))
+         (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2),
+         (2, 0, "none", True, 2))
 
 
 def load_shape(path: str) -> tuple[lm_plan.LMShape, object]:
@@ -79,7 +81,7 @@ def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], glob
         print(f"{row['nodes']:>6} {p.text():<34} {p.time * 1e3:>6.4g} ms {_gib(p.memory_bytes):>10}  {row['why']}")
         runs = row["runnable"]
         if not p.runnable:
-            print(f"{'':>6} (modelled only: the planned pipeline takes no ZeRO, SP or remat policy)")
+            print(f"{'':>6} (modelled only: the planned pipeline takes no ZeRO or remat policy)")
             if runs is not None:
                 print(f"{'':>6} fastest dtx runs: {runs.text()}, {runs.time * 1e3:.4g} ms, {_gib(runs.memory_bytes)}")
         if runs is not None:
@@ -159,19 +161,27 @@ def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, 
     slots (the step's own functions, over the ``model`` axis) compiled on one micro-batch, times ``M``, plus the
     planner's update (the whole step's cost analysis counts each loop's body once, whichever stage a device is);
     the bytes as that stage sends them (:func:`dtx.parallel.tensor_stages.step_bytes`)."""
+    from dtx.comm import hlo
+    from dtx.parallel import tensor_stages
+
+    pipeline = parts.placement.pipeline
+    slots = slot_flops(pipeline.plan, parts.task, parts.policy, mesh, p)
+    sent = tensor_stages.step_bytes(hlo.collectives(compiled), pipeline.schedule, p.tensor)
+    return float(slots * p.micro + p.update_flops), float(sent)
+
+
+def slot_flops(plan, task, policy, mesh, p: lm_plan.LMPlan) -> float:
+    """XLA's FLOPs of one micro-batch's forward and backward slots of the pipeline's last stage (its ``plan``, a
+    :class:`dtx.parallel.stages.StagePlan`), compiled over the ``model`` axis of ``p``'s tensor group."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec
 
     from dtx import mesh as mesh_lib
-    from dtx.comm import hlo
-    from dtx.parallel import tensor_stages
     from dtx.perf import flops as flops_lib
     from dtx.step import pipeline as pp
 
-    pipeline = parts.placement.pipeline
-    plan, schedule, policy = pipeline.plan, pipeline.schedule, parts.policy
-    forward, backward = pp.slot_functions(plan, parts.task, p.micro, policy)
+    forward, backward = pp.slot_functions(plan, task, p.micro, policy)
     b, last = p.global_batch // (p.data * p.micro), plan.num_stages - 1
     row = jax.ShapeDtypeStruct((plan.row,), jnp.float32)
     tokens = jax.ShapeDtypeStruct((b, *plan.layers[0].in_shape), jnp.int32)
@@ -184,10 +194,8 @@ def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, 
         mapped = jax.shard_map(fn, mesh=group, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False)
         return flops_lib.compiled_flops(jax.jit(mapped).lower(*args).compile()) or 0.0
 
-    slots = (compiled_slot(forward[last], row, tokens, buffer, labels)
-             + compiled_slot(backward[last], row, tokens, buffer, labels, buffer, seed))
-    sent = tensor_stages.step_bytes(hlo.collectives(compiled), schedule, p.tensor)
-    return float(slots * p.micro + p.update_flops), float(sent)
+    return (compiled_slot(forward[last], row, tokens, buffer, labels)
+            + compiled_slot(backward[last], row, tokens, buffer, labels, buffer, seed))
 
 
 def print_verified(verified: list[dict]) -> None:
