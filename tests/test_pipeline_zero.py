@@ -2,7 +2,8 @@
 
 Each stage's gradient row is reduce-scattered over the data axes once per step, every data rank updates its 1/D
 slice with its 1/D of the optimizer state, and the updated slices are all-gathered. Checked here on the digits MLP
-(stage 2 x data 4; stage 0's row of 1950 parameters padded to 1952 to split over the 4 ranks) with Adam under 1F1B
+(stage 2 x data 4; stage 0's row of 1950 parameters padded to 1952 to split over the 4 ranks) with AdamW and weight
+decay (biases excluded by name: each rank hands the optimizer its slice times its slice of the row mask) under 1F1B
 against the pipeline without ZeRO under GPipe, and on the transformer split over ``model`` (data 2 x stage 2 x model 2)
 with momentum under the interleaved schedule: the parameters after 3 steps equal the pipeline without ZeRO and one
 device within 1e-6;
@@ -12,6 +13,7 @@ bit for bit and as the pipeline without ZeRO; and what ZeRO-1 here cannot take i
 """
 
 import os
+import re
 import shutil
 
 import jax
@@ -50,12 +52,12 @@ def _case(name):
     return models.build_model("transformer", **LM), _tokens(), tasks.next_token()
 
 
-def _run(name, tx, mesh, schedule, zero, chunks=1):
+def _run(name, tx, mesh, schedule, zero, chunks=1, **settings):
     model, split, task = _case(name)
     example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), split.inputs[:1])["params"])
     pipeline = pp.make_pipeline(model, abstract, mesh, schedule=schedule, micro=MICRO, chunks=chunks, task=task,
-                                example=example, zero_stage=zero)
+                                example=example, zero_stage=zero, **settings)
     shardings = pp.state_shardings(pp.abstract_state(model, tx, example, pipeline.plan), mesh, pipeline.plan, zero)
     state = pp.init_state(model, tx, example, 0, mesh, pipeline.plan, shardings)
     loader = TrainLoader(split, BATCH, mesh, seed=0)
@@ -81,10 +83,15 @@ def _one_device(name, tx):
 
 @pytest.fixture(scope="module")
 def runs():
-    adam, momentum = optim.make_optimizer("adam", 1e-2), optim.make_optimizer("momentum", 0.1, momentum=0.9)
+    # AdamW with weight decay 0.1, biases excluded by optimizer.exclude's default: without ZeRO each stage's tree
+    # is updated with the tree mask (per_tensor), with ZeRO-1 each rank's slice through its slice of the row mask.
+    adam = optim.make_optimizer("adamw", 1e-2, weight_decay=0.1)
+    momentum = optim.make_optimizer("momentum", 0.1, momentum=0.9)
     mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
     split_mesh = mesh_lib.make_mesh([("data", 2), ("stage", 2), ("model", 2)])
-    return dict(adam0=_run("mlp", adam, mesh, "gpipe", 0), adam1=_run("mlp", adam, mesh, "1f1b", 1),
+    decay = optim.path_mask(optim.DEFAULT_EXCLUDE)
+    return dict(adam0=_run("mlp", adam, mesh, "gpipe", 0, per_tensor=True),
+                adam1=_run("mlp", adam, mesh, "1f1b", 1, decay_mask=decay),
                 lm1=_run("lm", momentum, split_mesh, "interleaved", 1, chunks=2),
                 one_adam=_one_device("mlp", adam), one_lm=_one_device("lm", momentum))
 
@@ -96,12 +103,49 @@ def _close(got, want, atol=1e-6):
 
 
 def test_zero1_equals_the_pipeline_without_it_and_one_device(runs):
-    """3 steps: Adam under 1F1B equals the pipeline without ZeRO (GPipe) and one device; momentum on the transformer
+    """3 steps: AdamW with weight decay (each rank decaying its slice's decayed entries: the row mask) under 1F1B
+    equals the pipeline without ZeRO (GPipe, each stage's tree with the tree mask) and one device; momentum on the
+    transformer
     split over model, interleaved, equals one device (all within 1e-6): the parameters, and the optimizer state
     gathered from its slices into the model's tree (each slice where the rows' layout says)."""
     for key, reference in (("adam1", "adam0"), ("adam1", "one_adam"), ("lm1", "one_lm")):
         _close(runs[key]["params"], runs[reference]["params"])
         _close(runs[key]["opt_state"], runs[reference]["opt_state"])
+
+
+def _mask_reference(plan, exclude):
+    """Each stage device's row mask from the leaf names, in numpy: its chunks' virtual stages (c·P + device) side
+    by side, each leaf's entries (its shape on the device) 1 unless ``exclude`` names it, each chunk padded with 0."""
+    want = np.zeros((plan.devices, plan.chunks * plan.row), np.float32)
+    for s in range(plan.devices):
+        for c in range(plan.chunks):
+            flags = [np.full(int(np.prod(plan.leaf_shape(path, shape))), not re.search(exclude, "/".join(path)))
+                     for layer in plan.stage_layers(c * plan.devices + s) for path, shape in layer.leaves]
+            want[s, c * plan.row:c * plan.row + sum(f.size for f in flags)] = np.concatenate(flags)
+    return want
+
+
+def test_the_decay_row_mask_is_the_leaves_by_name(runs):
+    """Every rank's slice of the row mask, as the step expands it (decay_slice at each stage device and data rank),
+    put side by side, equals a numpy row built from the leaf names in row order: on the MLP 1 on kernels, 0 on
+    biases (optimizer.exclude's default) and on stage 0's 2 padding entries (1950 parameters in a row of 1952); on
+    the transformer split over model, interleaved, each device's two chunks with their LayerNorms and biases 0."""
+    for key in ("adam1", "lm1"):
+        pipeline, d = runs[key]["pipeline"], pipeline_zero.data_size(runs[key]["mesh"])
+        plan, size = pipeline.plan, pipeline.plan.chunks * pipeline.plan.row // d
+        tables = pipeline.decay if key == "adam1" else pipeline_zero.decay_tables(
+            plan, optim.path_mask(optim.DEFAULT_EXCLUDE))
+        expand = jax.jit(pipeline_zero.decay_slice, static_argnums=3)  # one program per slice length
+        got = np.stack([np.concatenate([expand(tables, s, r, size) for r in range(d)])
+                        for s in range(plan.devices)])
+        want = _mask_reference(plan, optim.DEFAULT_EXCLUDE)
+        if key == "adam1":  # the last kernel entry, the first bias entry, the padding
+            assert want[0, 64 * 30 - 1] == 1 and want[0, 64 * 30] == 0 and not want[0, 1950:].any()
+        else:
+            assert 0 < want.mean() < 1 and plan.chunks == 2
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(PipelineError, match="optimizer.exclude"):  # the row itself would be excluded
+        pipeline_zero.decay_tables(runs["adam1"]["pipeline"].plan, optim.path_mask(".*"))
 
 
 def _row_bytes(run):
@@ -158,7 +202,7 @@ def _estimate(run, optimizer):
         zero_stage=pipeline.zero_stage)
 
 
-@pytest.mark.parametrize("key,optimizer", [("adam1", "adam"), ("lm1", "momentum")])
+@pytest.mark.parametrize("key,optimizer", [("adam1", "adamw"), ("lm1", "momentum")])
 def test_the_memory_model_predicts_the_zero1_peak(runs, key, optimizer):
     """estimate_pipeline with zero_stage=1 (the optimizer state 1/D, the rest as without ZeRO: the rule read from
     an Adam 1F1B MLP of row 2080 over 4 data ranks, whose compiled temporaries were those of the same step without
@@ -168,7 +212,7 @@ def test_the_memory_model_predicts_the_zero1_peak(runs, key, optimizer):
     peak = memory_lib.compiled_peak(runs[key]["compiled"])
     assert abs(e.total - peak) <= 0.15 * peak, (e.total, peak)
     plan = runs[key]["pipeline"].plan
-    slots = {"adam": 2, "momentum": 1}[optimizer]  # Adam's two moments, momentum's trace: 1/D of each
+    slots = {"adamw": 2, "momentum": 1}[optimizer]  # Adam's two moments, momentum's trace: 1/D of each
     assert e.optimizer == slots * plan.chunks * plan.row * 4 // pipeline_zero.data_size(runs[key]["mesh"])
 
 
@@ -178,12 +222,13 @@ def test_what_zero1_cannot_take_is_refused_by_key():
             (dict(zero_stage=2), ["pipeline.zero_stage=2", "pipeline.zero_stage=1", "accumulates"]),
             (dict(zero_stage=3), ["pipeline.zero_stage=3", "pipeline.zero_stage=1"]),
             (dict(zero_stage=1, optimizer="lamb"), ["optimizer.name='lamb'", "pipeline.zero_stage=0", "adam"]),
-            (dict(zero_stage=1, weight_decay=1e-4), ["optimizer.weight_decay=0.0001", "pipeline.zero_stage=0"]),
+            (dict(zero_stage=1, optimizer="lars", weight_decay=1e-4), ["optimizer.name='lars'", "adamw"]),
             (dict(zero_stage=1, mesh_shape={"stage": 2, "model": 4}), ["no data replicas", "data"])):
         with pytest.raises(StepError) as error:
             check_settings(**{**base, **settings})
         assert all(w in str(error.value) for w in words), (words, str(error.value))
     check_settings(**base, zero_stage=1)
+    check_settings(**base, zero_stage=1, optimizer="adamw", weight_decay=1e-4)  # decayed through the row mask
     model = models.build_model("mlp", **MLP)
     for settings, words in ((dict(zero_stage=2), "zero_stage=2"), (dict(zero_stage=1, per_tensor=True), "per_tensor")):
         with pytest.raises(PipelineError, match=words):  # from Python: before the plan is made

@@ -195,8 +195,10 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
                                                boundaries=block.boundaries, micro=block.microbatches,
                                                chunks=block.virtual_stages, example=example,
-                                               per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay),
+                                               per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay,
+                                                                                    block.zero_stage),
                                                zero_stage=block.zero_stage,
+                                               decay_mask=optim.path_mask(opt.exclude) if opt.weight_decay else None,
                                                sequence_parallel=config.tensor.sequence_parallel)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None

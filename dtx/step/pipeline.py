@@ -65,6 +65,7 @@ class Pipeline:
     per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.step.pipeline_optim), not the row
     loss_scaler: LossScaler = LossScaler()  # dynamic loss scaling (float16 compute): scaled seeds, skipped steps
     zero_stage: int = 0  # 1: the optimizer state and update split over the data axes (dtx.step.pipeline_zero)
+    decay: tuple | None = dataclasses.field(default=None, compare=False)  # ZeRO-1's weight-decay row mask, as runs
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -308,7 +309,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         if axes:
             scalars = lax.pmean(scalars, axes)
         if sliced:  # the slice updated with its slice of the state, then the rows all-gathered
-            params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, axes)
+            params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, axes, pipeline.decay)
         elif pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
             updates, opt_state = pipeline_optim.update(tx, plan, grads[None], state.opt_state, state.params, stage)
             params = optax.apply_updates(state.params, updates)
@@ -348,12 +349,13 @@ def gather_params(state: TrainState, plan: StagePlan):
 
 def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
                   chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False,
-                  example=None, zero_stage: int = 0, sequence_parallel: bool = False) -> Pipeline:
+                  example=None, zero_stage: int = 0, sequence_parallel: bool = False, decay_mask=None) -> Pipeline:
     """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
     ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
     optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
     shape and dtype (:func:`dtx.parallel.stages.make_plan`); ``zero_stage=1``: ZeRO-1 over the data axes
-    (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them)."""
+    (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them; ``decay_mask``: the optimizer's weight-decay
+    mask function, :func:`dtx.optim.path_mask`, which ZeRO-1 lays out as a row)."""
     pipeline_zero.check(zero_stage, per_tensor)
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
@@ -365,8 +367,9 @@ def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe"
         plan = split_plan(plan, abstract_params, mesh, example, sequence_parallel)
     if zero_stage:
         plan = dataclasses.replace(plan, row_multiple=pipeline_zero.data_size(mesh))
+    decay = pipeline_zero.decay_tables(plan, decay_mask) if zero_stage and decay_mask is not None else None
     return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor,
-                    zero_stage=zero_stage)
+                    zero_stage=zero_stage, decay=decay)
 
 
 def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):

@@ -98,11 +98,12 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
 
 
 ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+PER_TENSOR_OPTIMIZERS = ("lars", "lamb")  # trust ratios from each tensor's norm
 
 
 def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_decay: float) -> list[str]:
     """What ``pipeline.zero_stage`` cannot take (:mod:`dtx.step.pipeline_zero`): stages 2 and 3, a mesh without
-    data axes to split over, an optimizer that needs each tensor whole."""
+    data axes to split over, LARS and LAMB (their trust ratios need each tensor whole; weight decay runs)."""
     if not zero_stage:
         return []
     if zero_stage in (2, 3):
@@ -125,20 +126,22 @@ def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_deca
                         f"{dict(mesh_shape)} has no data replicas to split it over: add a data axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))', or set "
                         "--config.pipeline.zero_stage=0")
-    if per_tensor(optimizer, weight_decay):
-        problems.append(f"optimizer.name={optimizer!r}" + (f" with optimizer.weight_decay={weight_decay}"
-                                                          if weight_decay else "")
-                        + ": pipeline.zero_stage=1 updates a slice of each stage's row, and LARS's and LAMB's "
-                        "trust ratios and weight decay's mask by name need each tensor whole: use one of "
-                        f"{', '.join(ELEMENTWISE_OPTIMIZERS)} without weight decay, or set "
-                        "--config.pipeline.zero_stage=0")
+    if optimizer in PER_TENSOR_OPTIMIZERS:
+        problems.append(f"optimizer.name={optimizer!r}: pipeline.zero_stage=1 updates a slice of each stage's row, "
+                        "and LARS's and LAMB's trust ratios need each tensor's whole norm: use one of "
+                        f"{', '.join(ELEMENTWISE_OPTIMIZERS)} or adamw (weight decay runs, masked by "
+                        "optimizer.exclude), or set --config.pipeline.zero_stage=0")
     return problems
 
 
-def per_tensor(optimizer: str, weight_decay: float) -> bool:
+def per_tensor(optimizer: str, weight_decay: float, zero_stage: int = 0) -> bool:
     """Whether optimizer ``optimizer`` (:mod:`dtx.optim`) needs each stage's tensors: LARS's and LAMB's trust
     ratios are per tensor, and weight decay skips biases by name (``optimizer.exclude``); SGD, momentum, Nesterov
-    and Adam without it act entry by entry, so the pipeline updates its flat rows directly (less memory)."""
+    and Adam without it act entry by entry, so the pipeline updates its flat rows directly (less memory). Under
+    ``pipeline.zero_stage=1`` weight decay runs on the row's slices through a row-shaped mask
+    (:mod:`dtx.step.pipeline_zero`), so only LARS and LAMB would."""
+    if zero_stage:
+        return optimizer in PER_TENSOR_OPTIMIZERS
     return optimizer not in ELEMENTWISE_OPTIMIZERS or bool(weight_decay)
 
 

@@ -19,9 +19,21 @@ step's bytes do not change; the optimizer state per device falls by ``D``. The r
 Only stage 1: the gradient is accumulated whole across the micro-batches of a step (the backward slots add into it
 until the last tick) and reduced once, so partitioning it (ZeRO-2) would save nothing beyond 1 — DeepSpeed and
 Megatron allow only ZeRO-1 with pipelines for the same reason — and partitioning the parameters (ZeRO-3) would
-gather every stage's row in every slot (:func:`dtx.step.pipeline_check.check_settings` refuses both). An optimizer
-that needs each tensor whole (LARS's and LAMB's trust ratios, weight decay's mask by name:
-:mod:`dtx.step.pipeline_optim`) sees only a slice of the row, so it is refused too.
+gather every stage's row in every slot (:func:`dtx.step.pipeline_check.check_settings` refuses both).
+
+**Weight decay on a slice.** :mod:`dtx.optim` masks weight decay by name (``optimizer.exclude``: biases and
+LayerNorm scales are not decayed), a mask of booleans, one per leaf, that ``optax.masked`` applies leaf by leaf — but
+a rank's slice is one leaf cutting across several tensors. The optimizer stays the one :mod:`dtx.optim` built (AdamW
+with its mask, or L2 added before SGD/momentum/Adam); what changes is the ``params`` it is handed: the slice times
+the **row mask** of the same flat layout and padding as the parameter row (1 on the entries of decayed leaves, 0 on
+excluded leaves and padding), cut like the row. The optimizer's own mask sees the slice as one unnamed leaf and keeps
+it (:func:`decay_tables` checks that it does), and optax's ``add_decayed_weights`` adds ``λ·(m⊙p) = m⊙(λ·p)``: each
+rank decays exactly its slice's decayed entries, the rest updated as the tree's excluded leaves are (``u + 0``).
+This holds because these optimizers read ``params`` only in the decay term; the mask is built by the plan's own
+:meth:`~dtx.parallel.stages.StagePlan.flatten` of the per-leaf mask, kept as its runs (a few integers per stage, not
+a row) and expanded per step on the slice (:func:`decay_slice`). LARS's and LAMB's trust ratios (You et al. 2017,
+arXiv 1708.03888; 2019, arXiv 1904.00962) read each tensor's whole norm from ``params``, which a slice does not
+hold, so they stay refused (:func:`dtx.step.pipeline_check.zero_problems`).
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -50,8 +64,44 @@ def check(zero_stage: int, per_tensor: bool) -> None:
                             "more; 3 would gather every stage row in every slot)")
     if zero_stage and per_tensor:
         raise PipelineError("zero_stage=1 with per_tensor=True: each data rank updates a slice of the row, and an "
-                            "optimizer that needs each tensor whole (LARS, LAMB, weight decay by name) cannot run on "
-                            "it; use SGD, momentum, Nesterov or Adam without weight decay, or zero_stage=0")
+                            "optimizer that needs each tensor whole (LARS's and LAMB's trust ratios) cannot run on "
+                            "it; weight decay runs with per_tensor=False and decay_mask= the optimizer's mask "
+                            "(dtx.optim.path_mask(exclude)); or set zero_stage=0")
+
+
+def _stage_mask(plan, stage: int, mask) -> np.ndarray:
+    """Virtual stage ``stage``'s row mask: ``mask``'s per-leaf booleans on its tree, each leaf filled with its
+    value and flattened by the plan (the parameters' layout; padding 0)."""
+    tree = plan.stage_params(stage, jnp.zeros(plan.row))
+    filled = jax.tree.map(lambda keep, x: jnp.full(x.shape, float(keep)), mask(tree), tree)
+    return np.asarray(plan.flatten(stage, filled))
+
+
+def decay_tables(plan, mask) -> tuple[np.ndarray, np.ndarray]:
+    """The row mask of weight decay (module docstring) for each stage device's ``V·row`` entries, kept as its runs:
+    ``ends`` ``(P, K)`` (where each run but the first starts; padded with ``V·row``) and ``flags`` ``(P, K + 1)``
+    (each run's value). ``mask``: the optimizer's mask function (:func:`dtx.optim.path_mask`)."""
+    if not all(jax.tree.leaves(mask(np.zeros(1)))):
+        raise PipelineError("the weight-decay mask excludes an unnamed leaf (optimizer.exclude matches the empty "
+                            "path), so the optimizer would skip the slice ZeRO-1 hands it whole: write "
+                            "optimizer.exclude so that it names leaves, e.g. the default r'(^|/)(bias|scale)$'")
+    width = plan.chunks * plan.row
+    ends, flags = [], []
+    for device in range(plan.devices):  # device chunk c holds virtual stage c·P + device
+        row = np.concatenate([_stage_mask(plan, c * plan.devices + device, mask) for c in range(plan.chunks)])
+        starts = np.flatnonzero(np.diff(row)) + 1
+        ends.append(starts)
+        flags.append(row[np.concatenate([[0], starts])])
+    k = max(1, max(len(e) for e in ends))
+    return (np.stack([np.pad(e, (0, k - len(e)), constant_values=width) for e in ends]).astype(np.int32),
+            np.stack([np.pad(f, (0, k + 1 - len(f))) for f in flags]).astype(np.float32))
+
+
+def decay_slice(tables, stage, rank, size: int):
+    """Data rank ``rank``'s ``size`` entries of stage device ``stage``'s row mask (:func:`decay_tables`): each
+    position's run found by binary search in its device's run ends (traced indices in the step)."""
+    ends, flags = (jnp.asarray(t)[stage] for t in tables)
+    return flags[jnp.searchsorted(ends, rank * size + jnp.arange(size), side="right")]
 
 
 def _data_axes(mesh) -> tuple[str, ...]:
@@ -96,12 +146,15 @@ def local_slice(rows, axes: tuple[str, ...]):
     return lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * size, size, axis=rows.ndim - 1)
 
 
-def update(tx: optax.GradientTransformation, grads, opt_state, params, axes: tuple[str, ...]):
+def update(tx: optax.GradientTransformation, grads, opt_state, params, axes: tuple[str, ...], decay=None):
     """``(new parameter rows, new optimizer state)`` on one device: ``grads`` its slice of the reduced row
     (:func:`reduce_scatter`), ``opt_state`` its slice of the state, ``params`` its whole ``(1, V·row)`` rows. An
-    element-wise optimizer on the slice is the same arithmetic as on the row; the updated slices are all-gathered."""
+    element-wise optimizer on the slice is the same arithmetic as on the row; the updated slices are all-gathered.
+    ``decay``: :func:`decay_tables` where the optimizer decays by name — it is handed the slice times its mask."""
     mine = local_slice(params, axes)
-    updates, opt_state = tx.update(grads[None], opt_state, mine)
+    shown = mine if decay is None else mine * decay_slice(decay, lax.axis_index(STAGE_AXIS), lax.axis_index(axes),
+                                                          mine.shape[-1])
+    updates, opt_state = tx.update(grads[None], opt_state, shown)
     return lax.all_gather(optax.apply_updates(mine, updates), axes, axis=1, tiled=True), opt_state
 
 
