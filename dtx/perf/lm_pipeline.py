@@ -33,8 +33,9 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   positions or the last's LayerNorm and output layer, the larger) all-reduced over ``model`` once per step in
   float32; the blocks' activations Korthikanti et al.'s under SP, the logits ``1/T``.
 
-What is not planned: ZeRO with stages (``pipeline.zero_stage=1`` takes no weight decay, GPT-2's AdamW's) and remat
-policies (a stage re-runs its forward anyway): the candidates leave them out.
+What is not planned: ZeRO with stages (dtx runs ``pipeline.zero_stage=1``, weight decay included, but its bytes
+and memory are not modelled here yet) and remat policies (a stage re-runs its forward anyway): the candidates leave
+them out.
 """
 
 from __future__ import annotations

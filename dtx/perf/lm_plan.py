@@ -32,9 +32,9 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
 ``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
 stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages (no ZeRO or
-remat policy planned there: dtx runs ZeRO-1 with stages, ``pipeline.zero_stage=1``, but not with AdamW's weight
-decay), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's forward re-run
-in its backward slot, its own element-wise terms).
+remat policy planned there: dtx runs ZeRO-1 with stages, ``pipeline.zero_stage=1``, but its pipeline model does
+not have it yet), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's
+forward re-run in its backward slot, its own element-wise terms).
 ``offload`` is not planned: its host transfers are not modelled.
 """
 
@@ -262,7 +262,7 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                     continue
                 for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
                     if p > 1 and zero:
-                        continue  # ZeRO-1 with stages takes no weight decay (GPT-2's AdamW): not planned
+                        continue  # ZeRO-1 with stages runs (pipeline.zero_stage=1) but is not modelled: not planned
                     for policy in (policies if p == 1 else ("none",)):  # a pipeline re-runs each stage anyway
                         for sp in ((False, True) if t > 1 else (False,)):
                             if sp and shape.seq % t:
