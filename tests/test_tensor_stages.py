@@ -7,7 +7,8 @@ here: GPipe and 1F1B equal one device after 3 steps (the pipeline tests' convent
 over ``model`` are Megatron's per block and micro-batch (forward and backward slot, the backward slot's re-run of
 the forward included), the step's accountant counts what the program sends, the settings it cannot run are
 refused by key before compiling, and dtx simulate's model of such a pipeline (dtx.perf.lm_pipeline, written before
-any was compiled) predicts this program's FLOPs and bytes within --verify's 2 %. With tensor.sequence_parallel=True
+any was compiled; its stage element-wise terms since read from slots of this file's shape among others) predicts
+this program's FLOPs and bytes within --verify's 2 %, with and without SP. With tensor.sequence_parallel=True
 (dtx.parallel.stage_positions): GPipe and 1F1B equal one device, the collectives over model inside the blocks are
 Korthikanti et al.'s reduce-scatters and all-gathers with the TP run's bytes (no all-reduce), the boundary sends
 half the TP pipeline's bytes, the temporaries are smaller, and a sequence T does not split is refused.
