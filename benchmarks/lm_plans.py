@@ -8,8 +8,9 @@ memory, the fastest plan dtx runs where the chosen one is modelled only, and why
 (:func:`dtx.perf.lm_plan.why`). Strong scaling at GPT-2's and GPT-3's batches: 512 sequences of 1024 tokens for
 GPT-2 small (experiments/gpt2_small.py), 1024 sequences of 2048 tokens for the 7B shape (32 blocks of 4096, 32
 heads). ``--verify`` compiles, as ``dtx simulate --verify`` does, the kinds of plan dtx runs (data, ZeRO, tensor,
-SP, tensor.zero_stage, each remat policy, a pipeline split over model, without and with SP) at the width-scaled
-twin on 8 emulated CPU devices and records per-device FLOPs and bytes, modelled and compiled (dtx.tools.lm_sim).
+SP, tensor.zero_stage, each remat policy, a pipeline split over model, without and with SP, and with ZeRO-1) at
+the width-scaled twin on 8 emulated CPU devices and records per-device FLOPs and bytes, modelled and compiled
+(dtx.tools.lm_sim).
 """
 
 from __future__ import annotations

@@ -184,3 +184,79 @@ def test_a_split_pipelines_elementwise_terms_hold_on_a_held_out_shape():
                                 task=tasks.next_token(), sequence_parallel=True)
     flops = lm_sim.slot_flops(pipeline.plan, tasks.next_token(), Policy(), mesh, p) * p.micro
     assert abs(flops / (p.flops - p.update_flops) - 1) <= 0.02, flops / (p.flops - p.update_flops)
+
+
+def test_a_pipelines_zero1_terms_are_dtxs():
+    """ZeRO-1 with stages (``pipeline.zero_stage=1``, dtx.step.pipeline_zero) as the planner charges it, against
+    dtx's own plan of the same transformer (abstract, nothing compiles): the stage row padded to a multiple of ``D``
+    as make_pipeline pads it (8723 -> 8724 at D2×T2, 14979 -> 14980 at D4), AdamW's moments and the parameters
+    equal to :func:`dtx.perf.memory.estimate_pipeline`'s with and without ZeRO (the optimizer ``1/D``), the
+    gradient row's bytes the reduce-scatter + all-gather :func:`dtx.step.pipeline_zero.traffic` counts (the
+    all-reduce's at float32; test_pipeline_zero holds that to the compiled program), the update on ``1/D``."""
+    import jax
+    import numpy as np
+
+    from dtx import mesh as mesh_lib
+    from dtx import models
+    from dtx.comm import costmodel
+    from dtx.data import tasks
+    from dtx.perf import lm_pipeline, memory
+    from dtx.step import pipeline as pp
+    from dtx.step import pipeline_zero
+
+    shape = lm_plan.LMShape(2, 32, 4, 4, vocab=67)  # an odd vocabulary: the last stage's row is odd
+    model = models.build_model("transformer", num_layers=2, d_model=32, num_heads=4, mlp_ratio=4, max_len=4,
+                               num_classes=67, tie_embeddings=False)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"])
+    for data, tensor in ((2, 2), (4, 1)):
+        mesh = mesh_lib.make_mesh([("data", data), ("stage", 2)] + [("model", tensor)] * (tensor > 1))
+        plans = {z: lm_plan.plan(shape, H100, data * tensor * 2, 8 * data, tensor=tensor, stages=2,
+                                 micro=2, zero=z) for z in (0, 1)}
+        for z, p in plans.items():
+            pipe = pp.make_pipeline(model, abstract, mesh, schedule="1f1b", micro=2, zero_stage=z,
+                                    boundaries=lm_pipeline.boundaries(2, 2), task=tasks.next_token(),
+                                    example=jax.ShapeDtypeStruct((8, 4), np.int32))
+            e = memory.estimate_pipeline(pipe.plan, pipe.schedule, micro=4, data=data, optimizer="adamw",
+                                         zero_stage=z)
+            assert lm_pipeline.stage_row(shape, tensor, 2, data if z else 1) == pipe.plan.row
+            assert (p.memory["params"], p.memory["optimizer"]) == (e.params, e.optimizer), (z, p.memory, e)
+        row = pipe.plan.row
+        assert row % data == 0 and row - 1 == lm_pipeline.stage_row(shape, tensor, 2)  # padded by one
+        batch = plans[0].grad_bytes - tensor_model.bytes_sent("all-reduce", (row - 1) * 4, data)
+        assert plans[1].grad_bytes - batch == pipeline_zero.traffic(
+            jax.ShapeDtypeStruct((row,), np.float32), 4, data).bytes_sent == costmodel.expected_traffic(
+            "ring", row * 4, data, itemsize=4).bytes_sent
+        assert plans[1].update_flops == lm_plan.ELEMENTWISE["update"] * row / data
+
+
+def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
+    """The 7B shape at 1024 GPUs on a GPU of 7.5 GiB: the fastest plan that fits is a ZeRO-1 pipeline (6.0 GiB; the
+    same plan without ZeRO needs 9.0, every faster plan over 30); its overrides set ``pipeline.zero_stage=1`` and
+    load with the experiment, and pass dtx's pipeline checks (as ``dtx train`` runs them before compiling). Under
+    LARS/LAMB, which dtx refuses with ZeRO-1 and stages, no such plan is a candidate (``dtx simulate`` reads the
+    config's optimizer)."""
+    from dtx.step import pipeline_check
+
+    small = H100.replace(device_memory=7.5 * 2**30)
+    found = lm_plan.best(BIG, small, 1024, 1024)
+    chosen = found["chosen"]
+    assert chosen.text() == "D32xT4+SPxP8 ZeRO-1, M=32" and found["runnable"] is chosen
+    same = lm_plan.plan(BIG, small, 1024, 1024, tensor=4, stages=8, sp=True, micro=32)
+    assert same.memory_bytes > small.device_memory and "fastest that fits" in lm_plan.why(found, small)
+    config = config_lib.load(GPT2, shlex.split(" ".join(chosen.overrides())))
+    assert config.pipeline.zero_stage == 1 and config.parallel.name == "pipeline"
+    mesh = dict(tuple(map(tuple, config.mesh)))
+    block, opt = config.pipeline, config.optimizer  # the embedding, the blocks, the output layer: L + 2 layers
+    pipeline_check.check_settings(
+        mesh_shape=mesh, schedule=block.schedule, boundaries=block.boundaries, num_layers=BIG.layers + 2,
+        global_batch_size=config.global_batch_size, microbatches=block.microbatches, driver=config.driver,
+        optimizer=opt.name, weight_decay=opt.weight_decay, strategy=config.strategy.name,
+        compression=config.compression.name, allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
+        precision=config.precision, zero_stage=block.zero_stage)
+    assert mesh == {"data": 32, "stage": 8, "model": 4} and opt.weight_decay  # AdamW's decay on slices
+    for optimizer in ("lamb", "lars"):
+        row = lm_sim.rows(BIG, small, [1024], 1024, optimizer=optimizer)[0]
+        assert not any(p.stages > 1 and p.zero for p in row["fitting"]) and row["chosen"] is not chosen
+    assert lm_sim.rows(BIG, small, [1024], 1024, optimizer="adamw")[0]["chosen"].text() == chosen.text()
+    with pytest.raises(lm_plan.PlanError, match="ZeRO-1 over data shards"):
+        lm_plan.plan(BIG, small, 1024, 1024, tensor=4, stages=8, micro=32, zero=2)

@@ -31,11 +31,16 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   reduce-scatter and an all-gather of the same bytes (the last stage, which the plan models, has no dead one), twice
   the collectives' latency; the row's replicated entries (``6d`` per block, and the first stage's embedding and
   positions or the last's LayerNorm and output layer, the larger) all-reduced over ``model`` once per step in
-  float32; the blocks' activations Korthikanti et al.'s under SP, the logits ``1/T``.
+  float32; the blocks' activations Korthikanti et al.'s under SP, the logits ``1/T``;
+* **ZeRO-1 over the data axes** (``zero=1``, ``pipeline.zero_stage=1``: :mod:`dtx.step.pipeline_zero`, Rajbhandari
+  et al. 2020's P_os): the row padded to a multiple of ``D``, reduce-scattered over the data shards in the reduce
+  dtype and its updated float32 slices all-gathered — the ring all-reduce's bytes and rounds (its two halves, now
+  two collectives) when the gradients reduce in float32; each device updates, and keeps AdamW's moments of, ``1/D``
+  of the row (as :func:`dtx.perf.memory.estimate_pipeline` with ``zero_stage=1``: the optimizer ``/D``, the rest
+  unchanged).
 
-What is not planned: ZeRO with stages (dtx runs ``pipeline.zero_stage=1``, weight decay included, but its bytes
-and memory are not modelled here yet) and remat policies (a stage re-runs its forward anyway): the candidates leave
-them out.
+What is not planned: ZeRO 2 and 3 with stages (dtx refuses them: the gradient is accumulated whole and reduced
+once) and remat policies (a stage re-runs its forward anyway): the candidates leave them out.
 """
 
 from __future__ import annotations
@@ -68,22 +73,23 @@ def boundaries(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(1 + k * per for k in range(1, stages))
 
 
-def stage_row(shape, tensor: int, stages: int) -> int:
+def stage_row(shape, tensor: int, stages: int, multiple: int = 1) -> int:
     """Parameters in a device's stage row: the largest stage's (the first: the embedding and positions; the last:
-    the final LayerNorm and the output layer), each block's split kernels ``/T`` and the rest whole."""
+    the final LayerNorm and the output layer), each block's split kernels ``/T`` and the rest whole; padded to a
+    multiple of ``multiple`` (ZeRO-1's ``D``: :attr:`dtx.parallel.stages.StagePlan.row_multiple`)."""
     d, f = shape.width, shape.mlp_ratio * shape.width
     split, whole = 4 * d * d + 3 * d + 2 * f * d + f, 6 * d
     blocks = shape.layers // stages * (split // tensor + whole)
     first = blocks + shape.vocab * d + shape.seq * d
     last = blocks + 2 * d + shape.vocab * d + shape.vocab
-    return max(first, last)
+    return -(-max(first, last) // multiple) * multiple
 
 
 def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, stages: int, micro: int,
-          elementwise: dict, *, reduce_bytes: int = 4, element: int = 2, sp: bool = False) -> dict:
+          elementwise: dict, *, reduce_bytes: int = 4, element: int = 2, sp: bool = False, zero: int = 0) -> dict:
     """The plan's figures (module docstring) as :class:`dtx.perf.lm_plan.LMPlan`'s fields; ``element``: bytes of an
     activation element in the messages and the tensor collectives (bf16 on a GPU; XLA:CPU moves float32); ``sp``:
-    sequence parallelism inside the stages (module docstring)."""
+    sequence parallelism inside the stages; ``zero=1``: ZeRO-1 over the data axes (module docstring)."""
     data = nodes // (tensor * stages)
     d, s, v = shape.width, shape.seq, shape.vocab
     per = shape.layers // stages
@@ -99,8 +105,8 @@ def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, s
     stream = per * (e["stream"] * d + e["stream_token"]) / split
     head = (8 * d * v + e["logit"] * v + e["head_width"] * d) / split
     slots = micro * tokens * (inner + stream + head)
-    row = stage_row(shape, tensor, stages)
-    update = elementwise["update"] * row
+    row = stage_row(shape, tensor, stages, data if zero else 1)
+    update = elementwise["update"] * row / (data if zero else 1)  # ZeRO-1: each data rank updates its slice
     rate = cluster.node_flops * cluster.efficiency["dense"]
     compute_s = (slots + update) / rate * (micro + stages - 1) / micro
     schedule = make_schedule(SCHEDULE, stages, micro)
@@ -113,16 +119,25 @@ def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, s
     tensor_bytes = count * tensor_model.bytes_sent("all-reduce", tokens * d * element, tensor)
     tensor_s = tensor_bytes / cluster.local_bandwidth + count * (2 if sp else 1) * cluster.local_latency
     batch = global_batch // (data * stages * tensor) * s * 4  # a device's tokens (and as many labels), int32
-    grad_bytes = (tensor_model.bytes_sent("all-reduce", row * reduce_bytes, data)
-                  + 2 * tensor_model.bytes_sent("all-gather", batch, stages * tensor))
-    grad_s = cluster.allreduce_time(row * reduce_bytes, data, max(1, cluster.local_size // (tensor * stages)))
+    per_machine = max(1, cluster.local_size // (tensor * stages))  # data shards on one machine
+    if zero:  # the ring all-reduce's two halves as collectives of their own: the gradient row reduce-scattered
+        # (reduce dtype), the updated float32 slices all-gathered (dtx.step.pipeline_zero.traffic)
+        grad_bytes = (tensor_model.bytes_sent("reduce-scatter", row * reduce_bytes, data)
+                      + tensor_model.bytes_sent("all-gather", row // data * 4, data))
+        grad_s = (cluster.allreduce_time(row * reduce_bytes, data, per_machine)
+                  + cluster.allreduce_time(row * 4, data, per_machine)) / 2
+    else:
+        grad_bytes = tensor_model.bytes_sent("all-reduce", row * reduce_bytes, data)
+        grad_s = cluster.allreduce_time(row * reduce_bytes, data, per_machine)
+    grad_bytes += 2 * tensor_model.bytes_sent("all-gather", batch, stages * tensor)
     if sp:  # the replicated entries of the row, float32, summed over model once per step
         replicated = 4 * (per * 6 * d + max(v * d + s * d, 2 * d + v * d + v))
         grad_bytes += tensor_model.bytes_sent("all-reduce", replicated, tensor)
         grad_s += cluster.allreduce_time(replicated, tensor, tensor)
     kept = min(2 * stages - 1, micro) * tokens * d * element
     act = per * tokens * block.activation_bytes(tensor, sp, "none") + tokens * v * (element + 4) / split
-    memory = dict(params=4 * row, grads=8 * row, optimizer=8 * row, compute_copy=0.0, activations=kept + act)
+    memory = dict(params=4 * row, grads=8 * row, optimizer=8 * row // (data if zero else 1), compute_copy=0.0,
+                  activations=kept + act)
     return dict(flops=slots + update, update_flops=update, compute_s=compute_s, tensor_s=tensor_s,
                 p2p_s=schedule.messages * hop, grad_s=grad_s, tensor_bytes=tensor_bytes, p2p_bytes=p2p_bytes,
                 grad_bytes=grad_bytes, memory=memory)

@@ -31,9 +31,9 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
 :func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
 ``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
-stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages (no ZeRO or
-remat policy planned there: dtx runs ZeRO-1 with stages, ``pipeline.zero_stage=1``, but its pipeline model does
-not have it yet), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's
+stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages, with or
+without ZeRO-1 over the data axes (``pipeline.zero_stage=1``; not for LARS/LAMB, which dtx refuses there; no
+ZeRO 2–3 or remat policy with stages), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's
 forward re-run in its backward slot, its own element-wise terms).
 ``offload`` is not planned: its host transfers are not modelled.
 """
@@ -157,7 +157,7 @@ class LMPlan:
     @property
     def runnable(self) -> bool:
         """Whether ``dtx train`` takes it (module docstring)."""
-        return self.stages == 1 or (not self.zero and self.policy == "none")
+        return self.stages == 1 or (self.zero <= 1 and self.policy == "none")
 
     def text(self) -> str:
         parts = [f"D{self.data}"] + ([f"T{self.tensor}" + ("+SP" if self.sp else "")] if self.tensor > 1 else [])
@@ -170,7 +170,8 @@ class LMPlan:
     def overrides(self) -> list[str]:
         """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
         if not self.runnable:
-            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO or remat policy")
+            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO 2-3 or remat "
+                            "policy")
         out = []
         if self.stages > 1:  # dtx.perf.lm_pipeline: L/P blocks per stage, the output layer untied
             axes = [("data", self.data), ("stage", self.stages)] + [("model", self.tensor)] * (self.tensor > 1)
@@ -181,7 +182,8 @@ class LMPlan:
                     f"--config.pipeline.microbatches={self.micro}",
                     f"--config.pipeline.boundaries='{cut}'",
                     "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"] + (
-                ["--config.tensor.sequence_parallel=True"] if self.sp else [])
+                ["--config.tensor.sequence_parallel=True"] if self.sp else []) + (
+                ["--config.pipeline.zero_stage=1"] if self.zero else [])
         if self.tensor > 1:
             out += [f"--config.mesh='((\"data\", {self.data}), (\"model\", {self.tensor}))'",
                     "--config.parallel.name=tensor", "--config.driver=jit"]
@@ -209,10 +211,11 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
     if stages > 1:  # dtx's pipeline as it runs (dtx.perf.lm_pipeline)
-        if zero or policy != "none":
-            raise PlanError(f"the planned pipeline takes no ZeRO or remat policy (zero={zero}, policy={policy})")
+        if zero > 1 or (zero and data == 1) or policy != "none":
+            raise PlanError(f"the planned pipeline takes ZeRO-1 over data shards (D = {data} here) and no remat "
+                            f"policy (zero={zero}, policy={policy})")
         figures = lm_pipeline.costs(shape, cluster, nodes, global_batch, tensor, stages, micro, ELEMENTWISE,
-                                    reduce_bytes=reduce_bytes, element=tensor_element, sp=sp)
+                                    reduce_bytes=reduce_bytes, element=tensor_element, sp=sp, zero=zero)
         return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, **figures)
     e, s, d = COMPUTE, shape.seq, shape.width
     b = global_batch // (data * micro)  # sequences per micro-batch of a data shard
@@ -249,9 +252,12 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
 
 
 def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, reduce_bytes: int = 4,
-               policies: Sequence[str] = POLICIES) -> list[LMPlan]:
+               policies: Sequence[str] = POLICIES, pipeline_zero: bool = True) -> list[LMPlan]:
     """Every plan of ``nodes`` GPUs: ``T`` a power of two up to the node (dividing the heads), ``P`` dividing the
-    blocks, ZeRO 0–3, each policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline)."""
+    blocks, ZeRO 0–3 (a pipeline's 0–1; only 0 when not ``pipeline_zero``: dtx refuses ZeRO-1 with stages for
+    LARS/LAMB, whose trust ratios need each tensor whole, ``dtx.step.pipeline_check.PER_TENSOR_OPTIMIZERS``), each
+    policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline)."""
+    stage_zero = (0, 1) if pipeline_zero else (0,)
     out = []
     tensors = [t for t in (1, 2, 4, 8, 16) if t <= cluster.local_size and shape.heads % t == 0 and nodes % t == 0]
     for t in tensors:
@@ -261,8 +267,8 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                 if global_batch % (data * m) or (p > 1 and m < p):
                     continue
                 for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
-                    if p > 1 and zero:
-                        continue  # ZeRO-1 with stages runs (pipeline.zero_stage=1) but is not modelled: not planned
+                    if p > 1 and zero not in stage_zero:
+                        continue  # dtx runs pipeline.zero_stage 0 and 1 only (1 not for LARS/LAMB)
                     for policy in (policies if p == 1 else ("none",)):  # a pipeline re-runs each stage anyway
                         for sp in ((False, True) if t > 1 else (False,)):
                             if sp and shape.seq % t:

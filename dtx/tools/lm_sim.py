@@ -5,7 +5,7 @@ Per node count: the fastest plan that fits the device's memory, why, and the ``d
 (pipelines as dtx runs them: :mod:`dtx.perf.lm_pipeline`). ``--verify`` compiles, on 8 emulated CPU devices
 (nothing runs), the plans of 8 nodes it printed and one of
 each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat policy, a pipeline of ``M = P``
-micro-batches with its stages split over ``model``, without and with SP), as overrides of the
+micro-batches with its stages split over ``model``, without and with SP, and with ZeRO-1), as overrides of the
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
 twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
 loop trip counts included: :mod:`dtx.comm.hlo`; a pipeline's as its last stage runs them, its FLOPs from that
@@ -33,10 +33,10 @@ VERIFY_NODES = 8
 CPU_TENSOR_ELEMENT = 4
 # One plan of each kind dtx runs, as (tensor, zero, policy, sp, stages), compiled beside the printed ones; a
 # pipeline with M = P micro-batches, its stages split over model (dtx.parallel.tensor_stages), without and with SP
-# (dtx.parallel.stage_positions).
+# (dtx.parallel.stage_positions), and with ZeRO-1 over data (dtx.step.pipeline_zero).
 KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
          (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2),
-         (2, 0, "none", True, 2))
+         (2, 0, "none", True, 2), (2, 1, "none", False, 2))
 
 
 def load_shape(path: str) -> tuple[lm_plan.LMShape, object]:
@@ -56,10 +56,16 @@ def reduce_bytes(config) -> int:
     return np.dtype(parse_policy(config.precision).reduce).itemsize
 
 
-def rows(shape: lm_plan.LMShape, cluster: Cluster, nodes, global_batch: int, reduce: int = 4) -> list[dict]:
+def rows(shape: lm_plan.LMShape, cluster: Cluster, nodes, global_batch: int, reduce: int = 4,
+         optimizer: str = "adamw") -> list[dict]:
+    """:func:`dtx.perf.lm_plan.best` per node count; ``optimizer``: the config's (LARS/LAMB: no ZeRO-1 with stages,
+    which dtx refuses for them)."""
+    from dtx.step.pipeline_check import PER_TENSOR_OPTIMIZERS
+
     out = []
     for n in nodes:
-        found = lm_plan.best(shape, cluster, n, global_batch, reduce_bytes=reduce)
+        found = lm_plan.best(shape, cluster, n, global_batch, reduce_bytes=reduce,
+                             pipeline_zero=optimizer not in PER_TENSOR_OPTIMIZERS)
         out.append(dict(nodes=n, why=lm_plan.why(found, cluster), **found))
     return out
 
@@ -81,7 +87,7 @@ def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], glob
         print(f"{row['nodes']:>6} {p.text():<34} {p.time * 1e3:>6.4g} ms {_gib(p.memory_bytes):>10}  {row['why']}")
         runs = row["runnable"]
         if not p.runnable:
-            print(f"{'':>6} (modelled only: the planned pipeline takes no ZeRO or remat policy)")
+            print(f"{'':>6} (modelled only: the planned pipeline takes no ZeRO 2-3 or remat policy)")
             if runs is not None:
                 print(f"{'':>6} fastest dtx runs: {runs.text()}, {runs.time * 1e3:.4g} ms, {_gib(runs.memory_bytes)}")
         if runs is not None:
@@ -220,7 +226,7 @@ def main(args, cluster: Cluster) -> int:
     table = []
     for n in args.nodes:
         batch = args.global_batch if args.per_node_batch is None else args.per_node_batch * n
-        table += rows(shape, cluster, [n], batch, reduce)
+        table += rows(shape, cluster, [n], batch, reduce, config.optimizer.name)
     verified = verify_plans(args.model, cluster, table, reduce) if args.verify else []
     if args.json:
         print(json.dumps(dict(model=args.model, cluster=cluster.name, plans=as_json(table),
