@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, check_block, register_check
 from dtx.parallel import fc_pairs as fc_pairs_lib
+from dtx.parallel import megatron
 from dtx.parallel import rules as rules_lib
 from dtx.parallel import tensor as tensor_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
@@ -86,7 +87,7 @@ class Layout:
       kernels: which Dense/Conv kernels are split over the ``model`` axis by their output
         features — ``none``, ``all`` (model parallelism), ``dense`` (Das et al.'s hybrid) or
         ``explicit`` (the user's ``parallel.rules``), or ``paired``: Megatron's column/row pairs
-        (:func:`dtx.parallel.tensor.megatron_rules`).
+        (:func:`dtx.parallel.megatron.megatron_rules`).
       zero_stage: what is split over every device along the batch axes: 0 nothing, 1 the
         optimizer state, 2 also the gradients while accumulated, 3 also the parameters (FSDP).
       drivers: the step drivers that run it (:mod:`dtx.step.drivers`).
@@ -169,7 +170,7 @@ class Layout:
             raise PartitionError(f"parallel.name={self.name!r} derives its rules from the parameters; "
                                  "pass abstract_params")
         if self.kernels == "paired":
-            return tensor_lib.megatron_rules(abstract_params, mesh, self.name, data=self.zero_stage == 3)
+            return megatron.megatron_rules(abstract_params, mesh, self.name, data=self.zero_stage == 3)
         if self.zero_stage == 3:
             return rules_lib.fsdp_rules(abstract_params, mesh)
         rows = fc_pairs_lib.row_layers(abstract_params, self.name) if self.fc_pairs else ()
@@ -181,7 +182,7 @@ class Layout:
         if self.zero_stage in (1, 2):
             self.check(mesh)
             if self.kernels == "paired":  # Megatron's split, and ZeRO's over the data axes
-                return tensor_lib.megatron_rules(abstract_params, mesh, self.name, data=True)
+                return megatron.megatron_rules(abstract_params, mesh, self.name, data=True)
             return rules_lib.fsdp_rules(abstract_params, mesh)
         return self.param_rules(mesh, abstract_params, explicit)
 

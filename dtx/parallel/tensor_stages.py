@@ -49,7 +49,7 @@ from dtx import mesh as mesh_lib
 from dtx.parallel.stage_positions import (check_positions, gather_from_model, own_positions, replicated_size,
                                           scatter_to_model)
 from dtx.parallel.stages import PipelineError, StagePlan
-from dtx.parallel.tensor import megatron_rules
+from dtx.parallel.megatron import megatron_rules
 from dtx.paths import named_leaves
 
 MODEL = mesh_lib.MODEL_AXIS
