@@ -190,7 +190,10 @@ def initialize_distributed(mode: str = "auto", heartbeat_timeout_seconds: int = 
             heartbeat_timeout_seconds=heartbeat_timeout_seconds,
             initialization_timeout=int(initialization_timeout_seconds),
         )
-        return True
+        # A job of one process (an --elastic restart on a lost rank's survivor) has joined but has no peer: it
+        # runs as a plain dtx train does. JAX's preemption sync point, asked every step there, once missed the
+        # step it chose after catching a SIGTERM, and the run trained on to its end instead of saving.
+        return int(os.environ[ENV_NUM_PROCESSES]) > 1
     slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1"))
     if any(k in os.environ for k in _CLUSTER_ENV) and (slurm_tasks > 1 or "SLURM_JOB_ID" not in os.environ):
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds,

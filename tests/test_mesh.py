@@ -5,6 +5,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import dtx
+from dtx import mesh as mesh_lib
 from dtx.mesh import (
     MeshError, batch_axes, batch_sharding, group_batch_axes, check_batch_size, data_parallel_size, emulate_cpu_devices,
     make_mesh, replicated, resolve_axis_sizes,
@@ -204,3 +205,20 @@ def test_emulate_other_count_after_start_says_to_call_it_first():
 def test_emulate_non_positive_count_raises(count):
     with pytest.raises(MeshError, match=rf"count must be >= 1, got {count}"):
         emulate_cpu_devices(count)
+
+
+def test_a_launched_job_of_one_process_is_not_multi_process(monkeypatch):
+    """dtx launch passes the coordinator and the process count; a job of one process (an --elastic restart on a
+    lost rank's survivor) joins jax.distributed but has no peer, so it runs as a plain dtx train does -- its SIGTERM
+    its own flag's, not JAX's preemption sync point, which such a job once missed and trained on to the end
+    (test_launch's elastic test, 2 of 4 suite runs). jax.distributed.initialize is recorded, not run: it would
+    join this test process to a job."""
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv(mesh_lib.ENV_COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(mesh_lib.ENV_PROCESS_ID, "0")
+    for count, multi in (("1", False), ("2", True)):
+        monkeypatch.setenv(mesh_lib.ENV_NUM_PROCESSES, count)
+        assert mesh_lib.initialize_distributed() is multi
+    assert [kw["num_processes"] for kw in joined] == [1, 2]

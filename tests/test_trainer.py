@@ -263,18 +263,3 @@ def test_workers_with_their_own_models_average_only_at_records_and_train_the_sam
     steps = [s for r in runs[3][1] for s in r["comm_steps"]]  # steps 3, 6 and 7 run the averages
     assert [s == runs[1][1][k]["comm_steps"][0] for k, s in enumerate(steps)] == [
         False, False, True, False, False, True, True]
-
-
-def test_a_launched_job_of_one_process_stops_on_its_own_flag(monkeypatch):
-    """An --elastic restart on one survivor has joined jax.distributed but has no peer to agree a preemption step
-    with: its SIGTERM is its own flag's (trainer.has_peers), not JAX's sync point, which that job once missed and
-    trained on to the end instead of saving (test_launch's elastic test, 2 of 4 suite runs)."""
-    from dtx import mesh as mesh_lib
-    from dtx.run.trainer import has_peers
-
-    monkeypatch.setenv(mesh_lib.ENV_NUM_PROCESSES, "1")
-    assert not has_peers(True)
-    monkeypatch.setenv(mesh_lib.ENV_NUM_PROCESSES, "2")
-    assert has_peers(True)
-    monkeypatch.delenv(mesh_lib.ENV_NUM_PROCESSES)
-    assert has_peers(True) and not has_peers(False)  # a cluster's own launch (SLURM): JAX counted the processes

@@ -116,19 +116,10 @@ def train(config: ConfigDict, workdir: str | os.PathLike, *, model: nn.Module | 
     with WorkdirLock(workdir, enabled=holder), \
             WorkdirLock(checkpoint_dir, what="checkpoint.dir", enabled=holder and outside and (
                 bool(config.checkpoint.every_steps) or os.path.isdir(checkpoint_dir))), \
-            PreemptionWatcher(enabled=watch, multi_process=has_peers(multi_process)) as preemption:
+            PreemptionWatcher(enabled=watch, multi_process=multi_process) as preemption:
         return _train(config, workdir, checkpoint_dir, multi_process, preemption, run_start, progress,
                       model=model, optimizer=optimizer, optimizer_description=optimizer_description,
                       task=task, data=data)
-
-
-def has_peers(multi_process: bool) -> bool:
-    """Whether a SIGTERM must be agreed on with other processes (JAX's preemption sync point). A job that
-    ``dtx launch`` runs as one process (an ``--elastic`` restart on a lost rank's survivor) has joined
-    ``jax.distributed`` but has no peer: its own flag decides, as a plain ``dtx train``'s does. Measured: there the
-    sync point, asked every step, missed the step it chose after JAX's notifier caught the SIGTERM (2 of 4 suite runs
-    of the elastic launch test), and the run trained on to its end instead of saving and restarting."""
-    return multi_process and os.environ.get(mesh_lib.ENV_NUM_PROCESSES, "2") != "1"
 
 
 def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process: bool,
