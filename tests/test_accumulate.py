@@ -23,6 +23,7 @@ And the values: the per-shard accumulation under ``jit`` trains a batch-norm CNN
 """
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -243,9 +244,24 @@ def test_a_conv_nets_micro_batch_loop_computes_each_shards_examples_once(digits,
         compiled = step.lower(state, batch).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        figures[k] = cost["flops"], sum(c.kind == "all-gather" for c in hlo.collectives(compiled))
+        figures[k] = cost["flops"], _distinct_gathers(compiled.as_text())
     assert figures[2][0] == pytest.approx(figures[1][0] / 2, rel=0.05)
-    assert figures[2][1] <= figures[1][1]  # (ZeRO and FSDP gather parameters; k = 2 no more of them)
+    assert len(figures[2][1]) <= len(figures[1][1])  # (ZeRO and FSDP gather parameters; k = 2 no more of them)
+    assert layout == "data" or figures[1][1]  # the model groups' activations, ZeRO-1's parameters: gathers read
+
+
+def _distinct_gathers(text):
+    """The program's all-gathers, one per distinct operation (its operand, groups and dimension): jax 0.11's XLA
+    issues one gather of a micro-batch's labels over the model group twice, the same operand to the same groups
+    under two channel ids (a CSE it misses; jax 0.10's XLA issues it once), which gathers nothing more. The
+    activations a vmap made XLA gather are other operands, each counted."""
+    found = set()
+    for line in text.splitlines():
+        gather = re.search(r"= (\S+) all-gather(?:-start)?\((.*)$", line)
+        if gather:
+            found.add((gather.group(1), re.sub(r"channel_id=\d+, |, (metadata|frontend_attributes)=\{.*$", "",
+                                               gather.group(2))))
+    return found
 
 
 @pytest.mark.parametrize("layout", ["model", "hybrid", "rules", "fsdp:once"])
