@@ -64,9 +64,10 @@ def init_train_state(
     """Create the state directly in its sharded layout.
 
     ``eval_shape`` gives the state's structure without computing it (see
-    :func:`abstract_train_state`), the shardings are derived from that, then one
-    jitted ``init`` writes every array straight into place — no host copy, no
-    replicate-then-reshard, so a model too large for one device can be created.
+    :func:`abstract_train_state`), the shardings are derived from that, then two
+    jitted programs write every array straight into place — the model's random
+    draw, then the rest of the state from it (the parameters donated through) — no
+    host copy, no replicate-then-reshard, so a model too large for one device can be created.
 
     Args:
       model: a flax module called as ``model(inputs, train=...)``.
@@ -85,11 +86,18 @@ def init_train_state(
     Returns:
       The ``TrainState``, placed with ``shardings``.
     """
-    init = _init_fn(model, tx, example_inputs, loss_scaler, strategy, compressor,
-                    mesh_lib.data_parallel_size(mesh))
+    draw, assemble = _init_parts(model, tx, example_inputs, loss_scaler, strategy, compressor,
+                                 mesh_lib.data_parallel_size(mesh))
     if shardings is None:
-        shardings = replicated_shardings(jax.eval_shape(init, seed), mesh)
-    return run_init(init, shardings, seed)
+        shardings = replicated_shardings(jax.eval_shape(lambda s: assemble(*draw(s)), seed), mesh)
+    # Two programs (both bit for bit the one-program init: tests/test_state.py): the model's random draw, then
+    # the rest of the state from it. The draw is nearly all of init's compile (threefry over every parameter:
+    # a 2-block transformer's ~4.4 CPU-s, its AdamW state's 0.5) and depends on the model and the parameters'
+    # layout only, so a run that changes the optimizer, strategy, compressor or loss scaling reads it back
+    # from the persistent compilation cache (dtx.xla_cache) instead of compiling it again.
+    params, others, rng = run_init(draw, _drawn_shardings(jax.eval_shape(draw, seed), shardings, mesh), seed)
+    return jax.jit(assemble, out_shardings=shardings, donate_argnums=0).lower(params, others, rng).compile(
+        INIT_COMPILER_OPTIONS)(params, others, rng)
 
 
 # Init runs once, so its machine code need not be fast: LLVM's -O1 is enough. XLA:CPU's default -O2 spends
@@ -137,11 +145,23 @@ def num_params(state: TrainState) -> int:
 
 
 def _init_fn(model, tx, example_inputs, loss_scaler, strategy=None, compressor=None, workers=1):
-    def init(seed):
+    """``init(seed) -> TrainState``: the two parts of :func:`_init_parts` as one function."""
+    draw, assemble = _init_parts(model, tx, example_inputs, loss_scaler, strategy, compressor, workers)
+    return lambda seed: assemble(*draw(seed))
+
+
+def _init_parts(model, tx, example_inputs, loss_scaler, strategy=None, compressor=None, workers=1):
+    """``draw(seed) -> (params, other variables, rng)``, the model's random initialisation, and
+    ``assemble(params, other variables, rng) -> TrainState``, the rest of the state from it."""
+
+    def draw(seed):
         init_rng, state_rng = jax.random.split(jax.random.key(seed))
         dummy = jnp.zeros((1,) + tuple(example_inputs.shape[1:]), example_inputs.dtype)
         variables = dict(model.init({"params": init_rng}, dummy, train=False))
         params = variables.pop("params")
+        return params, variables, jax.random.key_data(state_rng)
+
+    def assemble(params, variables, rng):
         opt_state = tx.init(params)
         # (This floor knows strategies and compressors only by their ``init``.)
         strategy_worker, shared = strategy.init(params, opt_state) if strategy else ({}, {})
@@ -156,10 +176,19 @@ def _init_fn(model, tx, example_inputs, loss_scaler, strategy=None, compressor=N
             params=params,
             model_state=variables,
             opt_state=opt_state,
-            rng=jax.random.key_data(state_rng),
+            rng=rng,
             loss_scale=loss_scaler.init(),
             worker=worker,
             shared=shared,
         )
 
-    return init
+    return draw, assemble
+
+
+def _drawn_shardings(drawn: Any, shardings: TrainState, mesh: Mesh) -> tuple:
+    """Where :func:`_init_parts`' draw writes its arrays: the parameters and the rng where the state keeps them,
+    the other variables where ``model_state`` does (replicated when the workers keep their own)."""
+    params, variables, _ = drawn
+    same = jax.tree.structure(variables) == jax.tree.structure(shardings.model_state)
+    return (shardings.params, shardings.model_state if same else jax.tree.map(lambda _: mesh_lib.replicated(mesh),
+                                                                               variables), shardings.rng)
