@@ -108,8 +108,8 @@ def test_conv_flops_are_what_xla_counts(padding, size, kernel, stride):
 
     shape = (size, 8) if padding == "CAUSAL" else (size, size, 8)
     model, x = OneConv(), jnp.zeros((1, *shape))
-    params = model.init(jax.random.key(0), x)
-    out = jax.eval_shape(model.apply, params, x)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)  # shapes only: the count needs no values (drawing
+    out = jax.eval_shape(model.apply, params, x)  # a 4-D kernel's values compiled its own random program, seconds each)
     xla = jax.jit(model.apply).lower(params, x).compile().cost_analysis()["flops"]
     (layer,) = layers_lib.analyze(model, shape)
     assert layer.forward_flops + math.prod(out.shape) == xla
