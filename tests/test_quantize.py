@@ -21,7 +21,8 @@ def test_quantisers_put_every_value_on_their_papers_levels(name):
     levels, bucket = 3, 16
     quantizer = {"sign": quantize.sign_quantizer(), "ternary": quantize.ternary_quantizer(bucket),
                  "qsgd": quantize.qsgd_quantizer(levels, bucket)}[name]
-    codes, scales = jax.jit(quantizer.encode)(v, count, jax.random.key(0))
+    u = quantize.uniforms([jax.random.key(0)], [quantizer.noise_shape(3, 40)])[0] if quantizer.stochastic else None
+    codes, scales = jax.jit(quantizer.encode)(v, count, u)
     decoded = np.asarray(quantizer.decode(codes, scales), np.float64)
     assert int(np.max(codes)) < 2 ** quantizer.bits
     x = v.astype(np.float64)
@@ -57,9 +58,12 @@ def test_bit_packing_round_trips_and_is_tight():
     np.testing.assert_array_equal(packed[1], np.packbits(codes[1], axis=1, bitorder="little"))
 
 
-def test_stochastic_rounding_draws_flat_the_values_a_shaped_draw_gives():
-    """The quantisers draw their uniforms flat and reshape (XLA:CPU compiles that far faster): the values must be
-    the shaped draw's, bit for bit, or the change would alter every stochastic code."""
-    key = jax.random.key(7)
-    for shape in [(3, 4, 5), (2, 3, 4, 5), (7,)]:
-        np.testing.assert_array_equal(quantize._uniform(key, shape), jax.random.uniform(key, shape))
+def test_the_leaves_uniforms_are_each_leafs_own_shaped_draw():
+    """The quantisers draw every leaf's uniforms at once, flat, in one batched draw per size class (XLA:CPU
+    compiles that far faster): the values must be each leaf's own shaped draw from its own key, bit for bit, or
+    the change would alter every stochastic code. Sizes 1 to 180 over five classes, two of them shared."""
+    keys = [jax.random.fold_in(jax.random.key(7), i) for i in range(7)]
+    shapes = [(3, 4, 5), (2, 3, 4, 5), (7,), (1, 1, 1), (8, 2, 4), (5, 13), (2, 3, 30)]
+    drawn = quantize.uniforms(keys, shapes)
+    for key, shape, got in zip(keys, shapes, drawn):
+        np.testing.assert_array_equal(got, jax.random.uniform(key, shape))
