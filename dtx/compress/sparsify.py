@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dtx.compress.quantize import Layout
+from dtx.compress.quantize import Layout, uniforms
 
 
 def dgc_fractions(fraction: float, warmup_steps: int) -> list[float]:
@@ -97,9 +97,10 @@ def randomk_exchange(vs: list[jax.Array], ks: list[int], key: jax.Array, rescale
     cross the mesh, all leaves in one ``allreduce``. ``rescale`` multiplies them by ``n/k``
     (unbiased without error feedback). Returns ``(means, sent masks)``.
     """
-    # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n).
-    chosen = [lax.top_k(jax.random.uniform(jax.random.fold_in(key, i), (v.size,)), k)[1]
-              for i, (v, k) in enumerate(zip(vs, ks))]
+    # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n). Leaf i's draws
+    # come from fold_in(key, i), drawn batched by size class (quantize.uniforms: the same values, fewer kernels).
+    draws = uniforms([jax.random.fold_in(key, i) for i in range(len(vs))], [(v.size,) for v in vs])
+    chosen = [lax.top_k(u, k)[1] for u, k in zip(draws, ks)]
     values = jnp.concatenate([v[i] * (v.size / k if rescale else 1.0) for v, i, k in zip(vs, chosen, ks)])
     mean_values = jnp.split(allreduce(values), list(itertools.accumulate(ks))[:-1])
     means = [jnp.zeros_like(v).at[i].set(m) for v, i, m in zip(vs, chosen, mean_values)]
