@@ -163,10 +163,10 @@ def uniforms(keys: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]]) -> li
     JAX's threefry (``jax_threefry_partitionable``, the default) counts each element by its row-major index, so
     a shape's draw is the first ``prod(shape)`` values of a longer flat draw from the same key: leaves whose
     sizes lie in the same power-of-two class ``(2^(c-1), 2^c]`` share one draw of the class's longest size,
-    vmapped over their keys (at most twice the values drawn). Drawing flat matters as much: XLA:CPU compiles
-    a 1-D threefry in a fraction of the time of a 3-D one (LLVM's -O2 on the loop nest: ~1 s against 4-10 s),
-    and each draw is a kernel of its own: a 1-block transformer's QSGD step compiled in 18.8 s with a draw
-    per leaf and phase, of which the draws took 8.6 s.
+    vmapped over their keys (at most twice the values drawn). Each key's draw is flat and reshaped, never
+    shaped: XLA:CPU compiles a 1-D threefry in a fraction of the time of a 3-D one (LLVM's -O2 on the loop
+    nest: ~1 s against 4-10 s). Each draw is a kernel of its own: a 1-block transformer's QSGD step spent
+    8.6 s of its compile on one draw per leaf and phase, 4.4 s on these.
     """
     sizes = [math.prod(shape) for shape in shapes]
     classes: dict[int, list[int]] = {}
