@@ -78,12 +78,12 @@ def topk_exchange(vs: list[jax.Array], ks: list[int], axes: tuple[str, ...]) -> 
 
     # One scatter per worker, in worker order: indices are unique within a payload, so no atomics, and every
     # worker adds the same numbers in the same order. A loop, not W scatters per leaf written out: the
-    # program holds one scatter, whatever the leaf and worker counts (a transformer block's top-k step
-    # compiled 3x slower written out).
+    # program holds one scatter, whatever the leaf and worker counts (a 1-block transformer's top-k step
+    # compiled in 12.9 s written out, 7.2 s so).
     def add_row(row, total):
         return total.at[indices[row]].add(values[row], unique_indices=True)
 
-    total = lax.fori_loop(0, values.shape[0], add_row, jnp.zeros(offsets[-1] + vs[-1].size, jnp.float32))
+    total = lax.fori_loop(0, values.shape[0], add_row, jnp.zeros(sum(v.size for v in vs), jnp.float32))
     means = [(total[o:o + v.size] / values.shape[0]).astype(v.dtype) for o, v in zip(offsets, vs)]
     masks = [jnp.zeros(v.shape, bool).at[i].set(True) for v, i in zip(vs, chosen)]
     return means, masks
