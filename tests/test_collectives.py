@@ -262,7 +262,10 @@ TRAINING = [("psum", 0), ("ring", 0), ("halving_doubling", 0), ("recursive_doubl
             ("hierarchical", 0), ("psum", 4096), ("ring", 4096), ("hierarchical", 4096)]
 
 
-def _parts(mesh_spec, features=(32,)):
+@functools.lru_cache(maxsize=None)
+def _setup(mesh_spec):
+    """Mesh, model, optimizer, loader and the initial state (a host copy and its shardings) of ``mesh_spec``:
+    built once per mesh, as every run on it starts from the same state and reads the same batches."""
     import optax
 
     from dtx import models
@@ -270,48 +273,67 @@ def _parts(mesh_spec, features=(32,)):
     from dtx.data import TrainLoader
     from dtx.step.state import init_train_state
 
-    mesh = make_mesh(mesh_spec)
-    model = models.build_model("mlp", features=features)
+    mesh = make_mesh(list(mesh_spec))
+    model = models.build_model("mlp", features=(32,))
     tx = optax.sgd(0.1, momentum=0.9)
     state = init_train_state(model, tx, jax.ShapeDtypeStruct((1, 8, 8, 1), np.float32), 0, mesh)
-    return mesh, model, tx, state, TrainLoader(datasets.load_dataset("digits").train, 64, mesh, seed=0)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    loader = TrainLoader(datasets.load_dataset("digits").train, 64, mesh, seed=0)
+    return mesh, model, tx, jax.device_get(state), shardings, loader
+
+
+def _parts(mesh_spec):
+    """A fresh initial state (the steps donate it), placed as ``init_train_state`` placed it: no program run."""
+    mesh, model, tx, host_state, shardings, loader = _setup(tuple(mesh_spec))
+    return mesh, model, tx, jax.device_put(host_state, shardings), loader
 
 
 def _mesh_of(algorithm):
     return [("node", 2), ("local", 4)] if algorithm == "hierarchical" else [("data", 8)]
 
 
-def _train_with(allreduce, mesh_spec, bucket_bytes=0):
-    """``REPLICA_STEPS`` SGD-momentum steps; the parameters after ``COMPARE_STEPS``, and the first step
-    (if any) after which some replicated leaf (parameters, momentum) differs between devices."""
-    from dtx.step import StepSpec, make_train_step
+class _Run:
+    """One training run: its step compiled once (what test_bucketed_step_records_what_its_program_sends
+    reads), then stepped on demand; the first step's metrics, the parameters after ``COMPARE_STEPS``, and
+    the first step (if any) after which some replicated leaf (parameters, momentum) differs between devices."""
 
-    mesh, model, tx, state, loader = _parts(mesh_spec)
-    step = make_train_step(model, tx, mesh, StepSpec(allreduce=allreduce, bucket_bytes=bucket_bytes))
-    compared, drift = None, None
-    for s in range(REPLICA_STEPS):
-        state, metrics = step(state, loader.batch(s))
-        jax.block_until_ready(metrics)
-        for leaf in jax.tree.leaves((state.params, state.opt_state)):
-            shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
-            if drift is None and not all(np.array_equal(shards[0], other) for other in shards[1:]):
-                drift = s
-        if s + 1 == COMPARE_STEPS:
-            compared = jax.device_get(state.params)
-    return compared, drift
+    def __init__(self, allreduce, mesh_spec, bucket_bytes):
+        from dtx.step import StepSpec, make_train_step
+
+        mesh, model, tx, self.state, self.loader = _parts(mesh_spec)
+        step = make_train_step(model, tx, mesh, StepSpec(allreduce=allreduce, bucket_bytes=bucket_bytes))
+        self.compiled = step.lower(self.state, self.loader.batch(0)).compile()
+        self.steps, self.first_metrics, self.compared, self.drift = 0, None, None, None
+
+    def advance(self, steps):
+        while self.steps < steps:
+            s = self.steps
+            self.state, metrics = self.compiled(self.state, self.loader.batch(s))
+            jax.block_until_ready(metrics)
+            if s == 0:
+                self.first_metrics = jax.device_get(metrics)
+            for leaf in jax.tree.leaves((self.state.params, self.state.opt_state)):
+                shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+                if self.drift is None and not all(np.array_equal(shards[0], other) for other in shards[1:]):
+                    self.drift = s
+            if s + 1 == COMPARE_STEPS:
+                self.compared = jax.device_get(self.state.params)
+            self.steps += 1
+        return self
 
 
 @pytest.fixture(scope="module")
 def training():
-    """Every case of TRAINING, run once for the module (cached as the tests ask for them)."""
+    """Every case of TRAINING (and of the bucketed records), compiled once for the module and stepped as far
+    as the tests ask (cached as they ask for them)."""
     runs = {}
 
-    def get(algorithm, bucket_bytes, mesh_spec=None):
+    def get(algorithm, bucket_bytes, mesh_spec=None, steps=REPLICA_STEPS):
         mesh_spec = mesh_spec or _mesh_of(algorithm)
         key = (algorithm, bucket_bytes, tuple(mesh_spec))
         if key not in runs:
-            runs[key] = _train_with(algorithm, mesh_spec, bucket_bytes)
-        return runs[key]
+            runs[key] = _Run(algorithm, mesh_spec, bucket_bytes)
+        return runs[key].advance(steps)
 
     return get
 
@@ -319,36 +341,33 @@ def training():
 @pytest.mark.parametrize("algorithm,bucket_bytes", TRAINING)
 def test_replicas_stay_bit_identical(training, algorithm, bucket_bytes):
     # Nothing re-synchronises replicated parameters: one ulp of difference would persist and grow.
-    _, drift = training(algorithm, bucket_bytes)
+    drift = training(algorithm, bucket_bytes).drift
     assert drift is None, f"{algorithm} (bucket_bytes={bucket_bytes}): replicas differ after step {drift}"
 
 
 @pytest.mark.parametrize("algorithm,bucket_bytes", [case for case in TRAINING if case != ("psum", 0)])
 def test_training_with_each_algorithm_equals_psum(training, algorithm, bucket_bytes):
-    params, _ = training(algorithm, bucket_bytes)
-    reference, _ = training("psum", 0, _mesh_of(algorithm))
+    params = training(algorithm, bucket_bytes).compared
+    reference = training("psum", 0, _mesh_of(algorithm)).compared
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
         np.testing.assert_allclose(got, want, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
 
 
 # ------------------------------------------------------------------ bucketing in the compiled program
-@pytest.mark.parametrize("algorithm,bucket_bytes", [("ring", 1 << 20), ("ring", 2048), ("halving_doubling", 2048),
-                                                    ("recursive_doubling", 2048), ("hierarchical", 2048),
-                                                    ("tree", 2048), ("psum", 2048)])
-def test_bucketed_step_records_what_its_program_sends(algorithm, bucket_bytes):
+@pytest.mark.parametrize("algorithm,bucket_bytes", [("ring", 1 << 20), ("ring", 4096), ("halving_doubling", 4096),
+                                                    ("recursive_doubling", 4096), ("hierarchical", 4096),
+                                                    ("tree", 4096), ("psum", 4096)])
+def test_bucketed_step_records_what_its_program_sends(training, algorithm, bucket_bytes):
     """The record's ``comm_bytes`` / ``comm_rounds`` against the compiled step (dtx.comm.hlo): one allreduce per
     bucket. MLP 64-32-10: leaves of 128, 8192, 40 and 1280 bytes; 1 MiB holds them all (one bucket),
-    2 KiB makes three: [b0], [k0] (larger than a bucket: alone), [b1, k1]."""
+    4 KiB makes three: [b0], [k0] (larger than a bucket: alone), [b1, k1]. (The compiled steps of TRAINING's
+    bucketed runs, and their first step's record.)"""
     from dtx.comm import hlo
-    from dtx.step import StepSpec, make_train_step
 
-    mesh, model, tx, state, loader = _parts(_mesh_of(algorithm))
-    buckets = costmodel.plan_buckets(jax.tree.leaves(state.params), bucket_bytes)
+    run = training(algorithm, bucket_bytes, steps=1)
+    buckets = costmodel.plan_buckets(jax.tree.leaves(run.state.params), bucket_bytes)
     assert len(buckets) == (1 if bucket_bytes > 8192 else 3)
-    step = make_train_step(model, tx, mesh, StepSpec(allreduce=algorithm, bucket_bytes=bucket_bytes, donate=False))
-    batch = loader.batch(0)
-    compiled = step.lower(state, batch).compile()
-    _, metrics = compiled(state, batch)
+    compiled, metrics = run.compiled, run.first_metrics
     record = int(metrics["comm_bytes"]), int(metrics["comm_rounds"])
     found = hlo.collectives(compiled)
     total = lambda ops: (sum(c.bytes_sent for c in ops), sum(c.rounds for c in ops))  # noqa: E731
