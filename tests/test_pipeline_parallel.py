@@ -46,6 +46,10 @@ def _digits():
     return digits, jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
 
 
+# The rows unpacked in one program per plan (eagerly, pp.gather_params compiles each slice and reshape on its own).
+_gather_params = jax.jit(pp.gather_params, static_argnums=1)
+
+
 def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1, policy=Policy(), per_tensor=False,
          scaler=LossScaler()):
     digits, example = _digits()
@@ -60,7 +64,7 @@ def _run(model, tx, mesh, schedule, batch_size, stages, boundaries=(), chunks=1,
     for s in range(STEPS):
         state, metrics = step(state, loader.batch(s))
         losses.append(float(jax.block_until_ready(metrics)["loss"]))
-    return dict(params=jax.device_get(pp.gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
+    return dict(params=jax.device_get(_gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
                 schedule=schedule, metrics=jax.device_get(metrics))
 
 
@@ -98,7 +102,9 @@ def speech_runs():
     runs["one"] = _one_device(model, tx, 64)
     digits, example = _digits()
     plan = runs["gpipe", 8]["plan"]
-    state = pp.init_state(model, tx, example, 0, mesh, plan)
+    state = pp.abstract_state(model, tx, example, plan)  # compiled only: the shapes and shardings suffice
+    state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), state,
+                         pp.state_shardings(state, mesh, plan))
     spec = NamedSharding(mesh, PartitionSpec(("stage", "data")))  # as dtx's loader places a batch
     batch = {"inputs": jax.ShapeDtypeStruct((128, 64), np.float32, sharding=spec),
              "labels": jax.ShapeDtypeStruct((128,), np.int32, sharding=spec)}
@@ -347,10 +353,10 @@ def test_balanced_cut_and_given_boundaries():
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 64), np.float32))["params"])
     plan = make_plan(model, params, 2)
     assert plan.bounds == (0, 1, 4)  # 64·32 against 32·16 + 16·24 + 24·10
-    rows = plan.pack(jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape), params))
+    numbered = jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape), params)
+    rows = jax.jit(plan.pack)(numbered)  # each one program (op by op, each slice and reshape compiles its own)
     assert rows.shape == (2, plan.row) and plan.row == max(plan.stage_sizes)
-    _close(plan.unpack(rows), jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape),
-                                           params), 0)
+    _close(jax.jit(plan.unpack)(rows), numbered, 0)
 
 
 def test_refusals_name_the_fix():

@@ -86,6 +86,10 @@ def runs(tmp_path_factory):
                 pipeline_to_one=_one_device(config, tmp / "pipeline3" / "checkpoints"))
 
 
+# Rows <-> tree in one program per plan (eagerly, each slice, reshape and pad compiles its own).
+_to_tree, _to_rows = (jax.jit(f, static_argnums=1) for f in (pp.to_tree, pp.to_rows))
+
+
 def _close_states(state, reference):
     """Parameters, Adam's mu and nu and its count, and the step: within 1e-6 of the reference's."""
     got, want = jax.device_get((state.step, state.params, state.opt_state)), jax.device_get(
@@ -112,7 +116,7 @@ def test_a_data_parallel_checkpoint_resumes_as_a_pipeline(runs):
     run = runs["data_to_pipeline"]
     np.testing.assert_allclose(run["losses"], runs["reference_losses"], rtol=1e-6)
     assert run["state"].params.shape == (2, runs["plan"].row)  # the stages' rows
-    _close_states(pp.to_tree(run["state"], runs["plan"]), runs["reference"])
+    _close_states(_to_tree(run["state"], runs["plan"]), runs["reference"])
     assert run["steps"] == ["3", "6"]
 
 
@@ -122,16 +126,17 @@ def test_a_pipeline_checkpoint_resumes_under_another_cut(runs):
                                                    runs["reference"].params, 2, (2,))
     assert runs["plan"].bounds == (0, 1, 3) and run["state"].params.shape == (2, recut.row) != (2, runs["plan"].row)
     np.testing.assert_allclose(run["losses"], runs["reference_losses"], rtol=1e-6)
-    _close_states(pp.to_tree(run["state"], recut), runs["reference"])
+    _close_states(_to_tree(run["state"], recut), runs["reference"])
 
 
 def test_rows_and_tree_convert_both_ways(runs):
     """to_rows is to_tree's inverse on a state with Adam's moments; the rows' padding is zeros."""
     reference, plan = jax.device_get(runs["reference"]), runs["plan"]
-    rows = pp.to_rows(reference, plan)
+    rows = _to_rows(reference, plan)
     moments = [x for x in jax.tree.leaves(rows.opt_state) if x.shape == rows.params.shape]
     assert len(moments) == 2  # Adam's mu and nu, as rows
-    _close_states(pp.to_tree(rows, plan), reference)
+    _close_states(_to_tree(rows, plan), reference)
+    rows, moments = jax.device_get((rows, moments))  # the padding read in numpy
     for s, size in enumerate(plan.stage_sizes):
         assert not any(np.any(np.asarray(x[s, size:])) for x in (rows.params, *moments))
     assert min(plan.stage_sizes) < plan.row  # a stage with padding

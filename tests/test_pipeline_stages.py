@@ -50,6 +50,10 @@ def _task(name):
     return tasks.classification() if name == "lenet" else tasks.next_token()
 
 
+# The rows unpacked in one program per plan (eagerly, pp.gather_params compiles each slice and reshape on its own).
+_gather_params = jax.jit(pp.gather_params, static_argnums=1)
+
+
 def _run(name, tx, mesh, schedule, batch_size, boundaries=(), chunks=1):
     model, split, task = _model(name), _split(name), _task(name)
     example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
@@ -63,7 +67,7 @@ def _run(name, tx, mesh, schedule, batch_size, boundaries=(), chunks=1):
     for s in range(STEPS):
         state, metrics = compiled(state, loader.batch(s))
         losses.append(float(jax.block_until_ready(metrics)["loss"]))
-    return dict(params=jax.device_get(pp.gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
+    return dict(params=jax.device_get(_gather_params(state, plan)), losses=losses, compiled=compiled, plan=plan,
                 schedule=schedule, metrics=jax.device_get(metrics))
 
 

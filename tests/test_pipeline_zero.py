@@ -52,6 +52,12 @@ def _case(name):
     return models.build_model("transformer", **LM), _tokens(), tasks.next_token()
 
 
+# The parameters and the optimizer state unpacked from the rows in one program per plan (eagerly, each slice and
+# reshape compiles its own).
+_gather = jax.jit(lambda state, plan: (pp.gather_params(state, plan), pipeline_relayout.to_tree(state, plan).opt_state),
+                  static_argnums=1)
+
+
 def _run(name, tx, mesh, schedule, zero, chunks=1, **settings):
     model, split, task = _case(name)
     example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
@@ -64,8 +70,8 @@ def _run(name, tx, mesh, schedule, zero, chunks=1, **settings):
     compiled = pp.make_pipeline_step(tx, mesh, pipeline).lower(state, loader.batch(0)).compile()
     for s in range(STEPS):
         state, metrics = compiled(state, loader.batch(s))
-    return dict(params=jax.device_get(pp.gather_params(state, pipeline.plan)), compiled=compiled, state=state,
-                opt_state=jax.device_get(pipeline_relayout.to_tree(state, pipeline.plan).opt_state),
+    params, opt_state = jax.device_get(_gather(state, pipeline.plan))
+    return dict(params=params, compiled=compiled, state=state, opt_state=opt_state,
                 pipeline=pipeline, metrics=jax.device_get(metrics), mesh=mesh, example=example)
 
 
