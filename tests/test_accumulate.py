@@ -31,6 +31,7 @@ import pytest
 
 from dtx import mesh as mesh_lib
 from dtx import models, optim
+from dtx.perf import flops as flops_lib
 from dtx.comm import hlo
 from dtx.data import TrainLoader
 from dtx.parallel import get_layout
@@ -71,19 +72,27 @@ def programs(digits):
     for layout, driver in CASES:
         mesh = _mesh(layout)
         placement = _place(layout, model, tx, example, mesh)
-        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+        # Only shard_map's steps run (its records are counted while tracing): jit's are lowered from the state's
+        # shapes and shardings, the same program without compiling an init for it.
+        state = (init_train_state(model, tx, example, 0, mesh, shardings=placement.state) if driver == "shard_map"
+                 else _sharded_shapes(abstract_train_state(model, tx, example), placement.state))
         batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
         for k in KS if layout != "fsdp:once" else KS[1:]:  # (refused at k = 1, where it would be fsdp's program)
             step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=k, placement=placement,
                                                              donate=False))
-            compiled = step.lower(state, batch).compile()
-            if driver == "shard_map":  # the accountant's count, from one step run
-                _, metrics = step(state, batch)
+            compiled = flops_lib.compile_to_read(step.lower(state, batch))
+            if driver == "shard_map":  # the accountant's count (a constant of the trace) from one run of that program
+                _, metrics = compiled(state, batch)
                 recorded = int(metrics["comm_bytes"])
             else:  # what dtx train records under jit: the compiled program's (dtx.run.setup.program_figures)
                 recorded = hlo.total(compiled).bytes_sent
             out[layout, driver, k] = compiled, recorded
     return out
+
+
+def _sharded_shapes(abstract, shardings):
+    """The state's shapes and dtypes with its shardings: what lowering a step needs, allocating nothing."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def _gradient_collectives(compiled, kinds=GRADIENT_KINDS):
@@ -198,28 +207,47 @@ def test_per_micro_batch_reductions_are_recorded_k_times(programs, layout):
     assert gradients[2] and _bytes(gradients[4]) == 2 * _bytes(gradients[2])
 
 
-def test_jit_accumulation_with_batch_norm_trains_as_shard_map(digits):
+def _bn_lenet():
+    return models.build_model("lenet", conv_features=(4,), dense_features=(16,)), optim.make_optimizer("sgd", 0.1)
+
+
+@pytest.fixture(scope="module")
+def synchronised_batch_norm(digits):
+    """The batch-norm tests' reference: LeNet with batch norm, data parallel under shard_map (synchronised batch
+    norm), 2 micro-batches; {steps: (params, model state, loss)} after 2 and 3 steps (one compiled step, one run)."""
+    model, tx = _bn_lenet()
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    mesh = _mesh("data")
+    placement = _place("data", model, tx, example, mesh)
+    state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+    step = make_train_step(model, tx, mesh, StepSpec(driver="shard_map", accum_steps=2, placement=placement))
+    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+    finals = {}
+    for s in range(3):
+        state, metrics = step(state, loader.batch(s))
+        finals[s + 1] = jax.device_get((state.params, state.model_state, metrics["loss"]))
+    return finals
+
+
+def test_jit_accumulation_with_batch_norm_trains_as_shard_map(digits, synchronised_batch_norm):
     """LeNet with batch norm, 2 micro-batches: under jit each shard's forward runs in the per-shard map
     and averages its statistics over all shards (by name), so each micro-batch is normalised with its
     global statistics — the shard_map driver's synchronised batch norm, step for step. Without the
     name, each shard would normalise its 4 examples alone (a different model: the test fails by far).
     Held to 1e-5 (float32 sums in different orders over 3 steps)."""
     mesh = mesh_lib.make_mesh([("data", 8)])
-    model = models.build_model("lenet", conv_features=(4,), dense_features=(16,))
-    tx = optim.make_optimizer("sgd", 0.1)
+    model, tx = _bn_lenet()
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
     loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-    finals = {}
-    for driver in ("shard_map", "jit"):
-        state = init_train_state(model, tx, example, 0, mesh)
-        step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=2))
-        for s in range(3):
-            state, metrics = step(state, loader.batch(s))
-            jax.block_until_ready(metrics)
-        finals[driver] = jax.device_get((state.params, state.model_state, metrics["loss"]))
-    for a, b in zip(jax.tree.leaves(finals["jit"]), jax.tree.leaves(finals["shard_map"])):
+    state = init_train_state(model, tx, example, 0, mesh)
+    step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=2))
+    for s in range(3):
+        state, metrics = step(state, loader.batch(s))
+        jax.block_until_ready(metrics)
+    final = jax.device_get((state.params, state.model_state, metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(synchronised_batch_norm[3])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
-    assert not np.allclose(jax.tree.leaves(finals["jit"][1])[0], 0.0)  # the statistics moved
+    assert not np.allclose(jax.tree.leaves(final[1])[0], 0.0)  # the statistics moved
 
 
 @pytest.mark.parametrize("layout", ["data", "zero1", "hybrid", "model"])
@@ -236,12 +264,12 @@ def test_a_conv_nets_micro_batch_loop_computes_each_shards_examples_once(digits,
     mesh = _mesh(layout)
     batch = TrainLoader(digits.train, BATCH, mesh, seed=0).batch(0)
     figures = {}
+    placement = _place(layout, model, tx, example, mesh)
+    state = _sharded_shapes(abstract_train_state(model, tx, example), placement.state)  # compiled only: no init
     for k in (1, 2):
-        placement = _place(layout, model, tx, example, mesh)
-        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
         step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=k, placement=placement,
                                                          donate=False))
-        compiled = step.lower(state, batch).compile()
+        compiled = flops_lib.compile_to_read(step.lower(state, batch))
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         figures[k] = cost["flops"], _distinct_gathers(compiled.as_text())
@@ -265,47 +293,52 @@ def _distinct_gathers(text):
 
 
 @pytest.mark.parametrize("layout", ["model", "hybrid", "rules", "fsdp:once"])
-def test_model_parallel_accumulation_equals_one_device(digits, layout):
+def test_model_parallel_accumulation_equals_one_device(digits, one_device_mlp, layout):
     """The MLP under a model-parallel layout, 4 micro-batches mapped over the model groups, 2 steps of
     momentum: the parameters and loss of one device's whole-batch steps (no batch norm: k does not change
     the mathematics); FSDP reducing once likewise (each device's whole gradient summed over the micro-batches).
     Held to 1e-6 (float32 sums in another order)."""
-    tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
-    model = models.build_model("mlp", features=(32,))
-    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    finals = {}
-    for key, mesh, name, k in (("one", mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1]), "data", 1),
-                               ("split", _mesh(layout), layout, 4)):
-        placement = _place(name, model, tx, example, mesh)
-        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
-        step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=k, placement=placement))
-        loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-        for s in range(2):
-            state, metrics = step(state, loader.batch(s))
-        finals[key] = jax.device_get((state.params, metrics["loss"]))
-    for a, b in zip(jax.tree.leaves(finals["split"]), jax.tree.leaves(finals["one"])):
+    got = _two_momentum_steps(digits, _mesh(layout), layout, 4)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(one_device_mlp)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
 
 
-def test_hybrid_accumulation_with_batch_norm_trains_as_shard_map(digits):
+def _two_momentum_steps(digits, mesh, layout, k):
+    """The MLP's parameters and loss after 2 momentum steps of ``layout`` with k micro-batches, on batches 0, 1."""
+    tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
+    model = models.build_model("mlp", features=(32,))
+    example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
+    placement = _place(layout, model, tx, example, mesh)
+    state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+    step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=k, placement=placement))
+    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+    for s in range(2):
+        state, metrics = step(state, loader.batch(s))
+    return jax.device_get((state.params, metrics["loss"]))
+
+
+@pytest.fixture(scope="module")
+def one_device_mlp(digits):
+    """The reference of the model-parallel cases: one device's whole-batch steps (computed once for all four)."""
+    return _two_momentum_steps(digits, mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1]), "data", 1)
+
+
+def test_hybrid_accumulation_with_batch_norm_trains_as_shard_map(digits, synchronised_batch_norm):
     """LeNet with batch norm under hybrid (convolutions data parallel, Dense layers split over model
     groups of 2), 2 micro-batches: each group's shard normalises with the whole micro-batch's statistics
     (its own devices' by the layout, the other groups' by name), as data parallelism under shard_map
     does with synchronised batch norm. Held to 1e-5 over 2 steps."""
-    model = models.build_model("lenet", conv_features=(4,), dense_features=(16,))
-    tx = optim.make_optimizer("sgd", 0.1)
+    model, tx = _bn_lenet()
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    finals = {}
-    for layout, driver in (("data", "shard_map"), ("hybrid", "jit")):
-        mesh = _mesh(layout)
-        placement = _place(layout, model, tx, example, mesh)
-        state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
-        step = make_train_step(model, tx, mesh, StepSpec(driver=driver, accum_steps=2, placement=placement))
-        loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
-        for s in range(2):
-            state, metrics = step(state, loader.batch(s))
-        finals[layout] = jax.device_get((state.params, state.model_state, metrics["loss"]))
-    for a, b in zip(jax.tree.leaves(finals["hybrid"]), jax.tree.leaves(finals["data"])):
+    mesh = _mesh("hybrid")
+    placement = _place("hybrid", model, tx, example, mesh)
+    state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
+    step = make_train_step(model, tx, mesh, StepSpec(driver="jit", accum_steps=2, placement=placement))
+    loader = TrainLoader(digits.train, BATCH, mesh, seed=0)
+    for s in range(2):
+        state, metrics = step(state, loader.batch(s))
+    final = jax.device_get((state.params, state.model_state, metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(synchronised_batch_norm[2])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 

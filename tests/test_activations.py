@@ -53,7 +53,7 @@ def compiled_steps(vgg_twin):
         split = mesh_lib.batch_sharding(mesh)
         batch = {"inputs": jax.ShapeDtypeStruct(example.shape, jnp.float32, sharding=split),
                  "labels": jax.ShapeDtypeStruct((64,), jnp.int32, sharding=split)}
-        out[key] = (mesh, shardings, placement.activations, step.lower(state, batch).compile())
+        out[key] = (mesh, shardings, placement.activations, flops.compile_to_read(step.lower(state, batch)))
     return out
 
 
@@ -86,7 +86,7 @@ def test_parameters_and_activations_live_where_the_plan_says(vgg_twin, compiled_
 
     abstract = jax.eval_shape(vgg_twin.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
     x = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32, sharding=mesh_lib.batch_sharding(mesh))
-    jax.jit(jax.grad(loss), in_shardings=(shardings.params, x.sharding)).lower(abstract, x).compile()
+    flops.compile_to_read(jax.jit(jax.grad(loss), in_shardings=(shardings.params, x.sharding)).lower(abstract, x))
     for name in ("conv1", "conv3_2", "conv5_2"):  # data parallel: the batch over all 8 devices
         assert seen[name] == PartitionSpec(("data", "model")), name
     for name in ("fc6", "fc7", "fc8"):  # model parallel: the group's batch, 1/G of the features

@@ -150,3 +150,41 @@ def test_accumulation_has_mfu_but_no_hfu(tmp_path):
     assert "compiled_flops_per_step_per_device" not in records[0] and not any("hfu" in r for r in records)
     assert records[0]["model_flops_per_step"] == 6 * (64 * 32 + 32 * 10) * 128
     assert any("mfu" in r for r in records)
+
+
+def test_a_program_compiled_to_be_read_reads_as_the_default_compile(monkeypatch):
+    """flops.compile_to_read (LLVM at -O0 on XLA:CPU) gives a hybrid-parallel LeNet step (2 micro-batches, its
+    collectives in a loop) the same HLO text, cost and memory analysis as the default compile: what the plan checks,
+    the memory model's checks and the simulators read of it. And compile_layout_step, the one place a step is
+    compiled from a layout outside a run, compiles that way."""
+    import optax
+
+    from dtx import mesh as mesh_lib
+    from dtx import models
+    from dtx.parallel import get_layout
+    from dtx.run import verify
+    from dtx.step import StepSpec, make_train_step
+    from dtx.step.state import abstract_train_state
+
+    model, tx = models.build_model("lenet", conv_features=(4, 8), dense_features=(32,)), optax.adam(1e-3)
+    mesh = mesh_lib.make_mesh([("data", 4), ("model", 2)])
+    example = jax.ShapeDtypeStruct((32, 28, 28, 1), jnp.float32)
+    abstract = abstract_train_state(model, tx, example)
+    placement = get_layout("hybrid").place(abstract, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, placement.state)
+    split = mesh_lib.batch_sharding(mesh)
+    batch = {"inputs": jax.ShapeDtypeStruct(example.shape, jnp.float32, sharding=split),
+             "labels": jax.ShapeDtypeStruct((32,), jnp.int32, sharding=split)}
+    lowered = make_train_step(model, tx, mesh, StepSpec(driver="jit", placement=placement, accum_steps=2)).lower(
+        state, batch)
+    default, read = lowered.compile(), flops.compile_to_read(lowered)
+    assert read.as_text() == default.as_text() and "all-reduce" in read.as_text()
+    assert flops.cost_analysis(read) == flops.cost_analysis(default)
+    assert str(read.memory_analysis()) == str(default.memory_analysis())
+
+    seen = []
+    original = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, options=None: seen.append(options) or original(self, options))
+    verify.compile_layout_step(models.build_model("mlp", features=(16,)), (8,), "data", [("data", 8)], 8)
+    assert seen == [flops.READ_ONLY_COMPILER_OPTIONS]

@@ -233,3 +233,31 @@ def test_gpt2_small_model_flops_at_full_size():
     L, d, V = 12, 768, gpt2_small.VOCAB
     assert per_token == 6 * (12 * L * d * d + V * d) + 12 * L * d * seq
     assert per_token == pytest.approx(854.4e6, rel=1e-4)
+
+
+def test_one_trace_per_model_shape_and_dtype():
+    """The memory model asks for a model's layers and variables many times (per layout it weighs, its VJP profile,
+    its remat terms): two builds of one model share one abstract trace; another width, example shape or input
+    dtype is traced anew, and what the shared trace gives equals a fresh trace's."""
+    calls = []
+    model = build_model("mlp", features=(24,), num_classes=5)
+
+    def counted(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and type(context.module) is type(model):  # the model, once a trace
+            calls.append(context.module)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(counted):
+        first = layers_lib.analyze(model, (7,))
+        again = layers_lib.analyze(build_model("mlp", features=(24,), num_classes=5), [7])  # equal settings
+        variables = layers_lib.abstract_variables(model, (7,))
+        assert len(calls) == 1 and again == first
+        assert layers_lib.analyze(model.clone(features=(16,)), (7,))[0].out_elements == 16  # another width
+        assert layers_lib.analyze(model, (9,))[0].in_elements == 9  # another example shape
+        layers_lib.analyze(model, (7,), dtype=jnp.bfloat16)  # another input dtype
+        assert len(calls) == 4
+        listed = build_model("mlp", features=[24], num_classes=5)  # a list field: no hash, traced each time
+        assert layers_lib.analyze(listed, (7,)) == layers_lib.analyze(listed, (7,)) == first
+        assert len(calls) == 6
+    fresh = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 7)), train=False))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), variables) == jax.tree.map(lambda a: (a.shape, a.dtype), fresh)

@@ -19,6 +19,7 @@ transformer ~10 %: softmax, GELU, LayerNorm; tests/test_layers.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -80,7 +81,7 @@ def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
     ``model`` axis, as the planner and the memory model see them; :func:`matmuls` adds the model's other
     matrix products (attention), which :func:`model_flops` counts.
     """
-    layers = tuple(layer for layer in _trace(model, input_shape, dtype) if layer.kind in ("dense", "conv"))
+    layers = tuple(layer for layer in _trace(model, input_shape, dtype)[0] if layer.kind in ("dense", "conv"))
     if not layers:
         raise PerfModelError(f"{type(model).__name__} has no nn.Dense or nn.Conv layers to model")
     return layers
@@ -97,7 +98,7 @@ def matmuls(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
     ``12·L·d·S`` FLOPs per token for a training step) and what XLA runs for ``jax.nn.dot_product_attention``
     (the full product, then the mask). The planner and the memory model take :func:`analyze`'s layers only.
     """
-    layers = _trace(model, input_shape, dtype)
+    layers = _trace(model, input_shape, dtype)[0]
     if not layers:
         raise PerfModelError(f"{type(model).__name__} has no matrix products to model")
     return layers
@@ -111,8 +112,37 @@ def model_flops(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jn
     return sum(layer.train_flops for layer in matmuls(model, input_shape, dtype=dtype))
 
 
-def _trace(model: nn.Module, input_shape: Sequence[int], dtype: Any) -> tuple[Layer, ...]:
-    """The matrix products of one abstract ``model.init`` (see :func:`matmuls`), each summed over its calls."""
+def abstract_variables(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.float32) -> Any:
+    """``model.init``'s variables on one example of ``input_shape``, as shapes and dtypes (``jax.ShapeDtypeStruct``;
+    read-only: shared with every caller that asks for the same model), from the same abstract trace as
+    :func:`analyze`."""
+    return _trace(model, input_shape, dtype)[1]
+
+
+def per_model(trace):
+    """``trace(model, input_shape, dtype)`` remembered per (model, example shape, dtype); what it returns is shared,
+    read-only. A flax model is a frozen dataclass, hashed and compared by its settings, so two builds of one model
+    share a trace: the memory model asks for the same model's layers and variables many times (once per layout it
+    weighs, its VJP profile, its remat terms), and each abstract trace of a transformer costs a fraction of a
+    second. A model that cannot be hashed (a field holding a list) is traced each time."""
+    remembered = functools.lru_cache(maxsize=64)(trace)
+
+    @functools.wraps(trace)
+    def traced(model, input_shape, dtype):
+        key = (model, tuple(int(d) for d in input_shape), jnp.dtype(dtype))
+        try:
+            hash(key)
+        except TypeError:
+            return trace(*key)
+        return remembered(*key)
+
+    return traced
+
+
+@per_model
+def _trace(model: nn.Module, input_shape: tuple[int, ...], dtype: Any) -> tuple[tuple[Layer, ...], Any]:
+    """The matrix products of one abstract ``model.init`` (see :func:`matmuls`), each summed over its calls, and
+    the variables it made (shapes and dtypes)."""
     found: dict[str, dict[str, Any]] = {}
     pending: list[dict[str, tuple[int, ...]]] = []  # per attention call in progress: its projections' outputs
 
@@ -167,8 +197,8 @@ def _trace(model: nn.Module, input_shape: Sequence[int], dtype: Any) -> tuple[La
 
     x = jax.ShapeDtypeStruct((1, *map(int, input_shape)), dtype)
     with nn.intercept_methods(record):
-        jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), x)  # the key too: nothing runs
-    return tuple(Layer(name=name, **entry) for name, entry in found.items())
+        variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), x)  # nothing runs
+    return tuple(Layer(name=name, **entry) for name, entry in found.items()), variables
 
 
 def _valid_conv_macs(conv: nn.Conv, in_shape, out_shape, kernel) -> int:

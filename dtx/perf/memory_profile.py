@@ -18,7 +18,7 @@ import numpy as np
 
 from dtx.paths import path_str
 from dtx.perf import remat
-from dtx.perf.layers import analyze
+from dtx.perf.layers import abstract_variables, analyze, per_model
 
 POOL_INDEX_ARRAYS = 4  # XLA:CPU max pool: one int32 window index per input dimension (NHWC)
 
@@ -50,7 +50,7 @@ def activation_profile(model: Any, input_shape: Sequence[int], dtype: Any = np.f
     import jax.numpy as jnp
 
     names = [layer.name for layer in analyze(model, input_shape, dtype=dtype)]
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape), dtype), train=False))
+    variables = abstract_variables(model, input_shape, dtype=dtype)
     state = {key: value for key, value in variables.items() if key != "params"}
 
     def loss(params, state, x):
@@ -88,11 +88,17 @@ def activation_profile(model: Any, input_shape: Sequence[int], dtype: Any = np.f
 def model_terms(model: Any, input_shape: Sequence[int], dtype: Any = np.float32) -> dict[str, Any]:
     """What :func:`estimate` needs of a flax model beyond its layers: residuals, other parameters, state, batch
     (``dtype``: of the inputs; an integer one is token ids, each with an int32 label, :mod:`dtx.data.tasks`'s
-    ``next_token``), and a model's rematerialisation (:func:`dtx.perf.remat.recompute_bytes`)."""
-    import jax
-    import jax.numpy as jnp
+    ``next_token``), and a model's rematerialisation (:func:`dtx.perf.remat.recompute_bytes`). Traced once per
+    model, example shape and dtype (a run refused by ``memory_limit`` weighs every layout of the same model)."""
+    terms = _model_terms(model, input_shape, dtype)
+    return dict(terms, other_params=list(terms["other_params"]))
 
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape), dtype), train=False))
+
+@per_model
+def _model_terms(model: Any, input_shape: tuple[int, ...], dtype: Any) -> dict[str, Any]:
+    import jax
+
+    variables = abstract_variables(model, input_shape, dtype=dtype)
     layers = {layer.name for layer in analyze(model, input_shape, dtype=dtype)}
     other = [tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
              if path_str(path[:-1]) not in layers]

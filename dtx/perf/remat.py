@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from dtx.perf.layers import abstract_variables, per_model
+
 REMAT_PRIMITIVES = ("remat2", "checkpoint")  # jax.checkpoint's primitive (its name differs between versions)
 # Element-wise primitives XLA fuses into their consumers, recomputing them where they are used ...
 CHEAP = frozenset(("add", "add_any", "sub", "mul", "neg", "max", "min", "select_n", "convert_element_type",
@@ -64,6 +66,7 @@ def fused_roots(jaxpr, residuals: Iterable) -> set:
     return roots
 
 
+@per_model  # traced once per model: recompute_bytes asks again for the same ``none`` twin under each policy
 def residual_bytes(model: Any, input_shape: Sequence[int], dtype: Any = np.float32) -> tuple[float, int]:
     """Per example, the bytes XLA keeps of JAX's VJP residuals of ``model``'s training forward (:func:`fused_roots`
     that are made per example: batch 2 − batch 1), and the rematerialised calls its gradient holds. Traced only
@@ -72,8 +75,7 @@ def residual_bytes(model: Any, input_shape: Sequence[int], dtype: Any = np.float
     import jax.extend.core as jex
     import jax.numpy as jnp
 
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *input_shape), dtype),
-                                                  train=False))
+    variables = abstract_variables(model, input_shape, dtype=dtype)
 
     def loss(params, x):
         return model.apply({**variables, "params": params}, x, train=True,

@@ -196,7 +196,7 @@ def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionS
 
     program = jax.jit(forward_backward, in_shardings=(param_shardings, named(arriving), named(out_spec)),
                       out_shardings=(named(out_spec), param_shardings, named(arriving)))
-    return program.lower(params, x, jax.ShapeDtypeStruct(y.shape, y.dtype)).compile(), out_spec, y.shape[-1]
+    return flops_lib.compile_to_read(program.lower(params, x, jax.ShapeDtypeStruct(y.shape, y.dtype))), out_spec, y.shape[-1]
 
 
 def verify_step(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.Plan, cluster: Cluster, *,
@@ -241,7 +241,8 @@ def compile_layout_step(model: Any, input_shape: Sequence[int], layout: str | pa
                         labels_shape: Sequence[int] = ()) -> Any:
     """The compiled ``jit`` train step of ``layout`` on ``mesh_spec``, from shapes only: the one place a step is
     built from a layout outside a run (:func:`verify_step`, the memory model's checks;
-    :func:`dtx.perf.memory.compiled_peak` reads its peak).
+    :func:`dtx.perf.memory.compiled_peak` reads its peak), compiled to be read and not run
+    (:func:`dtx.perf.flops.compile_to_read`).
 
     The state is donated, as ``dtx train`` runs it; ``rules``: the explicit rules of
     layout ``rules`` (e.g. ``Plan.rules()``); ``dtype``: of the inputs and the parameters (an integer dtype:
@@ -266,4 +267,4 @@ def compile_layout_step(model: Any, input_shape: Sequence[int], layout: str | pa
     split = mesh_lib.batch_sharding(mesh)
     batch = {"inputs": jax.ShapeDtypeStruct(example.shape, dtype, sharding=split),
              "labels": jax.ShapeDtypeStruct((global_batch, *labels_shape), jnp.int32, sharding=split)}
-    return step.lower(state, batch).compile()
+    return flops_lib.compile_to_read(step.lower(state, batch))

@@ -198,7 +198,7 @@ def slot_flops(plan, task, policy, mesh, p: lm_plan.LMPlan) -> float:
 
     def compiled_slot(fn, *args):
         mapped = jax.shard_map(fn, mesh=group, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False)
-        return flops_lib.compiled_flops(jax.jit(mapped).lower(*args).compile()) or 0.0
+        return flops_lib.compiled_flops(flops_lib.compile_to_read(jax.jit(mapped).lower(*args))) or 0.0
 
     return (compiled_slot(forward[last], row, tokens, buffer, labels)
             + compiled_slot(backward[last], row, tokens, buffer, labels, buffer, seed))

@@ -167,6 +167,7 @@ def compile_pipeline_step(model, shape, p: pipeline_plan.PipelinePlan, *, optimi
 
     from dtx import mesh as mesh_lib
     from dtx import optim
+    from dtx.perf import flops as flops_lib
     from dtx.parallel.pipeline_schedules import make_schedule
     from dtx.parallel.stages import make_plan
     from dtx.step import pipeline as pp
@@ -186,7 +187,14 @@ def compile_pipeline_step(model, shape, p: pipeline_plan.PipelinePlan, *, optimi
              "labels": jax.ShapeDtypeStruct((p.global_batch,), jnp.int32, sharding=split)}
     schedule = make_schedule(p.schedule, p.stages, p.micro, p.chunks)
     step = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule))
-    return step.lower(state, batch).compile(), plan
+    return flops_lib.compile_to_read(step.lower(state, batch)), plan
+
+
+def _read_flops(lowered) -> float:
+    """XLA's FLOPs of a lowered slot program, compiled only to be read."""
+    from dtx.perf import flops as flops_lib
+
+    return flops_lib.compiled_flops(flops_lib.compile_to_read(lowered)) or 0.0
 
 
 def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan, devices) -> tuple[float, float]:
@@ -196,7 +204,6 @@ def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan
 
     from dtx.comm import hlo
     from dtx.data import tasks
-    from dtx.perf import flops as flops_lib
     from dtx.step import pipeline as pp
 
     model, _ = pipeline_model(model_name)
@@ -209,9 +216,8 @@ def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan
     labels = jax.ShapeDtypeStruct((p.micro_batch,), jnp.int32)
     work = []
     for s in range(plan.num_stages):  # the slots a stage runs M times: its forward; the forward re-run and the vjp
-        work.append((flops_lib.compiled_flops(jax.jit(forward[s]).lower(row, x0, buffer, labels).compile()) or 0.0)
-                    + (flops_lib.compiled_flops(jax.jit(backward[s]).lower(row, x0, buffer, labels, buffer,
-                                                                           1.0).compile()) or 0.0))
+        work.append(_read_flops(jax.jit(forward[s]).lower(row, x0, buffer, labels))
+                    + _read_flops(jax.jit(backward[s]).lower(row, x0, buffer, labels, buffer, 1.0)))
     # A device runs its V virtual stages c·P + d (interleaved), each M times.
     busiest = max(sum(work[c * p.stages + d] for c in range(p.chunks)) for d in range(p.stages)) * p.micro
     return busiest, sent
