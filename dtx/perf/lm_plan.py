@@ -16,8 +16,10 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   the node's NVLink (α-β), the forward ones once more under ``full`` (the block's recomputation re-runs them);
 * **pipeline messages**: :mod:`dtx.perf.pipeline_plan`'s ``2(M + P − 2)`` boundary messages of ``b·S·d``;
 * **gradients**: each device's parameter bytes in the reduce dtype, all-reduced over ``D`` (ring, hierarchical
-  on the cluster; ZeRO 1–2 as reduce-scatter + all-gather, the same bytes; ZeRO 3 gathers the parameters once
-  more: ``3(D−1)/D``);
+  on the cluster); under ZeRO (every stage, 1 to 3) the step also all-gathers the updated parameter slices, so
+  it sends ``3(D−1)/D`` of the bytes, 1.5 times an all-reduce's ``2(D−1)/D``: XLA:CPU all-reduces the gradient
+  whole and each device slices its share (the compiled program's collectives; GPT-2 small on 8 devices sends
+  152 MB under ZeRO-1 against 101 MB data parallel), where a GPU backend may reduce-scatter it instead;
 * **memory** (against ``Cluster.device_memory``): float32 parameters (4 B), gradients (4 B) and AdamW's two
   moments (8 B) per parameter a device holds — the blocks' ``1/(T·P)``; the embedding, positions and
   LayerNorms whole under TP (dtx replicates them) — divided by ``D`` from ZeRO stage 3, 2, 1 on; the compute
@@ -25,8 +27,9 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   16-bit): ``d·(34 + 5aS/d)`` without remat, ``d·(10 + 24/T + 5aS/(dT))`` under TP, ``/T`` of it all under
   SP; ``dots`` (their selective recomputation) drops the ``5aS/d`` scores; ``full`` keeps the block input
   ``2d`` and holds one block's activations again while it recomputes; the logits in the compute dtype and
-  the loss's float32 softmax, split as the head is; 1F1B keeps ``min(M, P)``
-  micro-batches of a stage in flight.
+  the loss's float32 softmax, split as the head is. A pipeline (``P > 1``) is costed by
+  :mod:`dtx.perf.lm_pipeline` as dtx runs it: its 1F1B keeps ``min(2P − 1, M)`` stage inputs in flight (the
+  lock-step schedule's table, not PipeDream-Flush's ``P − s``) and each stage's activations for one micro-batch.
 
 :func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
@@ -43,11 +46,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dtx.parallel.pipeline_schedules import make_schedule
 from dtx.perf import decoder, lm_pipeline
 from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
-from dtx.perf.pipeline_plan import SCHEDULE, _hop
 
 POLICIES = ("none", "dots", "full")
 ZERO_LAYOUT = {0: "data", 1: "zero1", 2: "zero2", 3: "fsdp"}  # parallel.name of ZeRO stage z without tensor
@@ -229,18 +230,14 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     update = ELEMENTWISE["update"] * held / (data if zero else 1)  # each device updates what it holds
     flops = per_token * shard_tokens / tensor + update
     rate = cluster.node_flops * cluster.efficiency["dense"]
-    schedule = make_schedule(SCHEDULE, stages, micro) if stages > 1 else None
-    compute_s = flops / rate * ((micro + stages - 1) / micro if stages > 1 else 1.0)
+    compute_s = flops / rate  # one stage: no bubble, no messages (a pipeline returned above)
     x = reduce_bytes  # the element the gradients' collectives move (module docstring)
     tensor_bytes, collectives = _tensor_bytes(shape, b, tensor, sp, recomputed, tensor_element)
     tensor_bytes *= micro / stages
     tensor_s = tensor_bytes / cluster.local_bandwidth + micro * collectives / stages * cluster.local_latency
-    message = b * s * d * e
-    p2p_bytes = schedule.messages * message if schedule else 0.0
-    p2p_s = schedule.messages * _hop(cluster, message, stages) if schedule else 0.0
+    p2p_bytes = p2p_s = 0.0
     grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro)
-    in_flight = min(micro, stages) if stages > 1 else 1
-    act = shape.layers // stages * b * s * shape.activation_bytes(tensor, sp, policy) * in_flight
+    act = shape.layers * b * s * shape.activation_bytes(tensor, sp, policy)
     if policy == "full":  # the block being recomputed holds its activations again
         act += b * s * shape.activation_bytes(tensor, sp, "none")
     logits = b * s * shape.vocab * (e + 4) / tensor  # bf16 logits and the loss's float32 softmax

@@ -117,12 +117,26 @@ def verify(args, cluster: Cluster, table: list[dict]) -> list[dict]:
             continue
         start = time.perf_counter()
         flops, sent = compiled_figures(args.model, args.input_shape, p, devices)
-        ratios = (flops / p.stage_flops, sent / p.bytes_sent)
+        predicted = compiled_bytes_sent(p, cluster)
+        ratios = (flops / p.stage_flops, sent / predicted)
         out.append(dict(nodes=p.nodes, plan=p.text(), predicted_flops=p.stage_flops, compiled_flops=flops,
-                        flops_ratio=ratios[0], predicted_bytes=p.bytes_sent, compiled_bytes=sent, bytes_ratio=ratios[1],
+                        flops_ratio=ratios[0], predicted_bytes=predicted, compiled_bytes=sent, bytes_ratio=ratios[1],
                         within=all(abs(r - 1) <= VERIFY_TOLERANCE for r in ratios),
                         compile_s=time.perf_counter() - start))
     return out
+
+
+COMPILED_BYTES_PER_ELEMENT = 4  # the verified step is compiled in float32 (compile_pipeline_step)
+
+
+def compiled_bytes_sent(p: pipeline_plan.PipelinePlan, cluster: Cluster) -> float:
+    """The bytes ``p`` sends per device per step in the program ``--verify`` compiles: that program is float32
+    whatever the preset, so the activations and gradients that the planner counts at ``cluster.bytes_per_element``
+    (the stage messages and the rows' all-reduce) are counted at 4 bytes; the batch's gather is float32 inputs and
+    int32 labels in both. On a 2-byte preset (bfloat16: ``h100_nvlink_ndr``) the scaling tables' figures are half of
+    these, as :func:`dtx.tools.plancheck.verify_plans` says of Das et al.'s plans."""
+    scale = COMPILED_BYTES_PER_ELEMENT / cluster.bytes_per_element
+    return (p.p2p_bytes + p.allreduce_bytes) * scale + p.gather_bytes
 
 
 def print_verified(verified: list[dict]) -> None:
