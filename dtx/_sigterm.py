@@ -9,12 +9,14 @@ asks :func:`take` whether one came before it did. Standard library only: it runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 
 _COMMANDS = ("train", "launch")  # the commands that stop cleanly on SIGTERM
+_PUBLISHING = ("export",)  # the commands whose work ends in one atomic act (:func:`publishing`)
 _received = False
 
 
@@ -23,11 +25,12 @@ def _note(signum, frame) -> None:
     _received = True
 
 
-def _is_dtx_command(argv: list[str]) -> bool:
-    """``dtx train ...`` (the console script) or ``python -m dtx.tools.cli train ...`` (``dtx launch``'s ranks)."""
+def _is_dtx_command(argv: list[str], commands: tuple[str, ...] = _COMMANDS) -> bool:
+    """``dtx train ...`` (the console script) or ``python -m dtx.tools.cli train ...`` (``dtx launch``'s ranks);
+    ``commands``: the command words that count (default: ``train`` and ``launch``)."""
     for i, word in enumerate(argv[:-1]):
         if (os.path.basename(word) == "dtx" or (word == "dtx.tools.cli" and argv[i - 1:i] == ["-m"])) and \
-                argv[i + 1] in _COMMANDS:
+                argv[i + 1] in commands:
             return True
     return False
 
@@ -76,3 +79,31 @@ def settle() -> None:
     """
     if installed() and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def publishing():
+    """The block publishes the command's finished work in one atomic act (``dtx export``'s rename of its
+    folder into place); after it nothing is left that a SIGTERM could stop.
+
+    A SIGTERM during the block is noted, not obeyed. Once the block completes, SIGTERM is ignored until the
+    process ends: a signal on the way out (the printout, JAX's teardown) cannot turn the success into signal
+    15, exit 143, and one noted during the block is dropped -- the work it would have stopped is out. If the
+    block raises, SIGTERM has its default action back and a noted one is delivered (:func:`hand_back`).
+    Before the block SIGTERM keeps its default action: a signal mid-work kills the command, which publishes
+    nothing. Only where this process is such a dtx command (not your program calling
+    :func:`dtx.run.evaluate.export_run`), in the main thread, and nothing else handles SIGTERM.
+    """
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if (not _is_dtx_command(argv, _PUBLISHING) or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _note)  # a Python handler: noted in any thread, acted on by none
+    try:
+        yield
+    except BaseException:
+        hand_back()
+        raise
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    take()

@@ -53,3 +53,13 @@ def test_a_workdir_under_a_file_is_one_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == (f"dtx: error: --workdir (train(..., workdir=)) '{tmp_path}/file/sub' cannot be "
                            f"created: '{tmp_path}/file' is a file, not a directory; name a directory")
+
+
+def test_an_experiment_file_that_is_not_text_is_one_config_error(tmp_path, capsys):
+    """Random bytes (no UTF-8, no coding declaration) ended in a 17-line UnicodeDecodeError traceback."""
+    noise = tmp_path / "noise.py"
+    noise.write_bytes(bytes(range(128, 256)) * 4)
+    assert main(["train", str(noise), "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"dtx: config error: {noise}, line 1: byte 0x80 is not valid utf-8")

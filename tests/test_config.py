@@ -366,6 +366,25 @@ def test_a_broken_experiment_file_is_named_with_the_fix(tmp_path):
         load(str(empty))
 
 
+def test_an_experiment_file_is_decoded_as_python_decodes_it(tmp_path):
+    """The probe: a latin-1 file that declares its coding (PEP 263), which Python compiles, and random bytes
+    both ended in a UnicodeDecodeError traceback (the file was read as UTF-8 whatever it declared)."""
+    latin = tmp_path / "latin.py"
+    latin.write_bytes("# -*- coding: latin-1 -*-\n# r\xe9sum\xe9: this comment is latin-1\n"
+                      "from dtx.config import base_config\n\n\ndef get_config():\n    config = base_config()\n"
+                      "    config.wandb.name = 'caf\xe9'\n    return config\n".encode("latin-1"))
+    assert load(str(latin)).wandb.name == "caf\u00e9"
+    noise = tmp_path / "noise.py"
+    noise.write_bytes(b"def get_config():\n    pass\n# \xff\xfe\x9c\n")
+    with pytest.raises(ConfigError, match=r"noise\.py, line 3: byte 0xff is not valid utf-8 .*save it as UTF-8, or "
+                                          r"declare its encoding"):
+        load(str(noise))
+    unknown = tmp_path / "unknown.py"
+    unknown.write_bytes(b"# -*- coding: klingon -*-\ndef get_config():\n    pass\n")
+    with pytest.raises(ConfigError, match=r"unknown\.py: unknown encoding: klingon \(its coding declaration\)"):
+        load(str(unknown))
+
+
 # ---------------------------------------------------------------- plug-in blocks: each setting belongs to a choice
 
 def test_check_block_refuses_a_changed_key_the_choice_does_not_take():

@@ -8,6 +8,7 @@ and an export carries batch-norm statistics as well as parameters.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -82,8 +83,45 @@ def test_eval_refuses_a_step_it_does_not_hold_and_a_run_without_checkpoints(run,
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(workdir / "config.json", bare / "config.json")
-    with pytest.raises(evaluate.RunError, match="every_steps"):
+    with pytest.raises(evaluate.RunError, match="train one with dtx train EXPERIMENT.py --config.checkpoint.every"):
         evaluate.evaluate_run(bare)
+
+
+def test_eval_and_export_refusals_name_fixes_those_commands_take(run, tmp_path, monkeypatch, capsys):
+    """The probe: their errors said --workdir, --config.KEY=VALUE and checkpoint.resume_step=N, which only dtx train
+    takes. Now each names WORKDIR, --step, config.json (which they rebuild the run from) or dtx train itself."""
+    _, workdir = run
+    assert main(["eval", str(tmp_path)]) == 2  # no config.json
+    err = capsys.readouterr().err
+    assert "name as WORKDIR the folder a dtx train run wrote into" in err and "--workdir" not in err
+
+    elsewhere = tmp_path / "elsewhere"  # a run of files that are not where config.json says
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps({"dataset": {"name": "mnist",
+                                                                   "data_dir": str(tmp_path / "gone")}}))
+    assert main(["export", str(elsewhere), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "set dataset.data_dir to an existing folder" in err and "--config.dataset" not in err
+    assert f"change that key in {elsewhere}/config.json" in err and len(err.strip().splitlines()) == 1
+
+    signed = tmp_path / "signed"  # a run that signed its manifests; its key is not in this environment
+    (signed / "checkpoints" / "10").mkdir(parents=True)
+    saved = json.loads((workdir / "config.json").read_text())
+    saved["checkpoint"]["hmac_key_env"] = "DTX_TEST_ABSENT_KEY"
+    (signed / "config.json").write_text(json.dumps(saved))
+    monkeypatch.delenv("DTX_TEST_ABSENT_KEY", raising=False)
+    assert main(["eval", str(signed)]) == 2
+    err = capsys.readouterr().err
+    assert "export DTX_TEST_ABSENT_KEY with that same key" in err and "hmac_key_env=''" not in err
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(workdir, damaged)
+    (damaged / "checkpoints" / "10" / "manifest" / "manifest.json").write_text("{")
+    assert main(["eval", str(damaged)]) == 4  # a checkpoint error
+    err = capsys.readouterr().err
+    assert "manifest" in err and "resume_step" not in err
+    assert f"choose another step with --step N ({damaged}/checkpoints also holds [5]) or delete this one" in err
+    assert main(["eval", str(damaged), "--step", "5"]) == 0  # and that fix works
 
 
 @pytest.mark.parametrize("block, entry, argument", [
@@ -159,6 +197,21 @@ def test_resume_step_from_the_command_line(run, tmp_path, capsys):
     assert _test_metrics(metrics.read_metrics(copy)[-1]) == _test_metrics(metrics.read_metrics(workdir)[-1])
 
 
+def test_a_finished_run_run_again_does_not_record_its_final_evaluation_twice(run, tmp_path, capsys):
+    """The probe: the same dtx train again on a finished workdir resumed its last checkpoint, ran no step and
+    appended a second evaluation record of step 10. It still evaluates (and prints what it recorded)."""
+    experiment, workdir = run
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    capsys.readouterr()
+    assert main(["train", str(experiment), "--workdir", str(copy)]) == 0
+    out, err = capsys.readouterr()
+    evaluations = [r for r in metrics.read_metrics(copy) if r["step"] == 10 and "test_loss" in r]
+    assert len(evaluations) == 1
+    assert "dtx: resumed from step 10" in err and "had already finished at step 10" in err
+    assert f"step 10: test_loss {evaluations[0]['test_loss']:.4f}" in out  # the same figures as recorded
+
+
 def test_an_export_appears_whole_or_not_at_all_and_a_half_written_one_is_replaced(run, tmp_path, monkeypatch,
                                                                                   capsys):
     """The probe: SIGTERM/SIGKILL mid-export left variables.msgpack truncated, and the rerun refused it
@@ -193,3 +246,40 @@ def test_an_export_appears_whole_or_not_at_all_and_a_half_written_one_is_replace
     assert (out / "variables.msgpack").read_bytes() == whole and exportdir.incomplete(str(out)) is None
     (out / "model.json").write_text("")
     assert exportdir.incomplete(str(out)) == "model.json is truncated or garbled"
+
+
+def test_a_sigterm_once_the_export_is_in_place_does_not_undo_its_success(run, tmp_path, monkeypatch, capsys):
+    """The probe: a dtx export that had finished exited 143 when a SIGTERM came on its way out. From the rename
+    that puts the folder in place, the dtx export process ignores SIGTERM; a failed publication gives it back."""
+    from dtx import _sigterm
+    from dtx.run import exportdir
+
+    _, workdir = run
+    out = tmp_path / "exported"
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/dtx", "export", str(workdir), "--out", str(out)])
+    rename, at_rename = os.rename, []
+
+    def rename_then_sigterm(source, target):
+        rename(source, target)
+        if target == str(out):
+            at_rename.append(signal.getsignal(signal.SIGTERM))
+            if at_rename[-1] is not signal.SIG_DFL:  # (the default action would kill the test's process)
+                os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM the instant the export is in place
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.setattr(exportdir.os, "rename", rename_then_sigterm)
+    try:
+        assert main(["export", str(workdir), "--out", str(out), "--step", "5"]) == 0
+        assert at_rename and at_rename[0] is not signal.SIG_DFL  # held back during the rename ...
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # ... and ignored on the way out
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exportdir.incomplete(str(out)) is None and "step 5: " in capsys.readouterr().out
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with pytest.raises(OSError, match="Read-only"), _sigterm.publishing():  # a failed publication: SIGTERM kills
+        raise OSError(30, "Read-only file system")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.setattr(sys, "orig_argv", ["python", "my_program.py"])  # export_run in your program: untouched
+    with _sigterm.publishing():
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

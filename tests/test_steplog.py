@@ -89,6 +89,30 @@ def test_throughput_is_the_steps_done_since_the_previous_record_over_its_wall_ti
     assert second["examples_per_sec"] == 4 and second["step_time_ms"] == 4000 and second["elapsed_s"] == 10
 
 
+def test_a_run_of_one_step_shows_that_steps_rate_not_zero():
+    """The probe: a resume one step from the end printed "0 ex/s" -- its only record is the last step's, which
+    closes no window, and the bar was shown the rate of a window that never was."""
+    import io
+
+    from rich.console import Console
+
+    from dtx.run.metrics import ProgressBar
+
+    console = Console(file=io.StringIO(), force_terminal=False, force_jupyter=False, color_system=None, width=200)
+    writer, clock = Writer(), Clock()
+    with make_log(writer, clock, log_every=5, bar=ProgressBar(6, console=console)) as log:
+        log.dispatched(6, metrics(6), batch(6))  # resumed at step 5: one step, 16 examples
+        clock.now = 2.0
+        log.flush()  # reads the step: done 2 s after the loop started
+    assert console.file.getvalue().splitlines() == ["step 6/6  loss 6.0000  8 ex/s"]
+    assert "examples_per_sec" not in writer.records[-1][1]  # the record's own rule is unchanged
+    # A rate not measured yet is shown as such, never as 0.
+    quiet = Console(file=io.StringIO(), force_terminal=False, force_jupyter=False, color_system=None, width=200)
+    with ProgressBar(3, console=quiet) as bar:
+        bar.update(1, 0.5, None)
+    assert quiet.file.getvalue().splitlines() == ["step 1/3  loss 0.5000  - ex/s"]
+
+
 def test_checkpointed_totals_include_the_step_in_flight_and_the_jit_figures_are_the_programs():
     log = make_log(Writer(), Clock())
     with log:

@@ -68,6 +68,7 @@ MANIFEST_VERSION = 2
 HEADER_FILE = "manifest.json"
 LEGACY_FILE = "metadata"  # version 1: one whole-array SHA-256 per array, written by orbax's JSON handler
 FIX = "resume another step (checkpoint.resume_step=N, or resume=auto falls back by itself) or delete this one"
+UNSIGNED_FIX = "resume it with checkpoint.hmac_key_env='' if you trust these files"  # (dtx eval says its own)
 
 
 class CheckpointError(RuntimeError):
@@ -301,8 +302,8 @@ def _load(path: str, step_dir: str, key: bytes | None) -> dict:
         if "hmac" not in obj:
             raise CheckpointDamaged(
                 f"checkpoint {step_dir}: {path} has no HMAC: it was written without a key, and this run requires "
-                "signed manifests (checkpoint.hmac_key_env is set), so it cannot tell it from a forgery; resume it "
-                "with checkpoint.hmac_key_env='' if you trust these files, or " + FIX)
+                "signed manifests (checkpoint.hmac_key_env is set), so it cannot tell it from a forgery; "
+                f"{UNSIGNED_FIX}, or {FIX}")
         if not hmac.compare_digest(str(obj["hmac"]), _mac(obj, key)):
             raise CheckpointDamaged(
                 f"checkpoint {step_dir}: the HMAC of {path} does not match: the manifest was rewritten without the "

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import io
 import os
 import re
+import tokenize
 from collections.abc import Sequence
 
 from ml_collections import ConfigDict
@@ -31,7 +33,8 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ConfigDict:
       The locked, validated config.
 
     Raises:
-      ConfigError: missing file, unknown key, value of the wrong type, bad value.
+      ConfigError: missing file, a file Python could not decode (its bytes are not UTF-8 or the encoding
+        its ``# -*- coding: ... -*-`` line declares), unknown key, value of the wrong type, bad value.
     """
     path = _packaged_experiment(os.fspath(path))
     file_part = path.split(":", 1)[0]
@@ -97,8 +100,7 @@ def _check_experiment_source(file_part: str) -> None:
     turns it into a long traceback or a misleading 'unknown key' (it reads a missing get_config as a key)."""
     import ast
 
-    with open(file_part, encoding="utf-8") as f:
-        source = f.read()
+    source = _read_source(file_part)
     try:
         tree = ast.parse(source, filename=file_part)
     except SyntaxError as e:
@@ -108,6 +110,29 @@ def _check_experiment_source(file_part: str) -> None:
                for node in tree.body):
         raise ConfigError(f"{file_part} defines no get_config(); an experiment file must define "
                           "def get_config(): returning dtx.config.base_config() with its changes")
+
+
+def _read_source(file_part: str) -> str:
+    """The experiment file's text, decoded as Python decodes a source file (PEP 263): UTF-8, unless a
+    ``# -*- coding: NAME -*-`` line among its first two (or a UTF-8 byte-order mark) says otherwise -- the
+    encoding ml_collections' import of the file uses too. Bytes that encoding cannot decode are one
+    ConfigError naming the file, the line and the fix, before the import turns them into a traceback."""
+    with open(file_part, "rb") as f:
+        data = f.read()
+    fix = ("save it as UTF-8, or declare its encoding on its first or second line (e.g. "
+           "# -*- coding: latin-1 -*-)")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as e:
+        if not e.msg.startswith("invalid or missing encoding declaration"):  # a declaration naming no codec
+            raise ConfigError(f"{file_part}: {e.msg} (its coding declaration); {fix}") from None
+        encoding = "utf-8"  # no declaration, and its first lines are not UTF-8: the byte is named below
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{file_part}, line {line}: byte 0x{data[e.start]:02x} is not valid {e.encoding} "
+                          f"({e.reason}), the encoding the experiment file is read in; {fix}") from None
 
 
 def _defines(node) -> bool:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import inspect
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -45,6 +47,7 @@ from jax.sharding import PartitionSpec
 from ml_collections import ConfigDict
 
 from dtx.ckpt import checkpoint as checkpoint_lib
+from dtx.ckpt import integrity
 from dtx.comm import context as comm_lib
 from dtx.data import datasets, pipeline, userdata
 from dtx.run import preflight
@@ -63,7 +66,11 @@ from dtx.run.exportdir import MODEL_FILE, SOURCE_FILE, VARIABLES_FILE  # noqa: E
 
 
 class RunError(ValueError):
-    """A workdir that cannot be evaluated or exported as asked; the message says what to do."""
+    """A workdir that cannot be evaluated or exported as asked; the message says what to do, in terms the
+    command being run takes (its WORKDIR, ``--step``, ``--out``), or else the file or command that does."""
+
+
+_OVERRIDE = re.compile(r"--config\.([\w.]+)")  # a training run's override, in a message: the key it names
 
 
 class Restored(NamedTuple):
@@ -89,8 +96,9 @@ def evaluate_run(workdir: str | os.PathLike, *, step: int | None = None, **given
     run = restore(workdir, step=step, **given)
     parts, config = run.parts, run.config
     if run.dataset.test is None:
-        raise RunError(f"{workdir} trained on data without a test split: nothing to evaluate; pass "
-                       "data={'train': ..., 'test': ...}")
+        raise RunError(f"{workdir} trained on data without a test split: nothing to evaluate (dtx export still "
+                       "writes its variables); in Python, evaluate_run(WORKDIR, data={'train': ..., 'test': ...}) "
+                       "evaluates it on the test split you give")
     eval_step = setup.make_eval(config, parts, run.mesh)
     batches = eval_batches(run.dataset.test, config.eval_batch_size, run.mesh)
     return {"step": run.step, **train_lib.evaluate(eval_step, run.state, batches, parts.task)}
@@ -145,14 +153,15 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
     saved = _saved_config(workdir)
     _check_rebuildable(workdir, saved, {"model": model, "optimizer": optimizer, "task": task, "dataset": data})
     config = config_from_json(saved)
-    if config.emulate_cpu_devices:
-        mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
-    xla_cache.enable(config.compilation_cache)
-    mesh = mesh_lib.make_mesh(config.mesh)
-    mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
-    task = task or setup.config_task(config)
-    if data is None:  # as dtx.train reads the config
-        data = pipeline.load_dataset(config.dataset, seed=config.seed)
+    with _settings_of(workdir):
+        if config.emulate_cpu_devices:
+            mesh_lib.emulate_cpu_devices(config.emulate_cpu_devices)
+        xla_cache.enable(config.compilation_cache)
+        mesh = mesh_lib.make_mesh(config.mesh)
+        mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
+        task = task or setup.config_task(config)
+        if data is None:  # as dtx.train reads the config
+            data = pipeline.load_dataset(config.dataset, seed=config.seed)
     dataset = userdata.as_dataset(data, task)
     recorded = saved.get("dataset", {}).get("fingerprint")
     if recorded and recorded != userdata.fingerprint(dataset):
@@ -160,25 +169,59 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
                        f"{userdata.fingerprint(dataset)}, the run recorded {recorded}); pass the run's data")
     loader = TrainLoader(dataset.train, config.global_batch_size, mesh, seed=config.seed)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
-    parts = setup.build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model,
-                              optimizer=optimizer, task=task)
+    with _settings_of(workdir):
+        parts = setup.build_parts(config, mesh, dataset, loader.steps_per_epoch, num_steps, model=model,
+                                  optimizer=optimizer, task=task)
     directory = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory) or not any(n.isdigit() for n in os.listdir(directory)):
-        raise RunError(f"{workdir} has no checkpoint in {directory}: only runs that save checkpoints can be "
-                       "evaluated or exported; train with --config.checkpoint.every_steps=N (it also saves the "
-                       "last step)")
-    checkpointer = checkpoint_lib.Checkpointer(directory, hmac_key=rundir.hmac_key(config.checkpoint.hmac_key_env),
-                                               read_only=True)
+        moved = (f"; if its checkpoints moved, set checkpoint.dir in {os.path.join(workdir, 'config.json')} to "
+                 "where they are now" if config.checkpoint.dir else "")
+        raise RunError(f"{workdir} has no checkpoint in {directory}: only a run that saved checkpoints can be "
+                       "evaluated or exported; train one with dtx train EXPERIMENT.py "
+                       f"--config.checkpoint.every_steps=N (it also saves the last step){moved}")
+    variable = config.checkpoint.hmac_key_env
+    if variable and not os.environ.get(variable):  # rundir.hmac_key's own fix is a training run's
+        raise RunError(f"{workdir} signed its checkpoints with the key in the environment variable {variable} "
+                       f"(its config.json's checkpoint.hmac_key_env), which is unset or empty here; export "
+                       f"{variable} with that same key (another key fails every manifest's HMAC) and run the command "
+                       "again")
+    checkpointer = checkpoint_lib.Checkpointer(directory, hmac_key=rundir.hmac_key(variable), read_only=True)
     try:
         steps = checkpointer.steps()
         chosen = steps[-1] if step is None else int(step)
         if chosen not in steps:
             raise RunError(f"--step {chosen}: {directory} holds no checkpoint {chosen}; it holds {steps}")
         target = checkpoint_lib.abstract_target(parts.abstract_state, parts.placement.state)
-        state, _ = checkpointer.restore(chosen, target, setup.relayout(parts, mesh))  # a step of another layout too
+        try:
+            state, _ = checkpointer.restore(chosen, target, setup.relayout(parts, mesh))  # another layout's step too
+        except checkpoint_lib.CheckpointDamaged as e:  # its fix names a resume's settings: here, --step
+            others = [s for s in steps if s != chosen]
+            fix = (f"choose another step with --step N ({directory} also holds {others}) or delete this one"
+                   if others else f"{directory} holds no other step to choose with --step N")
+            raise type(e)(str(e).replace(integrity.UNSIGNED_FIX, "if you trust these files, set "
+                                         f"checkpoint.hmac_key_env to '' in {os.path.join(workdir, 'config.json')}")
+                          .replace(integrity.FIX, fix)) from e
     finally:
         checkpointer.close()
     return Restored(config, mesh, dataset, parts, state, chosen, directory)
+
+
+@contextlib.contextmanager
+def _settings_of(workdir: str):
+    """Rebuilding the run from its config.json: an error whose fix is a ``--config.KEY=VALUE`` override (a
+    training run's; ``dtx eval`` and ``dtx export`` take none) names that key in config.json instead, which
+    they rebuild the run from -- e.g. a dataset's ``data_dir`` that moved, a mesh for other devices."""
+    try:
+        yield
+    except RunError:
+        raise
+    except ValueError as e:
+        text = str(e)
+        if "--config." not in text:
+            raise
+        path = os.path.join(workdir, "config.json")
+        raise RunError(f"{path}: {_OVERRIDE.sub(lambda m: m.group(1), text)} (dtx eval and dtx export take no "
+                       f"--config overrides: change that key in {path}, which they rebuild the run from)") from None
 
 
 def _check_rebuildable(workdir: str, saved: dict, arguments: dict) -> None:
@@ -194,8 +237,9 @@ def _check_rebuildable(workdir: str, saved: dict, arguments: dict) -> None:
         if preflight.GIVEN in entry and argument is None:
             what = entry.get("class") or entry.get("description") or entry.get("name") or entry.get("fingerprint")
             module, _, cls = str(entry.get("class") or "").rpartition(".")
-            hint = (f"; or train it by import path, --config.model.name={module}:{cls}, and the command line can "
-                    "rebuild it" if block == "model" and module and module != "__main__" else "")
+            hint = (f"; or train it again by import path, dtx train EXPERIMENT.py --config.model.name={module}:{cls}, "
+                    "and dtx eval and dtx export can rebuild that run" if block == "model" and module
+                    and module != "__main__" else "")
             missing.append(f"the {name} passed to {entry[preflight.GIVEN]} ({what}){hint}")
             needed.append(name)
         elif preflight.GIVEN not in entry and config_lib.is_import_path(entry.get("name")) and argument is None:
@@ -286,7 +330,8 @@ def _reporting_errors(work):
 def _saved_config(workdir: str) -> dict:
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
-        raise RunError(f"{workdir} holds no config.json: give the --workdir of a dtx train run")
+        raise RunError(f"{workdir} holds no config.json: name as WORKDIR the folder a dtx train run wrote into "
+                       "(the one holding its config.json, metrics.jsonl and checkpoints)")
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)

@@ -1,7 +1,9 @@
 """The folder ``dtx export`` writes, whole or not at all.
 
 Its files are written into a temporary sibling folder (``.<name>.partial-<pid>``) that is renamed into
-place once every file is on disk, so a process killed mid-export leaves no half-written export. A
+place once every file is on disk, so a process killed mid-export leaves no half-written export; and
+``dtx export`` ignores SIGTERM from that rename on (:func:`dtx._sigterm.publishing`), so a signal on its
+way out cannot turn a finished export into exit 143. A
 folder that holds an incomplete one (written by an older dtx, or by hand) is said so and replaced; a
 complete export is never overwritten. ``model.json`` names the SHA-256 of ``variables.msgpack``:
 that is what "complete" means.
@@ -15,6 +17,8 @@ import json
 import os
 import shutil
 import sys
+
+from dtx import _sigterm
 
 VARIABLES_FILE, MODEL_FILE, SOURCE_FILE = "variables.msgpack", "model.json", "model.py"
 EXPORT_FILES = (VARIABLES_FILE, MODEL_FILE, SOURCE_FILE)
@@ -84,7 +88,10 @@ def write(out: str, files: dict[str, bytes], replacing: str | None = None) -> No
         if replacing is not None:
             print(f"dtx: --out {out} holds an incomplete export ({replacing}); replacing it", file=sys.stderr)
             shutil.rmtree(out)
-        os.rename(temporary, out)  # onto nothing, or onto an empty folder: atomic either way
+        # Onto nothing, or onto an empty folder: atomic either way. In dtx export, a SIGTERM from here on can no
+        # longer stop anything: once the folder is in place the command has succeeded, and exits 0.
+        with _sigterm.publishing():
+            os.rename(temporary, out)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

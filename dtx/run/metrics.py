@@ -67,6 +67,25 @@ class MetricWriter:
         if self._wandb is not None:
             self._wandb.write(step, record)
 
+    def holds(self, step: int, keys) -> bool:
+        """Whether ``metrics.jsonl`` already holds a record of ``step`` with every one of ``keys`` (e.g. an
+        evaluation's ``test_loss``, ``test_accuracy``, ``test_examples``); ``False`` where this writer writes
+        nothing (a process other than 0)."""
+        if not self.enabled:
+            return False
+        path = os.path.join(self.workdir, METRICS_FILE)
+        if not os.path.exists(path):
+            return False
+        with open(path, encoding="utf-8") as f:
+            for line in filter(str.strip, f):
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line a killed process left half-written
+                    continue
+                if isinstance(record, dict) and record.get("step") == step and all(k in record for k in keys):
+                    return True
+        return False
+
     def close(self, failed: bool = False) -> None:
         """``failed``: the run ends on an error (its wandb run is marked failed)."""
         if self._jsonl is not None:
@@ -182,14 +201,16 @@ class ProgressBar:
             )
             self._task = self._bar.add_task("train", total=total_steps, loss="-", rate="-")
 
-    def update(self, step: int, loss: float, examples_per_sec: float) -> None:
+    def update(self, step: int, loss: float, examples_per_sec: float | None) -> None:
+        """``examples_per_sec``: ``None`` while no throughput is measured yet (shown as ``-``, never as 0)."""
+        rate = "-" if examples_per_sec is None else f"{examples_per_sec:,.0f}"
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{examples_per_sec:,.0f}")
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=rate)
         elif self._notebook is not None:
             self._notebook.update(step, loss, examples_per_sec)
         elif self.mode == "plain" and step >= self._next_line:
             self._next_line = step + max(1, math.ceil(self.total / 10))
-            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {examples_per_sec:,.0f} ex/s")
+            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {rate} ex/s")
 
     def __enter__(self) -> ProgressBar:
         if self._bar is not None:
@@ -222,7 +243,7 @@ class NotebookBar:
         self._pending = None
         self._handle = display(self._bundle(0, None, None), raw=True, display_id=True)
 
-    def update(self, step: int, loss: float, examples_per_sec: float) -> None:
+    def update(self, step: int, loss: float, examples_per_sec: float | None) -> None:
         self._pending = (step, loss, examples_per_sec)
         now = time.perf_counter()
         if now - self._last_draw >= self.min_interval or step >= self.total:

@@ -16,7 +16,9 @@ steps since the previous record (``examples_per_sec``, ``step_time_ms``, MFU/HFU
 A step built without records (:class:`dtx.step.StepSpec`'s ``record``) reports no ``loss``: its
 record, if it gets one (a preempted run's last), has none.
 The last step's record, written by :meth:`StepLog.flush`, has no next dispatch to close its
-window: it carries no throughput and no ``learning_rate``.
+window: it carries no throughput and no ``learning_rate``. The progress bar still shows that
+window's throughput for it (its steps are done once the last one is read), so a run of a single
+step shows that step's rate.
 
 **To add a record field**, pass ``extras=[fn]`` where ``fn(step, record) -> dict`` returns the
 fields to add; it sees the record assembled so far (:meth:`StepLog._record`, the one place a
@@ -125,7 +127,8 @@ class StepLog:
         self.bar, self.watchdog, self.extras, self.clock = bar, watchdog, tuple(extras), clock
         self.run_start = clock() if run_start is None else run_start
         self._pending: _Pending | None = None
-        self._window_start, self._window_steps, self._rate = clock(), 0, 0.0
+        self._window_start, self._window_steps = clock(), 0
+        self._rate: float | None = None  # the progress bar's examples/s: None until a window closes
 
     def __enter__(self) -> StepLog:
         if self.bar is not None:
@@ -177,6 +180,11 @@ class StepLog:
         record = {k: float(v) for k, v in host.items()}
         check_finite_loss(pending.step, record, self.loss_scaler, self.peak_learning_rate)
         timing = None if last else self._close_window(in_flight)
+        if last and self._window_steps:
+            # The bar's rate, not the record's: the to_host above waited for the last step, so the window's
+            # steps are done -- a run of one step (a resume one step from its end) shows that step's rate,
+            # never a rate of 0 from no window at all.
+            self._rate = self._window_steps * self.global_batch_size / max(self.clock() - self._window_start, 1e-9)
         record = self._record(pending, record, timing)
         self.writer.write(pending.step, record)
         if self.bar is not None and "loss" in record:  # a step built without records has none

@@ -176,7 +176,14 @@ def _train(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
             return TrainResult(state=state, metrics={}, workdir=workdir, preempted=True, saved=saved)
 
         final = watched_evaluation(run, state, watchdog, config, run.num_steps) if run.tests else {}
-        if final:
+        # A finished run started again resumes its last checkpoint and runs no step: its records already hold
+        # this evaluation (the resume kept the records up to its step), so it is returned, not recorded twice.
+        # Every rank still evaluates (its collectives need them all); only the record is left out.
+        if final and run.start_step == run.num_steps and run.writer.holds(run.num_steps, final):
+            if jax.process_index() == 0:
+                print(f"dtx: the run in {workdir} had already finished at step {run.num_steps}; its final "
+                      "evaluation is recorded already", file=sys.stderr, flush=True)
+        elif final:
             run.writer.write(run.num_steps, final)
     return TrainResult(state=state, metrics=final, workdir=workdir)
 
