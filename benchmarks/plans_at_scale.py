@@ -14,7 +14,9 @@ Each row is one child process, so its wall time and peak RSS (``os.wait4``) are 
   this row compiles the train step (``dtx.run.verify.compile_layout_step``: next-token loss, Adam, float32)
   of the ``data`` and ``fsdp`` layouts and holds it against modelled figures: FLOPs ``6·N + 12·L·d·T`` per
   token (Chowdhery et al. 2022, App. B), bytes a ring all-reduce of the gradients (``2(n-1)/n`` of the
-  parameters) or FSDP's two all-gathers and one reduce-scatter (``3(n-1)/n``, Rajbhandari et al. 2020),
+  parameters) or FSDP's ``3(n-1)/n`` (Rajbhandari et al. 2020: two all-gathers and one reduce-scatter; the
+  program XLA:CPU compiles sends the same bytes another way, each parameter all-gathered once and kept for the
+  backward, the gradient all-reduced whole and sliced),
   memory the state alone (parameters, gradients, Adam: 16 bytes per parameter, ``/n`` under FSDP), a
   lower bound; the answer is for a 141 GB H200.
 """

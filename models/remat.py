@@ -17,8 +17,9 @@ Ren et al., *ZeRO-Offload* (arXiv 2101.06840): park what is kept in host memory 
   would also keep the attention's batched ``QKᵀ`` and ``PV`` einsums, whose ``B·heads·T²`` scores are the
   largest activations of a block — the very ones selective recomputation exists to drop.
 * ``offload`` — as ``dots``, but what is kept moves to the host's pinned memory and back for the backward
-  pass (``offload_dot_with_no_batch_dims("device", "pinned_host")``); needs a backend whose devices have a
-  ``pinned_host`` memory space (:func:`check_backend`).
+  pass (``offload_dot_with_no_batch_dims("device", "pinned_host")``, and the values named :data:`PROJECTION`
+  offloaded too, so that under tensor parallelism it keeps what ``dots`` keeps); needs a backend whose devices
+  have a ``pinned_host`` memory space (:func:`check_backend`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,20 @@ def checkpoint_policy(name: str):
     dots = policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
                                             policies.save_only_these_names(PROJECTION))
     return {"none": None, "full": policies.nothing_saveable, "dots": dots,
-            "offload": policies.offload_dot_with_no_batch_dims("device", "pinned_host")}[check_policy(name)]
+            "offload": _offload_as_dots}[check_policy(name)]
+
+
+def _offload_as_dots(prim, *args, **params):
+    """``offload``'s policy: what ``dots`` keeps, moved to pinned host memory. ``offload_dot_with_no_batch_dims``
+    alone misses the values named :data:`PROJECTION`: under tensor parallelism the projections run inside the
+    Megatron regions' custom VJP, where the policy sees only their names (docs/remat.md), and ``dots`` keeps them
+    by name. ``save_from_both_policies`` cannot join the two: it accepts only boolean policies."""
+    policies = jax.checkpoint_policies
+    if prim.name == "name" and params.get("name") == PROJECTION:
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=(PROJECTION,), offload_src="device",
+            offload_dst="pinned_host")(prim, *args, **params)
+    return policies.offload_dot_with_no_batch_dims("device", "pinned_host")(prim, *args, **params)
 
 
 def check_backend(name: str, devices: Sequence = ()) -> None:

@@ -171,6 +171,29 @@ def test_offload_computes_the_same_gradient():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_offload_keeps_what_dots_keeps_named_projections_included():
+    """``offload`` is ``dots`` with what it keeps moved to pinned host memory: every residual ``dots`` saves, the
+    values named ``PROJECTION`` included (tensor parallelism's projections, which its custom VJP hides from the dot
+    rule), ``offload`` offloads, and nothing else. The decisions are read from the policies applied to a jaxpr's
+    equations: a projection (a dot without batch dimensions), a batched einsum (attention's scores) and a named
+    value that is no dot."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def block(x, w):
+        h = x @ w  # a projection: a dot without batch dimensions
+        scores = jnp.einsum("bij,bkj->bik", h.reshape(2, 4, 4), h.reshape(2, 4, 4))  # batched: recomputed
+        return checkpoint_name(jnp.tanh(scores).reshape(8, 4) * 2.0, remat_lib.PROJECTION)  # named, no dot
+
+    jaxpr = jax.make_jaxpr(block)(jnp.ones((8, 3)), jnp.ones((3, 4))).jaxpr
+    dots, offload = (remat_lib.checkpoint_policy(name) for name in ("dots", "offload"))
+    decisions = [(eqn.primitive.name, dots(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params),
+                  offload(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)) for eqn in jaxpr.eqns]
+    assert {name for name, _, _ in decisions} >= {"dot_general", "name"}
+    for name, kept, moved in decisions:
+        assert bool(kept) == ("Offloadable" in type(moved).__name__ or "Offloadable" in repr(moved)), (name, kept, moved)
+    assert sum(bool(kept) for _, kept, _ in decisions) == 2  # the projection and the named value
+
+
 def _config(**overrides):
     from dtx.config import base_config, override
 
