@@ -47,6 +47,8 @@ def base_config() -> ConfigDict:
     # How long a process of a multi-process job waits for every rank to join (jax.distributed.initialize).
     c.startup_seconds = 300
     c.memory_limit = 0.0  # bytes per device a run may use (0: what an accelerator reports; none on CPU)
+    # CPU backend: refuse a run whose estimate × emulated devices exceeds the host's available memory
+    c.host_memory_check = True
     c.driver = "shard_map"  # "shard_map": explicit pmean per device; "jit": NamedSharding, compiler collectives
     c.allreduce = "psum"  # shard_map driver: psum | ring | halving_doubling | recursive_doubling | tree | hierarchical
     c.bucket_bytes = 0  # gradient fusion buckets (bytes) per allreduce; 0: one per leaf

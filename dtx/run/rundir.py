@@ -187,7 +187,8 @@ RESUME_MAY_CHANGE = ("num_steps", "num_epochs", "checkpoint", "progress", "log_e
                       "eval_batch_size", "watchdog_seconds", "heartbeat_seconds", "startup_seconds",
                       "emulate_cpu_devices", "mesh", "grad_accum_steps",
                       "driver", "distributed", "allreduce", "bucket_bytes", "parallel", "profile_steps", "peak_flops",
-                      "pipeline", "log_grad_norm", "compilation_cache", "wandb", "dataset.workers")
+                      "pipeline", "log_grad_norm", "compilation_cache", "wandb", "dataset.workers",
+                      "host_memory_check")
 
 
 def _with_defaults(saved: dict, defaults: dict, current: dict) -> dict:
