@@ -37,6 +37,20 @@ CPU_TENSOR_ELEMENT = 4
 KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
          (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2),
          (2, 0, "none", True, 2), (2, 1, "none", False, 2))
+# The kinds whose compiles at the twin the planner's constants were read from (tests/test_lm_plan.py's docstring:
+# ELEMENTWISE, the bytes' rules; lm_pipeline's stage terms from the pipelines): --verify marks their rows "fitted".
+FITTED = KINDS
+# Held-out rows, chosen and committed before they were first compiled (commit "lm_sim: held-out --verify rows"):
+# other depths, widths, heads, sequence lengths, batches and micro-batch counts than the twin the constants were read
+# from, each with a kind of plan dtx runs, as (shape, sequences, (tensor, zero, policy, sp, stages), micro). The
+# vocabulary stays GPT-2's: the experiment's dataset fixes it (experiments/gpt2_small.py).
+HELD_OUT = (
+    (dict(layers=2, width=192, heads=6, seq=64), 16, (2, 1, "none", False, 1), 1),
+    (dict(layers=4, width=320, heads=10, seq=96), 32, (1, 2, "dots", False, 1), 1),
+    (dict(layers=2, width=128, heads=4, seq=256), 8, (4, 0, "full", True, 1), 1),
+    (dict(layers=4, width=256, heads=4, seq=64), 16, (2, 0, "none", True, 2), 4),
+    (dict(layers=2, width=192, heads=6, seq=128), 32, (1, 0, "dots", False, 1), 2),
+)
 
 
 def load_shape(path: str) -> tuple[lm_plan.LMShape, object]:
