@@ -121,17 +121,22 @@ def main() -> int:
     start = time.perf_counter()
     per_example, predicted, measured = measure(args.batch, args.rounds)
     ratio = predicted / measured
+    seconds_taken = time.perf_counter() - start
     rows = [f"| {name} | {seconds * args.batch * 1e3:.2f} |" for name, seconds in per_example.items()]
     body = ("| layer (segment) | forward + backward, ms per batch |\n|---|---|\n" + "\n".join(rows)
             + f"\n\n| predicted step (sum) | measured step | predicted ÷ measured |\n|---|---|---|\n"
             f"| {predicted * 1e3:.2f} ms | {measured * 1e3:.2f} ms | {ratio:.3f} |")
     print(body, flush=True)
-    preamble = (f"`{COMMAND}` on {report.machine()}; {time.perf_counter() - start:.0f} s. A small VGG-like CNN "
+    preamble = (f"`{COMMAND}` on {report.machine()}; {seconds_taken:.0f} s. A small VGG-like CNN "
                 f"(two conv-ReLU-maxpool, two dense layers), batch {args.batch}, float32: each layer's "
                 "forward + backward timed alone, fed as per-example times to `dtx.perf.model.make_plan`, against "
                 f"the jitted whole training step; medians of {args.rounds} interleaved rounds. Goal: predicted "
                 f"within {GOAL:.0%} of measured.")
-    report.write("calibration", preamble, body, update_docs=args.update_docs)
+    results = {"batch": args.batch, "rounds": args.rounds, "seconds": seconds_taken,
+               "layer_ms_per_batch": {name: seconds * args.batch * 1e3 for name, seconds in per_example.items()},
+               "predicted_step_ms": predicted * 1e3, "measured_step_ms": measured * 1e3, "ratio": ratio,
+               "goal": GOAL, "within_goal": abs(ratio - 1) <= GOAL}
+    report.write("calibration", preamble, body, update_docs=args.update_docs, results=results)
     return 0 if abs(ratio - 1) <= GOAL else 1
 
 

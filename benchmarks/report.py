@@ -7,14 +7,22 @@ writes its figures, CSV and PNG, into docs/), leaving the rest of the file alone
 tracked is touched: the section and the figures go to :func:`results_dir` (printed),
 so trying a benchmark never rewrites the repository. Text outside the markers
 (analysis, runs on other machines) is written by hand.
+
+Every section written is also kept as its script's *last rendering*: ``logs/NAME.json`` beside the
+section (``benchmarks/logs/`` with ``--update-docs``, the results folder without), holding the page,
+the command, the date, the section's markdown exactly as written, and the raw results the script passes
+(``results=``). tests/test_benchmarks_docs.py holds each section of BENCHMARKS.md and docs/ to that
+file, so a number edited by hand in a section (and not by rerunning its script) fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
+import sys
 import tempfile
 import textwrap
 import time
@@ -22,6 +30,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS_MD = os.path.join(REPO, "BENCHMARKS.md")
 DOCS = os.path.join(REPO, "docs")
+LOGS = os.path.join(REPO, "benchmarks", "logs")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,30 +68,55 @@ def update_section(name: str, markdown: str, path: str = BENCHMARKS_MD) -> None:
         f.write(text)
 
 
-def write(name: str, preamble: str, body: str, width: int = 110, *, update_docs: bool) -> str:
+def write(name: str, preamble: str, body: str, width: int = 110, *, update_docs: bool,
+          results: object = None) -> str:
     """Section ``name``: ``preamble`` (what was run, where, how) wrapped at ``width``, then ``body`` (tables)."""
     return save_section(name, textwrap.fill(preamble, width, break_long_words=False, break_on_hyphens=False)
-                        + "\n\n" + body.strip(), update_docs=update_docs)
+                        + "\n\n" + body.strip(), update_docs=update_docs, results=results)
 
 
-def save_section(name: str, markdown: str, *, update_docs: bool) -> str:
-    """Section ``name`` into BENCHMARKS.md (``update_docs``) or into ``results_dir()/BENCHMARKS.md``, whose
-    sections can be compared with the tracked ones; returns the file written and says which it was."""
-    path = BENCHMARKS_MD if update_docs else os.path.join(results_dir(), "BENCHMARKS.md")
-    update_section(name, markdown, path)
-    note = "" if update_docs else " (the tracked BENCHMARKS.md is unchanged; --update-docs writes there)"
-    print(f"section {name!r} written to {path}{note}", flush=True)
+def rendering_path(name: str, update_docs: bool) -> str:
+    """Where section ``name``'s last rendering is kept: ``benchmarks/logs/NAME.json`` (``update_docs``), else the
+    results folder's ``logs/NAME.json``."""
+    return os.path.join(LOGS if update_docs else os.path.join(results_dir(), "logs"), f"{name}.json")
+
+
+def save_rendering(name: str, page: str, markdown: str, *, update_docs: bool, results: object = None) -> str:
+    """Keep section ``name`` as its script last rendered it (``markdown``, written into ``page``, a path relative to
+    the repository such as ``BENCHMARKS.md`` or ``docs/memory.md``), with the command, the date and ``results``
+    (the raw values the section was rendered from, when the script passes them)."""
+    path = rendering_path(name, update_docs)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO) if sys.argv and sys.argv[0] else ""
+    record = {"section": name, "page": page, "command": " ".join(["python", script, *sys.argv[1:]]),
+              "written": time.strftime("%Y-%m-%d %H:%M:%S"), "markdown": markdown.strip(), "results": results}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, ensure_ascii=False)
+        f.write("\n")
     return path
 
 
-def save_doc_table(name: str, doc: str, markdown: str, *, update_docs: bool) -> str:
+def save_section(name: str, markdown: str, *, update_docs: bool, results: object = None) -> str:
+    """Section ``name`` into BENCHMARKS.md (``update_docs``) or into ``results_dir()/BENCHMARKS.md``, whose
+    sections can be compared with the tracked ones, and its rendering into :func:`rendering_path`; returns the
+    file written and says which it was."""
+    path = BENCHMARKS_MD if update_docs else os.path.join(results_dir(), "BENCHMARKS.md")
+    update_section(name, markdown, path)
+    kept = save_rendering(name, "BENCHMARKS.md", markdown, update_docs=update_docs, results=results)
+    note = "" if update_docs else " (the tracked BENCHMARKS.md is unchanged; --update-docs writes there)"
+    print(f"section {name!r} written to {path}{note}; its rendering kept in {kept}", flush=True)
+    return path
+
+
+def save_doc_table(name: str, doc: str, markdown: str, *, update_docs: bool, results: object = None) -> str:
     """A table a page of docs/ shows, in that page's ``<!-- bench:NAME -->`` section (``update_docs``) or into
     ``results_dir()/doc``: the page's figures come from the script that measures them, as BENCHMARKS.md's do."""
     path = os.path.join(DOCS if update_docs else results_dir(), doc)
     if update_docs and f"<!-- bench:{name} -->" not in open(path, encoding="utf-8").read():
         raise ValueError(f"{path} has no <!-- bench:{name} --> section to write")
     update_section(name, markdown, path)
-    print(f"section {name!r} written to {path}", flush=True)
+    kept = save_rendering(name, f"docs/{doc}", markdown, update_docs=update_docs, results=results)
+    print(f"section {name!r} written to {path}; its rendering kept in {kept}", flush=True)
     return path
 
 

@@ -9,17 +9,27 @@ one value the script fills in (an f-string's hole, or a string the script picks)
 section by hand ("the machine was busy") is text no script writes, and fails; to change a section, change
 its script and rerun it with ``--update-docs``. Code spans are values, not wording: a script puts what a
 program printed there. Text outside the markers is free.
+
+The numbers are held too: ``report.py`` keeps every section it writes as the script's last rendering,
+``benchmarks/logs/NAME.json`` (the markdown exactly as written, the page, the command, and the raw results
+where the script passes them), and each section must be that markdown, character for character, so a
+figure edited by hand fails. Where the record holds raw results, every number of the section's tables must
+also be one of them, rounded to the digits shown. Sections written before renderings were kept, whose
+numbers no results file holds, are listed in ``UNHELD`` with the reason; rerunning the script with
+``--update-docs`` holds the section, and the test then asks for its name to leave the list.
 """
 
 from __future__ import annotations
 
 import ast
 import glob
+import json
 import os
 import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
+RENDERINGS = os.path.join(BENCHMARKS, "logs")  # NAME.json: section NAME as its script last rendered it
 HOLE = "\x00"  # where a script's text is cut: an f-string's value, or the start/end of a string literal
 _EDGE = "([{\"'`*|"  # punctuation that starts a new run of words
 _END = ")]}\"'`*|,.;:!?"
@@ -247,3 +257,118 @@ def test_an_exception_message_the_script_prints_is_a_value():
     assert handwritten(row, source, error_templates(script)) == []
     assert handwritten(row, source) != []  # without the template it would read as wording
     assert handwritten(row + "\n\nThe refusals above are expected.", source, error_templates(script))
+
+
+# Sections written before report.py kept renderings, whose scripts keep no results file (only the section):
+# no saved value can vouch for their numbers, so they are not held until their scripts are rerun with
+# --update-docs (which writes benchmarks/logs/NAME.json, and the test then asks for the name to leave here).
+_NO_RESULTS = "written before renderings were kept, and the script saves no results file (CSV, log) to check it by"
+UNHELD = {
+    "step_overhead": _NO_RESULTS,
+    "default_run": _NO_RESULTS,
+    "time_to_accuracy": _NO_RESULTS,
+    "input_pipeline": _NO_RESULTS,
+    "step_breakdown": _NO_RESULTS,
+    "precision": _NO_RESULTS,
+    "perfmodel_verify": _NO_RESULTS,
+    "checkpoint_memory": _NO_RESULTS,
+}
+
+_NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?")
+
+
+def all_sections() -> dict[str, tuple[str, str]]:
+    """``{name: (page, markdown)}`` of every section of BENCHMARKS.md and of docs/*.md."""
+    found = {}
+    for page in ["BENCHMARKS.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md"))):
+        for name, markdown in sections(open(os.path.join(REPO, page), encoding="utf-8").read()).items():
+            assert name not in found, f"section {name!r} is on {found[name][0]} and on {page}"
+            found[name] = (page, markdown)
+    return found
+
+
+def raw_numbers(value) -> list[float]:
+    """Every number in a record's raw ``results`` (nested dicts and lists)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in raw_numbers(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in raw_numbers(v)]
+    return []
+
+
+def unheld_numbers(markdown: str, results) -> list[str]:
+    """The numbers of ``markdown``'s table rows that no value of ``results`` gives, rounded to the digits shown."""
+    values = raw_numbers(results)
+    missing = []
+    for line in markdown.splitlines():
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        for token in _NUMBER.findall(line):
+            text = token.replace(",", "").replace("−", "-")
+            digits = len(text.split(".")[1]) if "." in text else 0
+            if not any(abs(round(v, digits) - float(text)) < 10 ** -(digits + 3) for v in values):
+                missing.append(token)
+    return missing
+
+
+def rendering_problems(name: str, page: str, markdown: str, record: dict) -> list[str]:
+    """What differs between section ``name`` as ``page`` shows it and ``record``, its script's last rendering."""
+    problems = []
+    if record.get("section") != name or record.get("page") != page:
+        problems.append(f"benchmarks/logs/{name}.json is the rendering of {record.get('section')!r} on "
+                        f"{record.get('page')}, not of {name!r} on {page}")
+    if record.get("markdown") != markdown:
+        shown, kept = markdown.splitlines(), str(record.get("markdown")).splitlines()
+        line = next((i for i, (a, b) in enumerate(zip(shown, kept)) if a != b), min(len(shown), len(kept)))
+        problems.append(f"section {name!r} on {page} is not what its script last wrote (benchmarks/logs/{name}.json); "
+                        f"line {line + 1} reads {shown[line] if line < len(shown) else '(nothing)'!r}, the script "
+                        f"wrote {kept[line] if line < len(kept) else '(nothing)'!r}")
+    if record.get("results") is not None:
+        missing = unheld_numbers(markdown, record["results"])
+        if missing:
+            problems.append(f"section {name!r}: numbers no raw result of benchmarks/logs/{name}.json gives: {missing}")
+    if record.get("results_file") and not os.path.isfile(os.path.join(REPO, record["results_file"])):
+        problems.append(f"benchmarks/logs/{name}.json names {record['results_file']}, not here")
+    return problems
+
+
+def test_every_section_is_its_scripts_last_rendering():
+    """Each section, numbers included, is exactly what its script last wrote with ``--update-docs``."""
+    found = all_sections()
+    wrong = []
+    for name, (page, markdown) in found.items():
+        path = os.path.join(RENDERINGS, f"{name}.json")
+        if not os.path.isfile(path):
+            if name not in UNHELD:
+                wrong.append(f"section {name!r} on {page}: no benchmarks/logs/{name}.json (its script's last rendering); "
+                             "rerun the script with --update-docs")
+            continue
+        if name in UNHELD:
+            wrong.append(f"section {name!r} is held now (benchmarks/logs/{name}.json): take it out of UNHELD")
+        wrong += rendering_problems(name, page, markdown, json.load(open(path, encoding="utf-8")))
+    for path in glob.glob(os.path.join(RENDERINGS, "*.json")):
+        name = os.path.basename(path)[: -len(".json")]
+        if name not in found:
+            wrong.append(f"benchmarks/logs/{name}.json keeps section {name!r}, which no page shows")
+    assert not set(UNHELD) - set(found), f"UNHELD names sections no page shows: {set(UNHELD) - set(found)}"
+    assert not wrong, ("\n".join(wrong) + "\nA section's figures are its script's: rerun the script with --update-docs "
+                       "(which rewrites the section and benchmarks/logs/NAME.json together) rather than edit them.")
+
+
+def test_a_hand_edited_number_is_caught():
+    """The check above, on calibration's section as its script wrote it and with one figure changed by hand."""
+    record = {"section": "calibration", "page": "BENCHMARKS.md",
+              "markdown": "| predicted step (sum) | measured step | predicted ÷ measured |\n|---|---|---|\n"
+                          "| 95.33 ms | 87.47 ms | 1.090 |",
+              "results": {"batch": 32, "predicted_step_ms": 95.32668, "measured_step_ms": 87.47073, "ratio": 1.08981}}
+    assert rendering_problems("calibration", "BENCHMARKS.md", record["markdown"], record) == []
+    edited = record["markdown"].replace("87.47 ms", "95.20 ms")
+    assert rendering_problems("calibration", "BENCHMARKS.md", edited, record)  # differs from the rendering
+    both = dict(record, markdown=edited)  # the rendering edited to match: the raw results still tell
+    assert unheld_numbers(edited, both["results"]) == ["95.20"]
+    assert rendering_problems("calibration", "BENCHMARKS.md", edited, both)
+    assert rendering_problems("calibration", "docs/parallelism.md", record["markdown"], record)  # another page's
