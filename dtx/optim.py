@@ -28,6 +28,12 @@ SCHEDULES = ("constant", "cosine", "polynomial", "step")
 SCALING_RULES = ("none", "linear", "sqrt")
 # Biases and normalisation scales/offsets: no weight decay, no trust ratio (LARS paper §3, Goyal et al. §5).
 DEFAULT_EXCLUDE = r"(^|/)(bias|scale)$"
+# FLOPs per parameter of one update and its application (optax's ``update`` + ``apply_updates``) as XLA's cost
+# analysis counts them, float32, no weight decay: read from each optimizer's update compiled alone (4,096 and 65,536
+# parameters: the same figures), and seen again in whole training steps, where the plans of the speech DNN at 8 nodes
+# (G = 1, 4, 8) count 11.0 more per parameter a device holds under Adam than under SGD. Element-wise work, so a
+# device pays it on the parameters it holds (dtx.tools.plancheck adds it to a plan's whole step).
+UPDATE_FLOPS = {"sgd": 2, "momentum": 4, "nesterov": 6, "adam": 13, "adamw": 13, "lars": 15, "lamb": 24}
 
 
 class OptimizerError(ValueError):

@@ -25,6 +25,10 @@ def _simulate_json(argv, tmp_path, capsys):
     (["--model", "overfeat_fast", "--cluster", "haswell_fdr", "--nodes", "8", "--plan", "hybrid",
       "--group-size", "2"], 1),
     (["--model", "vgg_a", "--cluster", "cloud_10gbe", "--nodes", "4"], 1),
+    # A 2-byte preset (compiled and predicted at float32's 4 bytes) whose plan is hybrid (G=4): the whole step's
+    # FLOPs include Adam's update on the parameters a device holds (1.030 without it), and the printed pipeline's
+    # bytes are counted in the program's float32 (2.000 before).
+    (["--model", "speech_dnn", "--cluster", "h100_nvlink_ndr", "--nodes", "8", "--per-node-batch", "16"], 1),
 ])
 def test_printed_plans_compile_to_what_the_model_predicts(argv, plans, tmp_path, capsys):
     rc, report = _simulate_json(argv, tmp_path, capsys)
@@ -36,6 +40,8 @@ def test_printed_plans_compile_to_what_the_model_predicts(argv, plans, tmp_path,
             assert abs(row["flops_ratio"] - 1) <= TOLERANCE, (plan["plan"], row)
             assert abs(row["bytes_ratio"] - 1) <= TOLERANCE, (plan["plan"], row)
             assert row["within"]
+    for row in report.get("verify_pipeline", []):
+        assert abs(row["flops_ratio"] - 1) <= TOLERANCE and abs(row["bytes_ratio"] - 1) <= TOLERANCE, row
 
 
 def test_verify_devices_must_match_a_started_backend(tmp_path, capsys):
