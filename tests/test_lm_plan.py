@@ -230,8 +230,8 @@ def test_a_pipelines_zero1_terms_are_dtxs():
 
 
 def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
-    """The 7B shape at 1024 GPUs on a GPU of 7.5 GiB: the fastest plan that fits is a ZeRO-1 pipeline (6.0 GiB; the
-    same plan without ZeRO needs 9.0, every faster plan over 30); its overrides set ``pipeline.zero_stage=1`` and
+    """The 7B shape at 1024 GPUs on a GPU of 7.5 GiB: the fastest plan that fits is a ZeRO-1 pipeline (6.6 GiB; the
+    same plan without ZeRO needs 9.6, every faster plan over 40); its overrides set ``pipeline.zero_stage=1`` and
     load with the experiment, and pass dtx's pipeline checks (as ``dtx train`` runs them before compiling). Under
     LARS/LAMB, which dtx refuses with ZeRO-1 and stages, no such plan is a candidate (``dtx simulate`` reads the
     config's optimizer)."""
@@ -260,3 +260,45 @@ def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
     assert lm_sim.rows(BIG, small, [1024], 1024, optimizer="adamw")[0]["chosen"].text() == chosen.text()
     with pytest.raises(lm_plan.PlanError, match="ZeRO-1 over data shards"):
         lm_plan.plan(BIG, small, 1024, 1024, tensor=4, stages=8, micro=32, zero=2)
+
+
+# The held-out --verify rows (dtx.tools.lm_sim.HELD_OUT, committed before they were first compiled) that miss 2 %, each
+# with its cause; not refitted. D4xT2 ZeRO-1 at 2 blocks of 192, 6 heads, 64 positions: bytes 0.960 -- the miss of
+# the development case D4xT2 ZeRO-2 dots (0.963, docs/tensor_parallel.md): ZeRO under TP, XLA sums the tied
+# embedding lookup's share over model there, not over data as the model charges.
+HELD_OUT_MISSES = {"D4xT2 ZeRO-1"}
+
+
+@pytest.mark.parametrize("index", [2, 4], ids=["D2xT4+SP-full-seq256", "D8-dots-M2"])
+def test_held_out_rows_compile_to_the_model(index):
+    """Two of ``--verify``'s held-out rows, compiled here (the other three are held through the published table,
+    below): D2×T4+SP under ``full`` at 2 blocks of width 128, 4 heads, 256 positions, 8 sequences (measured 1.0049 in
+    FLOPs, 0.9992 in bytes), and D8 under ``dots`` accumulating 2 micro-batches at 2 blocks of 192, 6 heads, 128
+    positions, 32 sequences (1.0002, 1.0000). The second found a reading fault when it was first compiled: XLA's
+    cost analysis counts the accumulation loop's body once, so the whole step's FLOPs read 0.504 of the model's;
+    ``lm_sim.read_flops`` now compares them with one micro-batch's work and the update (hand-break: the plain
+    ``p.flops`` reads 0.504 again)."""
+    shape, batch, kind, micro = lm_sim.HELD_OUT[index]
+    row = lm_sim.verify_one(GPT2, H100, dataclasses.replace(SMALL, **shape), batch, kind, micro)
+    assert row["role"] == "held out" and row["plan"] not in HELD_OUT_MISSES
+    assert abs(row["flops_ratio"] - 1) <= 0.02 and abs(row["bytes_ratio"] - 1) <= 0.02, row
+
+
+def test_the_published_verify_table_marks_fitted_rows_and_holds_the_held_out_ones():
+    """BENCHMARKS' ``lm_plans --verify`` table, as its script last wrote it (tests/test_benchmarks_docs.py holds the
+    section to that rendering): every kind the planner's constants were read from is marked ``fitted``; every
+    :data:`dtx.tools.lm_sim.HELD_OUT` row is there, marked ``held out``, and within 2 % in FLOPs and bytes but for
+    :data:`HELD_OUT_MISSES`, which miss it as their cause says."""
+    import re
+
+    text = open(os.path.join(REPO, "BENCHMARKS.md"), encoding="utf-8").read()
+    section = re.search(r"<!-- bench:lm_plans -->\n(.*?)\n<!-- /bench:lm_plans -->", text, re.S).group(1)
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| fitted") or line.startswith("| held out") or line.startswith("| twin")]
+    held = [row for row in rows if row[0] == "held out"]
+    assert len(held) == len(lm_sim.HELD_OUT)
+    assert len([row for row in rows if row[0] == "fitted"]) == len(lm_sim.FITTED)
+    for role, shape, plan, _, _, flops, _, _, sent, _ in held:
+        inside = abs(float(flops.split()[0]) - 1) <= 0.02 and abs(float(sent.split()[0]) - 1) <= 0.02
+        assert inside == (plan not in HELD_OUT_MISSES), (plan, shape, flops, sent)
+        assert inside == ("outside" not in flops + sent)  # the table says which miss

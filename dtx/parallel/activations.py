@@ -92,19 +92,31 @@ class ActivationLayout:
 
     def __call__(self, arriving: PartitionSpec | None = None):
         """The interception context; ``arriving``: where the model's input is (default: the batch split)."""
-        produced = [(arriving, None)]  # the previous layer's output spec and width, in trace (= forward) order
+        produced = [(arriving, None, "")]  # the previous layer's output spec and width, in trace (= forward) order
         inside = []  # set while a model-parallel layer's own per-device computation is traced
+        outputs = {}  # layer -> its output's (spec, width): where a branch's consumer finds it
+        graph = {}  # layer -> the source of its input (dtx.perf.layers.sources), read at the model's own call
 
         def constrain(next_fun, args, kwargs, context):
             module = context.module
-            if (context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.Conv)) or not args
-                    or inside):
+            if inside:
+                return next_fun(*args, **kwargs)
+            if not isinstance(module.parent, nn.Module) and not graph and args and hasattr(args[0], "shape"):
+                inside.append("graph")  # the model's own call: its graph, traced apart with nothing constrained
+                try:
+                    graph.update(_graph(module, args[0]))
+                finally:
+                    inside.pop()
+            if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.Conv)) or not args:
                 return next_fun(*args, **kwargs)
             name, x = "/".join(module.path), args[0]
+            if graph.get(name) is not None and graph[name] != produced[-1][2]:
+                # A branch (a shortcut projection) or a join (a residual add): it arrives where its source left it.
+                produced.append((*self._source_spec(graph[name], produced[0][0], outputs), None))
             if name in self.kernels and _column_split(module, self.kernels[name]):
                 inside.append(name)
                 try:
-                    out = self._model_parallel(module, x, self._arriving(x.ndim, carried(*produced[-1], x.shape)))
+                    out = self._model_parallel(module, x, self._arriving(x.ndim, carried(*produced[-1][:2], x.shape)))
                 finally:
                     inside.pop()
             elif name in self.kernels and _row_split(module, self.kernels[name]):
@@ -114,12 +126,28 @@ class ActivationLayout:
                 finally:
                     inside.pop()
             else:
-                out = self.leave(next_fun(self.enter(x, name, carried(*produced[-1], x.shape)), *args[1:], **kwargs),
+                out = self.leave(next_fun(self.enter(x, name, carried(*produced[-1][:2], x.shape)), *args[1:], **kwargs),
                                  name, x.ndim)
-            produced.append((self.specs(name, x.ndim, out.ndim)[1], out.shape[-1]))
+            if len(produced[-1]) == 3 and produced[-1][2] is None:
+                produced.pop()  # the branch's arriving spec: not a layer's output
+            outputs[name] = (self.specs(name, x.ndim, out.ndim)[1], out.shape[-1])
+            produced.append((*outputs[name], name))
             return out
 
         return nn.intercept_methods(constrain)
+
+    def _source_spec(self, source, model_input: PartitionSpec | None, outputs: Mapping) -> tuple:
+        """``(spec, width)`` of a layer's input from ``source`` (:func:`dtx.perf.layers.sources`): a layer's output
+        where that layer left it; a join of branches (a residual add) where they all are, or the batch split over
+        every device when they differ (the add then moves the split branch there: an all-to-all, and one back for
+        its gradient; :mod:`dtx.perf.model` charges it)."""
+        if isinstance(source, frozenset):
+            members = [self._source_spec(member, model_input, outputs) for member in source]
+            first = members[0]
+            return first if all(m == first for m in members) else (None, None)
+        if source == "":
+            return model_input, None
+        return outputs.get(source, (None, None))
 
     def _model_parallel(self, module: nn.Module, x: jax.Array, arriving: PartitionSpec) -> jax.Array:
         """A column-split Dense/Conv as Das et al. §3.2 run it, with explicit collectives.
@@ -228,6 +256,18 @@ def carried(spec: PartitionSpec | None, width: int | None, x_shape) -> Partition
             and _is_model(spec[-1]) and x_shape[-1] == width):
         return PartitionSpec(spec[0], *[None] * (len(x_shape) - 2), spec[-1])
     return spec
+
+
+def _graph(root: nn.Module, x) -> dict:
+    """Per Dense/Conv layer of the model ``root`` called on ``x``, the source of its input (the graph of a residual
+    network, :func:`dtx.perf.layers.sources`); empty when it cannot be read (then each layer is taken to follow the
+    previous one, as in a chain)."""
+    from dtx.perf.layers import sources
+
+    try:
+        return sources(root.clone(parent=None), tuple(x.shape[1:]), x.dtype) or {"": None}
+    except Exception:  # noqa: BLE001 -- a model the graph tracer cannot follow is laid out as a chain
+        return {"": None}
 
 
 def _reshard(x: jax.Array, forward: NamedSharding, backward: NamedSharding) -> jax.Array:

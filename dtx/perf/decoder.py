@@ -24,6 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 
+# Bytes per parameter of a transformer's bf16 compute copy, per backend whose memory a plan models: XLA:CPU rounds
+# each weight through bf16 and keeps the result in float32 (read from the LM planner's --verify twins' buffer
+# assignments, dtx.perf.lm_plan); and the factor on Korthikanti et al.'s 16-bit activations (XLA:CPU keeps them in
+# float32). Shared by the one-stage planner (dtx.perf.lm_plan) and the pipeline's (dtx.perf.lm_pipeline).
+COMPUTE = 2
+COMPUTE_COPY = dict(gpu=COMPUTE, xla_cpu=4)
+ACTIVATION_WIDENING = dict(gpu=1, xla_cpu=2)
+
 
 @dataclasses.dataclass(frozen=True)
 class Block:

@@ -27,6 +27,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 class PerfModelError(ValueError):
@@ -55,6 +56,9 @@ class Layer:
     out_elements: int
     kernel_shape: tuple[int, ...]
     valid_macs: int = -1  # taps inside the input only (what runs); -1: same as macs
+    # Where the layer's input comes from (:func:`sources`): ``None`` in a chain (the previous layer's output, the
+    # model's input for the first), else a layer's name, ``INPUT``, or a :data:`Join` (an add of branches).
+    source: Any = None
 
     @property
     def computed_macs(self) -> int:
@@ -81,10 +85,15 @@ def analyze(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.fl
     ``model`` axis, as the planner and the memory model see them; :func:`matmuls` adds the model's other
     matrix products (attention), which :func:`model_flops` counts.
     """
-    layers = tuple(layer for layer in _trace(model, input_shape, dtype)[0] if layer.kind in ("dense", "conv"))
+    traced = _trace(model, input_shape, dtype)
+    layers = tuple(layer for layer in traced[0] if layer.kind in ("dense", "conv"))
     if not layers:
         raise PerfModelError(f"{type(model).__name__} has no nn.Dense or nn.Conv layers to model")
-    return layers
+    found = dict(traced[2])
+    chain = all(found.get(layer.name, ...) == (layers[i - 1].name if i else INPUT) for i, layer in enumerate(layers))
+    if chain:  # a chain's layers as they always were: each takes the previous one's output
+        return layers
+    return tuple(dataclasses.replace(layer, source=found.get(layer.name, INPUT)) for layer in layers)
 
 
 def matmuls(model: nn.Module, input_shape: Sequence[int], *, dtype: Any = jnp.float32) -> tuple[Layer, ...]:
@@ -158,8 +167,12 @@ def _trace(model: nn.Module, input_shape: tuple[int, ...], dtype: Any) -> tuple[
         attention = method == "__call__" and isinstance(module, nn.MultiHeadDotProductAttention)
         if attention:
             pending.append({})
-        out = next_fun(*args, **kwargs)
         name = "/".join(module.path)
+        if method == "__call__" and isinstance(module, (nn.Dense, nn.Conv)) and args:  # marked for :func:`sources`
+            out = next_fun(checkpoint_name(args[0], _IN + name), *args[1:], **kwargs)
+            out = checkpoint_name(out, _OUT + name) if isinstance(out, jax.Array) else out
+        else:
+            out = next_fun(*args, **kwargs)
         if method == "__call__" and isinstance(module, (nn.Dense, nn.Conv)):
             params = module.variables["params"]
             kernel = tuple(params["kernel"].shape)
@@ -196,9 +209,12 @@ def _trace(model: nn.Module, input_shape: tuple[int, ...], dtype: Any) -> tuple[
         return out
 
     x = jax.ShapeDtypeStruct((1, *map(int, input_shape)), dtype)
-    with nn.intercept_methods(record):
-        variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), x)  # nothing runs
-    return tuple(Layer(name=name, **entry) for name, entry in found.items()), variables
+    with nn.intercept_methods(record):  # nothing runs
+        closed, variables = jax.make_jaxpr(lambda x: model.init(jax.random.key(0), x, train=False),
+                                           return_shape=True)(x)
+    graph: dict[str, Any] = {}
+    _follow(closed.jaxpr, [INPUT], graph)
+    return tuple(Layer(name=name, **entry) for name, entry in found.items()), variables, tuple(graph.items())
 
 
 def _valid_conv_macs(conv: nn.Conv, in_shape, out_shape, kernel) -> int:
@@ -235,3 +251,109 @@ def _per_dim(value, spatial: int) -> tuple[int, ...]:
     if value is None:
         return (1,) * spatial
     return (value,) * spatial if isinstance(value, int) else tuple(value)
+
+
+INPUT = ""  # the source of a layer that takes the model's input
+Join = frozenset  # the source of an input that adds (or otherwise combines) branches: the set of their sources
+
+
+def join_members(source) -> tuple:
+    """The branches a :data:`Join` combines, in a fixed order (by their text)."""
+    return tuple(sorted(source, key=repr))
+
+
+def sources(model: nn.Module, input_shape: Sequence[int], dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Per Dense/Conv layer of ``model``, where its input comes from: the graph of a residual network.
+
+    Follows the arrays of one abstract ``model.init`` (``jax.make_jaxpr``: nothing runs) from the model's input
+    (``INPUT``) and each layer's output (the layer's name) through the element-wise layers between them (norms,
+    activations, pooling keep the source); an operation on arrays of different sources (a residual add: a block's
+    last convolution plus its shortcut) makes a :data:`Join` of them. A chain gives each layer the previous one's
+    name; ResNet's ``stage2_block1/proj`` takes what ``stage2_block1/conv1`` takes, the join of the previous
+    block's branches. The first call of a layer shared by several calls counts."""
+    return dict(_trace(model, input_shape, dtype)[2])
+
+
+_IN, _OUT = "dtx_layer_in:", "dtx_layer_out:"
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # a sub-program whose inputs are the equation's (jit, custom_jvp, ...)
+
+
+def _follow(jaxpr, in_sources: list, found: dict[str, Any]) -> list:
+    """The sources of ``jaxpr``'s outputs given its inputs'; records each marked layer's input source in ``found``."""
+    env: dict = {}
+
+    def read(v):
+        return None if type(v).__name__ == "Literal" else env.get(v)
+
+    for var, source in zip(jaxpr.invars, in_sources):
+        env[var] = source
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        sub = next((eqn.params[k] for k in _CALLS if k in eqn.params and hasattr(eqn.params[k], "eqns")
+                    or k in eqn.params and hasattr(getattr(eqn.params[k], "jaxpr", None), "eqns")), None)
+        if eqn.primitive.name == "name" and isinstance(eqn.params.get("name"), str) and (
+                eqn.params["name"].startswith((_IN, _OUT))):
+            label = eqn.params["name"]
+            if label.startswith(_IN):
+                found.setdefault(label[len(_IN):], ins[0] if ins[0] is not None else INPUT)
+                outs = ins[:1]
+            else:
+                outs = [label[len(_OUT):]]
+        elif sub is not None:
+            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            outs = (_follow(inner, ins, found) if len(inner.invars) == len(ins)
+                    else [_combine(ins)] * len(eqn.outvars))
+        else:
+            outs = [_combine(ins)] * len(eqn.outvars)
+        for var, source in zip(eqn.outvars, outs):
+            env[var] = source
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _combine(sources: list):
+    """The source of an operation on arrays of these sources: the common one, or the :data:`Join` of them."""
+    distinct = []
+    for source in sources:
+        if source is not None and source not in distinct:
+            distinct.append(source)
+    if not distinct:
+        return None
+    return distinct[0] if len(distinct) == 1 else Join(distinct)
+
+
+
+def joins(graph: dict[str, Any]) -> list:
+    """Every :data:`Join` of ``graph`` (layer -> source, :func:`sources`), nested ones included, each once, in the
+    order the layers reach them."""
+    found: list = []
+
+    def visit(source):
+        if isinstance(source, Join) and source not in found:
+            for member in join_members(source):
+                visit(member)
+            found.append(source)
+
+    for source in graph.values():
+        visit(source)
+    return found
+
+
+def is_split(source, split) -> bool:
+    """Whether ``source`` sits with its features split over ``model``: a layer's output in ``split`` (the
+    column-split layers), a join whose branches all are; the model's input never."""
+    if isinstance(source, Join):
+        return all(is_split(member, split) for member in source)
+    return source != INPUT and source in split
+
+
+def moved(graph: dict[str, Any], split) -> set[str]:
+    """The column-split layers whose output only feeds joins that are not split (a residual add of a split branch
+    and a batch-split one): they hand their output over on the batch split (an all-to-all in the group, and one
+    back for its gradient), where the add is done. The rule :mod:`dtx.parallel.activations` lays a residual
+    network out by and :mod:`dtx.perf.model` charges."""
+    consumed = {source for source in graph.values() if not isinstance(source, Join)}
+    out = set()
+    for join in joins(graph):
+        if not is_split(join, split):
+            out |= {m for m in join if not isinstance(m, Join) and m in split and m not in consumed}
+    return out

@@ -22,9 +22,11 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   kernels, the rest whole) all-reduced over the ``D`` data shards, once per step;
 * **the batch**: each device's ``1/(P·T)`` of its data shard's tokens and labels (int32) all-gathered over the
   stages and the tensor group (dtx places every batch split over all devices);
-* **memory**: the row with its gradient, AdamW's moments and a second gradient row (the reduced one), the kept
-  stage inputs (1F1B: at most ``2P − 1``), one micro-batch's activations of the stage's blocks (Korthikanti et
-  al.'s bytes under ``T``) and its logits;
+* **memory** (:func:`memory_terms`): the row with its gradient, AdamW's moments and a second gradient row (the
+  reduced one), the row's compute copy, the kept stage inputs (1F1B: at most ``2P − 1``), one micro-batch's
+  activations of the stage's blocks (Korthikanti et al.'s bytes under ``T``) and its logits; on XLA:CPU
+  (``backend="xla_cpu"``) as its buffer assignment holds them at the peak, the head's backward: one gradient row,
+  the copy, inputs and activations in float32, 14 B per logit;
 * **sequence parallelism** (``sp``, :mod:`dtx.parallel.stage_positions`): the messages and kept inputs carry
   ``t·d/T``; the residual stream's element-wise work, the final LayerNorm, the output layer and the loss run on
   ``t/T`` tokens; each all-reduce's place is taken by a
@@ -46,6 +48,7 @@ once) and remat policies (a stage re-runs its forward anyway): the candidates le
 from __future__ import annotations
 
 from dtx.parallel.pipeline_schedules import make_schedule
+from dtx.perf import decoder
 from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 
@@ -86,10 +89,12 @@ def stage_row(shape, tensor: int, stages: int, multiple: int = 1) -> int:
 
 
 def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, stages: int, micro: int,
-          elementwise: dict, *, reduce_bytes: int = 4, element: int = 2, sp: bool = False, zero: int = 0) -> dict:
+          elementwise: dict, *, reduce_bytes: int = 4, element: int = 2, sp: bool = False, zero: int = 0,
+          backend: str = "gpu") -> dict:
     """The plan's figures (module docstring) as :class:`dtx.perf.lm_plan.LMPlan`'s fields; ``element``: bytes of an
     activation element in the messages and the tensor collectives (bf16 on a GPU; XLA:CPU moves float32); ``sp``:
-    sequence parallelism inside the stages; ``zero=1``: ZeRO-1 over the data axes (module docstring)."""
+    sequence parallelism inside the stages; ``zero=1``: ZeRO-1 over the data axes (module docstring); ``backend``:
+    whose memory, ``"gpu"`` or ``"xla_cpu"`` (:func:`memory_terms`)."""
     data = nodes // (tensor * stages)
     d, s, v = shape.width, shape.seq, shape.vocab
     per = shape.layers // stages
@@ -134,10 +139,35 @@ def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, s
         replicated = 4 * (per * 6 * d + max(v * d + s * d, 2 * d + v * d + v))
         grad_bytes += tensor_model.bytes_sent("all-reduce", replicated, tensor)
         grad_s += cluster.allreduce_time(replicated, tensor, tensor)
-    kept = min(2 * stages - 1, micro) * tokens * d * element
-    act = per * tokens * block.activation_bytes(tensor, sp, "none") + tokens * v * (element + 4) / split
-    memory = dict(params=4 * row, grads=8 * row, optimizer=8 * row // (data if zero else 1), compute_copy=0.0,
-                  activations=kept + act)
+    memory = memory_terms(shape, row, data, tensor, stages, micro, tokens, sp, zero, backend)
     return dict(flops=slots + update, update_flops=update, compute_s=compute_s, tensor_s=tensor_s,
                 p2p_s=schedule.messages * hop, grad_s=grad_s, tensor_bytes=tensor_bytes, p2p_bytes=p2p_bytes,
                 grad_bytes=grad_bytes, memory=memory)
+
+
+# Bytes per logit at the last stage's head backward: the bf16 logits' gradient and the loss's float32 softmax (GPU);
+# on XLA:CPU the bf16 gradient and three float32 copies of it, one for each of the output layer's two products and
+# one for its bias's sum over the tokens (the untied layer has a bias): read from D2xT2xP2's buffer assignment.
+LOGIT_BYTES = dict(gpu=2 + 4, xla_cpu=2 + 3 * 4)
+
+
+def memory_terms(shape, row: int, data: int, tensor: int, stages: int, micro: int, tokens: int, sp: bool, zero: int,
+                 backend: str = "gpu") -> dict:
+    """Bytes per device of the last stage (module docstring, **memory**), ``tokens`` per micro-batch; their sum is the
+    modelled peak. ``"gpu"``: the row with its gradient, AdamW's moments, a second gradient row (the reduced one) and
+    the row's bf16 compute copy, the kept stage inputs (bf16), one micro-batch's activations and logits, all at once.
+    ``"xla_cpu"``: what XLA:CPU's buffer assignment holds at the peak, the head's backward in a backward slot (read
+    from D2xT2xP2, D2xT2+SPxP2 and D2xT2xP2 ZeRO-1 at --verify's twin): the parameter row and the moments, the
+    accumulated gradient row (one: the reduced one comes after), a float32 compute copy of the row, the kept inputs
+    and the activations in float32, the logits at :data:`LOGIT_BYTES`. (Its update, AdamW on the rows: six rows at
+    D2xT2xP2, 0.67 of the head's backward there; not modelled.)"""
+    d, v = shape.width, shape.vocab
+    cpu = backend == "xla_cpu"
+    split = tensor if sp else 1
+    element = 4 if cpu else decoder.COMPUTE
+    kept = min(2 * stages - 1, micro) * tokens * d * element // split
+    act = shape.layers // stages * tokens * shape.block.activation_bytes(tensor, sp, "none")
+    return dict(params=4 * row, grads=(4 if cpu else 8) * row, optimizer=8 * row // (data if zero else 1),
+                compute_copy=decoder.COMPUTE_COPY[backend] * row,
+                activations=kept + decoder.ACTIVATION_WIDENING[backend] * act,
+                logits=tokens * v * LOGIT_BYTES[backend] / split)

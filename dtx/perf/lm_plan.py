@@ -20,18 +20,35 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   it sends ``3(D−1)/D`` of the bytes, 1.5 times an all-reduce's ``2(D−1)/D``: XLA:CPU all-reduces the gradient
   whole and each device slices its share (the compiled program's collectives; GPT-2 small on 8 devices sends
   152 MB under ZeRO-1 against 101 MB data parallel), where a GPU backend may reduce-scatter it instead;
-* **memory** (against ``Cluster.device_memory``): float32 parameters (4 B), gradients (4 B) and AdamW's two
-  moments (8 B) per parameter a device holds — the blocks' ``1/(T·P)``; the embedding, positions and
-  LayerNorms whole under TP (dtx replicates them) — divided by ``D`` from ZeRO stage 3, 2, 1 on; the compute
-  copy (2 B); activations per block and token in bytes by Korthikanti et al. (arXiv 2205.05198, Table 2,
-  16-bit): ``d·(34 + 5aS/d)`` without remat, ``d·(10 + 24/T + 5aS/(dT))`` under TP, ``/T`` of it all under
-  SP; ``dots`` (their selective recomputation) drops the ``5aS/d`` scores; ``full`` keeps the block input
-  ``2d`` and holds one block's activations again while it recomputes; the logits in the compute dtype and
-  the loss's float32 softmax, split as the head is. A pipeline (``P > 1``) is costed by
+* **memory** (:func:`memory_terms`, against ``Cluster.device_memory`` less :data:`MEMORY_HEADROOM`): float32
+  parameters (4 B) and AdamW's two moments (8 B) per parameter a device holds — the blocks' ``1/(T·P)``; the
+  embedding, positions and LayerNorms whole under TP (dtx replicates them) — the moments divided by ``D`` from ZeRO
+  stage 1 on, the parameters at stage 3; gradients (4 B; ``/D`` from stage 2 on a GPU); the compute copy (2 B,
+  whole under ZeRO-3 too: the gathered weights are kept from the forward to the backward pass); activations per
+  block and token in bytes by Korthikanti et al. (arXiv 2205.05198, Table 2, 16-bit): ``d·(34 + 5aS/d)`` without
+  remat, ``d·(10 + 24/T + 5aS/(dT))`` under TP, ``/T`` of it all under SP; ``dots`` (their selective
+  recomputation) drops the ``5aS/d`` scores; ``full`` keeps the block input ``2d`` and holds one block's
+  activations again while it recomputes; the logits' gradient in the compute dtype and the loss's float32 softmax
+  (6 B per logit), split as the head is; the tied embedding's second gradient (4 B per ``V·d``: the lookup's,
+  a scatter into zeros, apart from the head's until the two are summed; ``/D`` under ZeRO-3, and under ZeRO with
+  TP, which splits the table's gradient); with ``M > 1`` the accumulated gradient (4 B per parameter held, ``/D``
+  from ZeRO stage 2: :mod:`dtx.step.accumulate` carries it beside each micro-batch's own). On a GPU
+  (``backend="gpu"``, the planner's tables) the terms are summed: a bound on the step's peak (gradients and
+  activations are not all live at once), unchecked on a GPU. On XLA:CPU (``backend="xla_cpu"``, what ``--verify``
+  compiles) the model is its buffer assignment's, read at the peak of the development twins (tests/test_lm_memory.py
+  names them; they read 0.615–0.847 of the compiled peak before these terms, 0.948–1.023 after, the held-out
+  twins 0.947–1.084): the parameters and moments, then the larger of two phases — the head's backward (the compute
+  copy in **float32**, 4 B: XLA:CPU rounds each weight through bf16 and keeps the result as float32; the
+  activations in float32, twice Korthikanti et al.'s; 10 B per logit, the bf16 gradient and a float32 copy of it
+  for each of the head's two products; the tied embedding's second gradient, whose zeros XLA:CPU allocates in the
+  forward pass; the accumulator) or the update (every gradient whole, 4 B: XLA:CPU all-reduces whole and slices
+  under ZeRO 2–3 too, and the all-reduce's out-of-place result, 4 B more). At --verify's twins (vocabulary 50257,
+  width 256) the head's backward is the peak. A pipeline (``P > 1``) is costed by
   :mod:`dtx.perf.lm_pipeline` as dtx runs it: its 1F1B keeps ``min(2P − 1, M)`` stage inputs in flight (the
   lock-step schedule's table, not PipeDream-Flush's ``P − s``) and each stage's activations for one micro-batch.
 
-:func:`best` keeps the fastest plan that fits; :func:`why` says why in one sentence. What dtx runs: data
+:func:`best` keeps the fastest plan that fits, its modelled memory at most ``1 − MEMORY_HEADROOM`` (90 %)
+of the device's; :func:`why` says why in one sentence. What dtx runs: data
 parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
 ``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
 stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages, with or
@@ -47,6 +64,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from dtx.perf import decoder, lm_pipeline
+from dtx.perf.decoder import ACTIVATION_WIDENING, COMPUTE, COMPUTE_COPY
 from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 
@@ -60,7 +78,19 @@ MICRO = (1, 2, 4, 8, 16, 32, 64)  # gradient accumulation steps (or pipeline mic
 # heads, 128 positions, V = 50257, 16 sequences; and each of 32 sequences, V = 25000, 3 blocks, 256 positions),
 # checked on held-out shapes and on the tensor, SP, ZeRO and remat plans (`dtx simulate --verify`).
 ELEMENTWISE = dict(logit=19.7, width=381.0, score=36.5, update=27.3)
-PARAM, GRAD, ADAM, COMPUTE = 4, 4, 8, 2  # bytes per parameter: float32 master, gradient, AdamW moments; bf16 copy
+PARAM, GRAD, ADAM = 4, 4, 8  # bytes per parameter: float32 master, gradient, AdamW moments (bf16 copy: COMPUTE)
+BACKENDS = ("gpu", "xla_cpu")  # whose memory a plan models (module docstring, **memory**)
+# Per backend: bytes per logit at the head's backward (the bf16 logits' gradient and the loss's float32 softmax; on
+# XLA:CPU the bf16 gradient and a float32 copy for each of the head's two products); the compute copy's bytes and the
+# activations' widening are dtx.perf.decoder's (shared with the pipeline's model). Read from the development cases'
+# buffer assignments.
+LOGIT_BYTES = dict(gpu=COMPUTE + 4, xla_cpu=COMPUTE + 2 * 4)
+# The fraction of a GPU's memory a chosen plan leaves free: the model's largest shortfall against XLA:CPU's compiled
+# peak, 5.3 % on the held-out twins (D4xT2 ZeRO-1 M=2 reads 0.947; tests/test_lm_memory.py) and 5.2 % on the
+# development ones (D2xT2+SPxP2 0.948; of the ZeRO-1 pipeline twin's 5.0 %, 4.4 % is the allocator's
+# fragmentation: its temporaries' allocation over their live peak), with as much again for what no twin measures
+# (a GPU's own runtime buffers and allocator; the GPU terms are a sum, a bound, but unchecked on a GPU).
+MEMORY_HEADROOM = 0.10
 
 
 class PlanError(ValueError):
@@ -141,7 +171,7 @@ class LMPlan:
     p2p_bytes: float
     grad_bytes: float
     memory: dict
-    update_flops: float = 0.0  # of flops: the optimizer's update (a pipeline's --verify reads its slots apart)
+    update_flops: float = 0.0  # of flops: the optimizer's update, outside the micro-batch loop (--verify reads it apart)
 
     @property
     def time(self) -> float:
@@ -200,11 +230,14 @@ class LMPlan:
 
 def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, tensor: int = 1, stages: int = 1,
          zero: int = 0, policy: str = "none", sp: bool = False, micro: int = 1, reduce_bytes: int = 4,
-         tensor_element: int = COMPUTE) -> LMPlan:
+         tensor_element: int = COMPUTE, backend: str = "gpu") -> LMPlan:
     """The plan's time, bytes and memory (module docstring); ``tensor_element``: the element the tensor layout's
     activation collectives move (the compute dtype's, bf16, as on a GPU; XLA:CPU carries them as float32, 4);
     ``reduce_bytes``: the gradients' element size
-    (GPT-2 small's experiment reduces in float32)."""
+    (GPT-2 small's experiment reduces in float32); ``backend``: whose memory (:func:`memory_terms`): ``"gpu"`` (the
+    planner's) or ``"xla_cpu"`` (what ``--verify``'s twins compile to)."""
+    if backend not in BACKENDS:
+        raise PlanError(f"backend={backend!r}: one of {', '.join(BACKENDS)}")
     if nodes % (tensor * stages) or shape.layers % stages or shape.heads % tensor:
         raise PlanError(f"{nodes} GPUs as tensor {tensor} x stages {stages} of {shape.layers} blocks, "
                         f"{shape.heads} heads: does not divide")
@@ -216,9 +249,10 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
             raise PlanError(f"the planned pipeline takes ZeRO-1 over data shards (D = {data} here) and no remat "
                             f"policy (zero={zero}, policy={policy})")
         figures = lm_pipeline.costs(shape, cluster, nodes, global_batch, tensor, stages, micro, ELEMENTWISE,
-                                    reduce_bytes=reduce_bytes, element=tensor_element, sp=sp, zero=zero)
+                                    reduce_bytes=reduce_bytes, element=tensor_element, sp=sp, zero=zero,
+                                    backend=backend)
         return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, **figures)
-    e, s, d = COMPUTE, shape.seq, shape.width
+    s, d = shape.seq, shape.width
     b = global_batch // (data * micro)  # sequences per micro-batch of a data shard
     shard_tokens = global_batch * s / data  # the tokens of one data shard per step
     # The busiest stage: its L/P blocks and the tied head with the loss (the last stage; all of it when P = 1).
@@ -237,15 +271,37 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     tensor_s = tensor_bytes / cluster.local_bandwidth + micro * collectives / stages * cluster.local_latency
     p2p_bytes = p2p_s = 0.0
     grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro)
+    memory = memory_terms(shape, b, data, tensor, zero, policy, sp, micro, backend)
+    return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, flops, compute_s,
+                  tensor_s, p2p_s, grad_s, tensor_bytes, p2p_bytes, grad_bytes, memory, update_flops=update)
+
+
+def memory_terms(shape: LMShape, b: int, data: int, tensor: int, zero: int, policy: str, sp: bool, micro: int,
+                 backend: str = "gpu") -> dict:
+    """Bytes per device of a one-stage plan (``P = 1``), ``b`` sequences per micro-batch of a data shard, by term
+    (module docstring, **memory**); their sum is the modelled peak. ``"gpu"``: every term at once (a bound on the
+    step's phases, unchecked on a GPU); ``"xla_cpu"``: the persistent state and the larger of the two phases whose
+    terms XLA:CPU's buffer assignment holds at its peak (the head's backward or the update), the sizes it keeps."""
+    v, d, s = shape.vocab, shape.width, shape.seq
+    blocks = shape.layers * shape.block_params
+    held = blocks / tensor + (shape.params - blocks)  # the rest whole (TP replicates it)
+    cpu = backend == "xla_cpu"
+    wide = ACTIVATION_WIDENING[backend]
     act = shape.layers * b * s * shape.activation_bytes(tensor, sp, policy)
     if policy == "full":  # the block being recomputed holds its activations again
         act += b * s * shape.activation_bytes(tensor, sp, "none")
-    logits = b * s * shape.vocab * (e + 4) / tensor  # bf16 logits and the loss's float32 softmax
-    memory = dict(params=PARAM * held / (data if zero == 3 else 1), grads=GRAD * held / (data if zero >= 2 else 1),
-                  optimizer=ADAM * held / (data if zero >= 1 else 1), compute_copy=COMPUTE * held,
-                  activations=act + logits)
-    return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, flops, compute_s,
-                  tensor_s, p2p_s, grad_s, tensor_bytes, p2p_bytes, grad_bytes, memory)
+    persistent = dict(params=PARAM * held / (data if zero == 3 else 1),
+                      optimizer=ADAM * held / (data if zero >= 1 else 1))
+    accumulator = GRAD * held / (data if zero >= 2 else 1) if micro > 1 else 0.0  # dtx.step.accumulate's carry
+    head = dict(compute_copy=COMPUTE_COPY[backend] * held, activations=wide * act,
+                logits=b * s * v * LOGIT_BYTES[backend] / tensor,
+                embedding_grad=GRAD * v * d / (data if zero == 3 or (zero and tensor > 1) else 1),
+                accumulator=accumulator)
+    if not cpu:  # every term at once; ZeRO 2-3 reduce-scatter the gradients (1/D)
+        return dict(persistent, grads=GRAD * held / (data if zero >= 2 else 1), **head)
+    reduced = GRAD * held if data * tensor > 1 else 0.0  # the all-reduce's result, out of place, whole
+    update = dict(grads=GRAD * held, reduced=reduced, accumulator=accumulator)
+    return dict(persistent, **max(head, update, key=lambda phase: sum(phase.values())))
 
 
 def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, reduce_bytes: int = 4,
@@ -280,36 +336,49 @@ def _key(p: LMPlan) -> tuple:
     return (round(p.time, 12), p.micro, p.zero, POLICIES.index(p.policy), p.tensor * p.stages, p.sp)
 
 
+def usable(cluster: Cluster) -> float:
+    """The device memory a plan may fill: all but :data:`MEMORY_HEADROOM` of it."""
+    return (1 - MEMORY_HEADROOM) * cluster.device_memory
+
+
+def fits(p: LMPlan, cluster: Cluster) -> bool:
+    """Whether the plan's modelled memory leaves :data:`MEMORY_HEADROOM` of the device free."""
+    return p.memory_bytes <= usable(cluster)
+
+
 def best(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, **kwargs) -> dict:
-    """The fastest plan that fits the device's memory (``chosen``), the fastest one dtx runs (``runnable``), the
-    fastest data-parallel plan without ZeRO or remat and whether it fits (``plain``), and every candidate."""
+    """The fastest plan that fits the device's memory less :data:`MEMORY_HEADROOM` (``chosen``), the fastest one
+    dtx runs (``runnable``), the fastest data-parallel plan without ZeRO or remat and whether it fits (``plain``),
+    and every candidate that fits (``fitting``)."""
     every = candidates(shape, cluster, nodes, global_batch, **kwargs)
-    fitting = sorted((p for p in every if p.memory_bytes <= cluster.device_memory), key=_key)
+    fitting = sorted((p for p in every if fits(p, cluster)), key=_key)
     plain = min((p for p in every if p.tensor == p.stages == 1 and not p.zero and p.policy == "none"),
-                key=lambda p: (not p.memory_bytes <= cluster.device_memory, _key(p)), default=None)
+                key=lambda p: (not fits(p, cluster), _key(p)), default=None)
     return dict(chosen=fitting[0] if fitting else None, fastest=min(every, key=_key, default=None),
                 runnable=next((p for p in fitting if p.runnable), None), plain=plain, fitting=fitting)
 
 
 def why(found: dict, cluster: Cluster) -> str:
-    """One sentence: why the chosen plan won over plain data parallelism (and what it trades)."""
+    """One sentence: why the chosen plan won over plain data parallelism (and what it trades); "fits" is within the
+    device's memory less :data:`MEMORY_HEADROOM`."""
     chosen, plain = found["chosen"], found["plain"]
+    gib, room = cluster.device_memory / 2**30, usable(cluster) / 2**30
     if chosen is None:
-        return "nothing fits the device's memory"
+        return f"nothing fits the device's memory ({room:.1f} of {gib:.0f} GiB, {MEMORY_HEADROOM:.0%} kept free)"
     if plain is None:
         return (f"{chosen.global_batch} sequences do not split over {chosen.nodes} data shards; {chosen.text()} is "
-                f"the fastest split that fits ({chosen.memory_bytes / 2**30:.1f} GiB)"
+                f"the fastest split that fits ({chosen.memory_bytes / 2**30:.1f} of {room:.1f} GiB)"
                 + _trade(chosen, found["fastest"]))
-    gib = cluster.device_memory / 2**30
     if chosen is plain:
-        return (f"plain data parallelism fits ({plain.memory_bytes / 2**30:.1f} of {gib:.0f} GiB) and nothing is "
+        return (f"plain data parallelism fits ({plain.memory_bytes / 2**30:.1f} of {room:.1f} GiB, "
+                f"{MEMORY_HEADROOM:.0%} of {gib:.0f} kept free) and nothing is "
                 f"faster: its gradient all-reduce {plain.grad_s * 1e3:.3g} ms beside {plain.compute_s * 1e3:.3g} ms "
                 "of compute")
-    if plain.memory_bytes > cluster.device_memory:
+    if not fits(plain, cluster):
         over = max(plain.memory, key=plain.memory.get)
-        return (f"plain data parallelism needs {plain.memory_bytes / 2**30:.1f} GiB (> {gib:.0f}; {over} "
-                f"{plain.memory[over] / 2**30:.1f} GiB); {chosen.text()} is the fastest that fits "
-                f"({chosen.memory_bytes / 2**30:.1f} GiB)" + _trade(chosen, found["fastest"]))
+        return (f"plain data parallelism needs {plain.memory_bytes / 2**30:.1f} GiB (> {room:.1f}: {gib:.0f} less "
+                f"{MEMORY_HEADROOM:.0%}; {over} {plain.memory[over] / 2**30:.1f} GiB); {chosen.text()} is the "
+                f"fastest that fits ({chosen.memory_bytes / 2**30:.1f} GiB)" + _trade(chosen, found["fastest"]))
     return (f"{plain.time / chosen.time:.2f}x faster than plain data parallelism ({plain.time * 1e3:.3g} ms: "
             f"gradients {plain.grad_s * 1e3:.3g} ms); {chosen.text()}: compute {chosen.compute_s * 1e3:.3g} ms, "
             f"tensor {chosen.tensor_s * 1e3:.3g} ms, gradients {chosen.grad_s * 1e3:.3g} ms")

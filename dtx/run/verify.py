@@ -115,28 +115,70 @@ def verify_layers(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.
     kernels = _kernel_specs(plan)
     modules = capture_layers(model, input_shape)
     checks = []
-    arriving, width = PartitionSpec(_batch_entry(mesh)), None  # the batch arrives split over every device
+    batch = PartitionSpec(_batch_entry(mesh))
+    arriving, width = batch, None  # the batch arrives split over every device
+    outputs = {}  # layer -> (output spec, width): where a residual network's branches find it
+    moves, _ = _redistribution(plan, cluster)
     for layer in plan.layers:
         module, in_shape = modules[layer.name]
         x_shape = (plan.global_batch, *in_shape)
+        if layer.source is not None:  # a residual network: the input arrives where its source left it
+            arriving, width = _source_spec(layer.source, outputs, batch)
         compiled, arriving, width = _layer_program(module, x_shape, dtype, mesh,
                                                    activations.carried(arriving, width, x_shape),
-                                                   kernels.get(layer.name))
+                                                   kernels.get(layer.name), moved=layer.name in moves)
+        outputs[layer.name] = (arriving, width)
         # The layer alone: an output layer's hand-over to the loss belongs to the whole step's row.
         predicted = _layer_bytes(plan, layer, cluster, algorithm)
         checks.append(Check(
-            layer.name, plan.choice(layer.name), layer.train_flops * plan.global_batch / plan.nodes,
+            layer.name, plan.choice(layer.name), layer_flops(plan, layer),
             flops_lib.compiled_flops(compiled) or 0.0, sum(predicted), hlo.total(compiled).bytes_sent))
     return checks
 
 
+def layer_flops(plan: perfmodel.Plan, layer) -> float:
+    """A layer's training FLOPs per device as XLA counts them: forward and both backward products (``train_flops``,
+    3 × forward) on the device's share, and one FLOP per parameter the device holds (a split layer's ``1/G``):
+    XLA's cost analysis counts the parameter gradient's accumulation once more (measured: 9·C_in·C_out/G more on
+    ResNet-18's 3×3 convolutions over 1×1 maps, 1.023 of the layer without it; 1/G of a Dense layer's weights on the
+    speech DNN's, 0.5 MFLOP on fc2 at G = 8; the 2.1 % of VGG-A's fc8 at 64 nodes)."""
+    held = layer.weights / (plan.group_size if layer.name in plan.sharded else 1)
+    return layer.train_flops * plan.global_batch / plan.nodes + held
+
+
+def step_flops(plan: perfmodel.Plan) -> float:
+    """The whole step's FLOPs per device from its layers' (:func:`layer_flops`), less the first layer's input
+    gradient: the step differentiates with respect to the parameters, and the first layer's input is the batch, so
+    no product computes it (the per-layer programs do: they hand a gradient on). The optimizer's update is
+    :func:`dtx.tools.plancheck.with_update`'s (it depends on the optimizer)."""
+    first = plan.layers[0]
+    return sum(layer_flops(plan, layer) for layer in plan.layers) - first.forward_flops * plan.global_batch / plan.nodes
+
+
 def _layer_bytes(plan: perfmodel.Plan, layer, cluster: Cluster, algorithm: str = "ring", last: bool = False):
-    """The model's ``(activation, gradient)`` bytes of ``layer`` in ``plan``: split by rows or as it chose."""
+    """The model's ``(activation, gradient)`` bytes of ``layer`` in ``plan``: split by rows or as it chose, and a
+    residual network's branch moved to its add's layout (:func:`dtx.perf.model.redistribution`)."""
     if layer.name in plan.rows:
         return row_split.row_bytes(layer, plan.nodes, plan.global_batch, plan.group_size, cluster.bytes_per_element,
                                    algorithm)
-    return perfmodel.layer_bytes(layer, plan.nodes, plan.global_batch, plan.group_size, layer.name in plan.sharded,
-                                 cluster.bytes_per_element, algorithm, last)
+    act, grad = perfmodel.layer_bytes(layer, plan.nodes, plan.global_batch, plan.group_size,
+                                      layer.name in plan.sharded, cluster.bytes_per_element, algorithm, last)
+    return act + _redistribution(plan, cluster)[0].get(layer.name, 0.0), grad
+
+
+def _redistribution(plan: perfmodel.Plan, cluster: Cluster):
+    split = [name for name in plan.sharded if name not in plan.rows]
+    return perfmodel.redistribution(plan.layers, split, plan.nodes, plan.global_batch, plan.group_size,
+                                    cluster.bytes_per_element)
+
+
+def _source_spec(source, outputs, batch: PartitionSpec):
+    """``(spec, width)`` where ``source`` (:func:`dtx.perf.layers.sources`) leaves a layer's input: a layer's output
+    spec, a join's when its branches agree, else (and for the model's input) the batch split over every device."""
+    if isinstance(source, frozenset):
+        members = [_source_spec(member, outputs, batch) for member in source]
+        return members[0] if all(m == members[0] for m in members) else (batch, None)
+    return outputs.get(source, (batch, None))
 
 
 def _dtype(cluster: Cluster):
@@ -164,7 +206,8 @@ class _Alone(nn.Module):
         return self.layer(x)
 
 
-def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionSpec, kernel_spec: PartitionSpec | None):
+def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionSpec, kernel_spec: PartitionSpec | None,
+                   moved: bool = False):
     """Compile forward + input gradient + weight gradient of one layer as the plan lays it out.
 
     The layer runs under the same :class:`dtx.parallel.ActivationLayout` interception as
@@ -194,8 +237,11 @@ def _layer_program(module: nn.Module, x_shape, dtype, mesh, arriving: PartitionS
         y, vjp = jax.vjp(forward, params, x)
         return y, *vjp(dy)  # the weight gradient lands where the weight lives, the input's where it came from
 
-    program = jax.jit(forward_backward, in_shardings=(param_shardings, named(arriving), named(out_spec)),
-                      out_shardings=(named(out_spec), param_shardings, named(arriving)))
+    # A moved branch (a residual add's split operand) hands its output over on the batch split, and takes its
+    # gradient back from there: where the add is.
+    given = PartitionSpec(_batch_entry(mesh), *[None] * (len(y.shape) - 1)) if moved else out_spec
+    program = jax.jit(forward_backward, in_shardings=(param_shardings, named(arriving), named(given)),
+                      out_shardings=(named(given), param_shardings, named(arriving)))
     return flops_lib.compile_to_read(program.lower(params, x, jax.ShapeDtypeStruct(y.shape, y.dtype))), out_spec, y.shape[-1]
 
 
@@ -219,8 +265,9 @@ def compile_plan_step(model: nn.Module, input_shape: Sequence[int], plan: perfmo
 def step_check(compiled: Any, plan: perfmodel.Plan, cluster: Cluster) -> Check:
     """Predicted against compiled FLOPs and bytes of a plan's whole step (:func:`compile_plan_step`)."""
     predicted = sum(sum(_layer_bytes(plan, layer, cluster, last=layer is plan.layers[-1])) for layer in plan.layers)
-    return Check("step", "whole step", sum(l.train_flops for l in plan.layers) * plan.global_batch / plan.nodes,
-                 flops_lib.compiled_flops(compiled) or 0.0, predicted, hlo.total(compiled).bytes_sent)
+    predicted += _redistribution(plan, cluster)[1]  # a moved branch's gradient, moved again by its norm's backward
+    return Check("step", "whole step", step_flops(plan), flops_lib.compiled_flops(compiled) or 0.0, predicted,
+                 hlo.total(compiled).bytes_sent)
 
 
 def group_totals(checks: Sequence[Check]) -> list[Check]:

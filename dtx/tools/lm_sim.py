@@ -48,7 +48,7 @@ HELD_OUT = (
     (dict(layers=2, width=192, heads=6, seq=64), 16, (2, 1, "none", False, 1), 1),
     (dict(layers=4, width=320, heads=10, seq=96), 32, (1, 2, "dots", False, 1), 1),
     (dict(layers=2, width=128, heads=4, seq=256), 8, (4, 0, "full", True, 1), 1),
-    (dict(layers=4, width=256, heads=4, seq=64), 16, (2, 0, "none", True, 2), 4),
+    (dict(layers=4, width=256, heads=4, seq=64), 32, (2, 0, "none", True, 2), 4),
     (dict(layers=2, width=192, heads=6, seq=128), 32, (1, 0, "dots", False, 1), 2),
 )
 
@@ -118,30 +118,58 @@ def as_json(table: list[dict]) -> list[dict]:
             for r in table]
 
 
-def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4) -> list[dict]:
-    """Compile the printed runnable plans of 8 nodes and :data:`KINDS` at the twin's shape (module docstring)."""
-    twin = dataclasses.replace(load_shape(path)[0], **TWIN)
+def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4, held_out: bool = True) -> list[dict]:
+    """Compile the printed runnable plans of 8 nodes and :data:`KINDS` at the twin's shape, then (``held_out``) the
+    :data:`HELD_OUT` rows at theirs (module docstring); each row says whether its kind was ``fitted`` at the twin
+    (the planner's constants were read from it) or is ``held_out``."""
+    base = load_shape(path)[0]
+    twin = dataclasses.replace(base, **TWIN)
     wanted = []
     for row in table:
         if row["nodes"] == VERIFY_NODES and row["runnable"] is not None:
             p = row["runnable"]
             wanted.append((p.tensor, p.zero, p.policy, p.sp, p.stages))
     wanted += [k for k in KINDS if k not in wanted]
-    out = []
-    for tensor, zero, policy, sp, stages in wanted:
-        if twin.layers % stages:
-            continue  # the twin's 2 blocks: pipelines of 2 stages
-        p = lm_plan.plan(twin, cluster, VERIFY_NODES, TWIN_BATCH, tensor=tensor, zero=zero, policy=policy, sp=sp,
-                         stages=stages, micro=stages, reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT)
-        start = time.perf_counter()
-        flops, sent, peak = compiled_figures(path, p)
-        ratios = (flops / p.flops, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
-        out.append(dict(plan=p.text(), predicted_flops=p.flops, compiled_flops=flops, flops_ratio=ratios[0],
-                        predicted_bytes=p.bytes_sent, compiled_bytes=sent, bytes_ratio=ratios[1],
-                        predicted_memory=p.memory_bytes, compiled_memory=peak, memory_ratio=p.memory_bytes / peak,
-                        within=all(abs(r - 1) <= VERIFY_TOLERANCE for r in ratios),
-                        compile_s=time.perf_counter() - start))
-    return out
+    cases = [(twin, TWIN_BATCH, kind, kind[4], "fitted" if kind in FITTED else "twin") for kind in wanted
+             if twin.layers % kind[4] == 0]  # the twin's 2 blocks: pipelines of 2 stages
+    if held_out:
+        cases += [(dataclasses.replace(base, **shape), batch, kind, micro, "held out")
+                  for shape, batch, kind, micro in HELD_OUT]
+    return [verify_one(path, cluster, shape, batch, kind, micro, reduce, role) for shape, batch, kind, micro, role
+            in cases]
+
+
+def verify_one(path: str, cluster: Cluster, shape: lm_plan.LMShape, batch: int, kind: tuple, micro: int,
+               reduce: int = 4, role: str = "held out") -> dict:
+    """One ``--verify`` row: the plan ``kind`` = ``(tensor, zero, policy, sp, stages)`` of ``shape`` at
+    :data:`VERIFY_NODES` with ``batch`` sequences in ``micro`` micro-batches, compiled and held to the model."""
+    tensor, zero, policy, sp, stages = kind
+    p = lm_plan.plan(shape, cluster, VERIFY_NODES, batch, tensor=tensor, zero=zero, policy=policy, sp=sp,
+                     stages=stages, micro=micro, reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT,
+                     backend="xla_cpu")  # the program compiled here is XLA:CPU's: its memory terms (lm_plan)
+    start = time.perf_counter()
+    flops, sent, peak = compiled_figures(path, p)
+    predicted = read_flops(p)
+    ratios = (flops / predicted, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
+    return dict(plan=p.text(), shape=shape_text(shape, batch), role=role, predicted_flops=predicted,
+                compiled_flops=flops, flops_ratio=ratios[0], predicted_bytes=p.bytes_sent, compiled_bytes=sent,
+                bytes_ratio=ratios[1], predicted_memory=p.memory_bytes, compiled_memory=peak,
+                memory_ratio=p.memory_bytes / peak, within=all(abs(r - 1) <= VERIFY_TOLERANCE for r in ratios),
+                compile_s=time.perf_counter() - start)
+
+
+def read_flops(p: lm_plan.LMPlan) -> float:
+    """The FLOPs per device of ``p`` as :func:`compiled_figures` reads them: XLA's cost analysis counts a loop's
+    body once (:mod:`dtx.perf.flops`), so a step accumulating ``M`` micro-batches (``P = 1``) reads as one
+    micro-batch's work and the update outside the loop; a pipeline's slots are read apart and times ``M``."""
+    if p.stages > 1 or p.micro == 1:
+        return p.flops
+    return (p.flops - p.update_flops) / p.micro + p.update_flops
+
+
+def shape_text(shape: lm_plan.LMShape, batch: int) -> str:
+    """``L x d, a heads, S positions, B sequences``: a verify row's shape."""
+    return f"{shape.layers}x{shape.width}, {shape.heads} heads, {shape.seq} positions, {batch} sequences"
 
 
 def twin_overrides(p: lm_plan.LMPlan) -> list[str]:
@@ -222,8 +250,11 @@ def print_verified(verified: list[dict]) -> None:
     print(f"\nverify: each plan compiled at {VERIFY_NODES} emulated CPU devices (nothing runs) at the width-scaled "
           f"twin ({TWIN}, {TWIN_BATCH} sequences); per device per step, XLA's FLOPs and the HLO's bytes sent against "
           "dtx.perf.lm_plan")
+    print("  (fitted: a kind the planner's constants were read from, at the twin; held out: chosen and committed "
+          "before it was first compiled, at another shape)")
     for row in verified:
         flag = "" if row["within"] else f"  outside {VERIFY_TOLERANCE:.0%}"
+        print(f"  [{row['role']}: {row['shape']}]")
         print(f"  {row['plan']:<30} GFLOP model {row['predicted_flops'] / 1e9:.4f} XLA "
               f"{row['compiled_flops'] / 1e9:.4f}"
               f" ratio {row['flops_ratio']:.4f}; MB model {row['predicted_bytes'] / 1e6:.3f} XLA "
