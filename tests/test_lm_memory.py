@@ -25,6 +25,7 @@ import pytest
 
 from dtx.perf import lm_plan
 from dtx.perf.clusters import get_cluster
+from dtx.tools import lm_sim
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = os.path.join(REPO, "experiments", "gpt2_small.py")
@@ -44,21 +45,9 @@ def held_out_plan(tensor, zero, policy, sp, stages, micro, backend="xla_cpu"):
 def compiled_peak(p: lm_plan.LMPlan) -> int:
     """XLA:CPU's per-device peak of the plan's compiled step at its twin shape (lm_sim.compiled_figures' build,
     without its FLOPs and bytes: a pipeline's slots are not compiled again)."""
-    import jax
-
-    from dtx import config as config_lib
     from dtx.perf import memory as memory_lib
-    from dtx.run import setup
-    from dtx.tools import lm_sim
 
-    config = config_lib.load(GPT2, lm_sim.twin_overrides(p))
-    mesh = setup.make_mesh(config)
-    inputs = setup.load_data(config, mesh)
-    parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), parts.abstract_state,
-                         parts.placement.state)
-    compiled = setup.compile_step(setup.make_step(config, parts, mesh), state, inputs.loader.batch(0))
-    return memory_lib.compiled_peak(compiled)
+    return memory_lib.compiled_peak(lm_sim.compile_plan(GPT2, p)[2])
 
 
 @pytest.fixture(scope="module")

@@ -195,30 +195,29 @@ def _local_devices(mesh) -> int:
 def _smaller_runs(config: ConfigDict, mesh, devices: int, available: float, estimate) -> list[str]:
     """The largest global batch, and the most devices, whose estimate fits ``available`` (a data-parallel
     layout's: every device a batch shard), as overrides."""
-    out = []
     accum, batch = micro_batches(config), config.global_batch_size
     step = mesh.size * accum  # a global batch must split over the devices and the micro-batches
-    for smaller in range(batch - step, 0, -step):
-        try:
-            e = estimate(global_batch=smaller)
-        except (ValueError, TypeError):
-            continue
-        if e.total * devices + HOST_ALLOWANCE <= available:
-            out.append(f"--config.global_batch_size={smaller} ({_gib(e.total * devices)})")
-            break
+    out = _first_fitting(available, "global_batch_size", range(batch - step, 0, -step),
+                         lambda smaller: (estimate(global_batch=smaller), devices))
     single_axis = len(config.mesh) == 1 and config.mesh[0][1] == -1  # the mesh follows the device count
     if config.emulate_cpu_devices and single_axis and jax.process_count() == 1:
-        for fewer in range(devices - 1, 0, -1):
-            if batch % (fewer * accum):
-                continue
-            try:
-                e = estimate(nodes=fewer)
-            except (ValueError, TypeError):
-                continue
-            if e.total * fewer + HOST_ALLOWANCE <= available:
-                out.append(f"--config.emulate_cpu_devices={fewer} ({_gib(e.total * fewer)})")
-                break
+        out += _first_fitting(available, "emulate_cpu_devices",
+                              [fewer for fewer in range(devices - 1, 0, -1) if batch % (fewer * accum) == 0],
+                              lambda fewer: (estimate(nodes=fewer), fewer))
     return out
+
+
+def _first_fitting(available: float, key: str, values, estimate) -> list[str]:
+    """``[--config.KEY=VALUE (its total)]`` for the first of ``values`` whose ``estimate(value)`` — ``(per-device
+    estimate, devices)`` — fits ``available`` with the allowance; ``[]`` if none (or none can be estimated)."""
+    for value in values:
+        try:
+            e, count = estimate(value)
+        except (ValueError, TypeError):
+            continue
+        if e.total * count + HOST_ALLOWANCE <= available:
+            return [f"--config.{key}={value} ({_gib(e.total * count)})"]
+    return []
 
 
 def _twin_command(config: ConfigDict) -> str:

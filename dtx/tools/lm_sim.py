@@ -183,12 +183,23 @@ def twin_overrides(p: lm_plan.LMPlan) -> list[str]:
 def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float, float]:
     """``(FLOPs, bytes sent, peak memory)`` per device of the plan's compiled step (``dtx train``'s own parts;
     the peak as :func:`dtx.perf.memory.compiled_peak` reads XLA's ``memory_analysis``)."""
-    import jax
-
-    from dtx import config as config_lib
     from dtx.comm import hlo
     from dtx.perf import flops as flops_lib
     from dtx.perf import memory as memory_lib
+
+    parts, mesh, compiled = compile_plan(path, p)
+    if p.stages > 1:
+        return _pipeline_figures(parts, mesh, p, compiled) + (float(memory_lib.compiled_peak(compiled)),)
+    return (float(flops_lib.compiled_flops(compiled)), float(hlo.total(compiled).bytes_sent),
+            float(memory_lib.compiled_peak(compiled)))
+
+
+def compile_plan(path: str, p: lm_plan.LMPlan):
+    """``(parts, mesh, compiled step)`` of the plan ``p`` at its shape: the experiment at ``path`` with the plan's
+    overrides, built and compiled by ``dtx train``'s own parts from the state's shapes (nothing runs)."""
+    import jax
+
+    from dtx import config as config_lib
     from dtx.run import setup
 
     config = config_lib.load(path, twin_overrides(p))
@@ -197,11 +208,7 @@ def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float, float]
     parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), parts.abstract_state,
                          parts.placement.state)
-    compiled = setup.compile_step(setup.make_step(config, parts, mesh), state, inputs.loader.batch(0))
-    if p.stages > 1:
-        return _pipeline_figures(parts, mesh, p, compiled) + (float(memory_lib.compiled_peak(compiled)),)
-    return (float(flops_lib.compiled_flops(compiled)), float(hlo.total(compiled).bytes_sent),
-            float(memory_lib.compiled_peak(compiled)))
+    return parts, mesh, setup.compile_step(setup.make_step(config, parts, mesh), state, inputs.loader.batch(0))
 
 
 def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, float]:
