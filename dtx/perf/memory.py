@@ -19,6 +19,10 @@ of the policy's params, compute and reduce dtypes), the layer runs in a mode:
   (:func:`_fsdp_mode`): **gather the weights** (whole gradient, all-reduced),
   **gather the activations** (``B·in`` kept, a ``1/N`` gradient, nothing to
   reduce) or **contract** the local slices (``B·out`` kept, ``1/N`` gradient).
+  In a chain a layer's input arrives as the layer before left it; in a residual network
+  (``Layer.source``, :func:`dtx.perf.layers.sources`) as its source left it, an add of
+  branches split by examples if any branch is (:func:`_arriving`), and a branch added to
+  one split by features gathers its activations (:func:`_partners`).
   XLA sometimes decides otherwise (docs/memory.md lists where).
 
 Categories (``MemoryEstimate``):
@@ -70,7 +74,7 @@ import numpy as np
 
 from dtx.parallel.layouts import LAYOUTS, Layout, get_layout
 from dtx.perf.model import Plan
-from dtx.perf.layers import Layer, analyze
+from dtx.perf.layers import INPUT, Join, Layer, analyze, join_members, joins
 from dtx.perf.memory_profile import POOL_INDEX_ARRAYS, Stash, activation_profile, model_terms  # noqa: F401
 from dtx.precision import Policy
 
@@ -123,7 +127,8 @@ def _tensors(layer: Layer) -> list[tuple[int, ...]]:
     return [tuple(layer.kernel_shape)] + ([(bias,)] if bias else [])
 
 
-def _fsdp_mode(layer: Layer, n: int, batch: float, arriving: str) -> tuple[str, str]:
+def _fsdp_mode(layer: Layer, n: int, batch: float, arriving: str, gathered: bool = False,
+               pulled: bool = False) -> tuple[str, str]:
     """How XLA's SPMD partitioner runs an ``fsdp`` layer, and how it leaves the activations.
 
     The kernel is split along its largest dimension ``n`` divides (:mod:`dtx.parallel`).
@@ -132,12 +137,19 @@ def _fsdp_mode(layer: Layer, n: int, batch: float, arriving: str) -> tuple[str, 
     weights. Split on the input features, it gathers the weights while the batch
     arrives split by examples, else it contracts the local slices and all-reduces
     the whole-batch output (replicated). A model of its choice, read from the
-    compiled programs of the zoo (docs/memory.md).
+    compiled programs of the zoo (docs/memory.md). ``gathered``: a layer of a graph whose input another layer
+    (its sibling, same source) already gathers; a tie (kernel = whole-batch input) then goes to the activations
+    (ResNet-18 width 16's stage-4 projection beside its block's first convolution; a tie whose input no sibling
+    gathers goes to the weights: ResNet-50 width 8's stage-3 last 1×1 convolutions). ``pulled``: the layer's
+    output is added to a branch already split by features (ResNet-50's projection shortcut beside its block's
+    last 1×1 convolution): the add asks its output split by features too, and a kernel split on its output
+    features gathers the activations.
     """
     shape = layer.kernel_shape
     dim = next(d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0)
     if dim == len(shape) - 1:
-        if math.prod(shape) > batch * layer.in_elements:
+        if math.prod(shape) > batch * layer.in_elements or pulled or (
+                gathered and math.prod(shape) == batch * layer.in_elements):
             return "gather_activations", "features"
         return "gather_weights", "batch"
     if dim == len(shape) - 2 and arriving != "batch":
@@ -157,6 +169,34 @@ def _scattered(grads: Sequence[float], kept: Sequence[float], i: int) -> float:
     its ``1/N`` accumulator, ``carry``); ZeRO-1 sums whole micro-batch gradients first (``kept == grads``).
     """
     return grads[i] + (kept[i] if kept[i] != grads[i] else 0.0) + sum(kept[i + 1:])
+
+
+def _partners(layers: Sequence[Layer]) -> dict[str, list]:
+    """Per layer of a graph, the other branches of each :data:`dtx.perf.layers.Join` its output is one of."""
+    out: dict[str, list] = {}
+    for join in joins({layer.name: layer.source for layer in layers if layer.source is not None}):
+        for member in join:
+            if isinstance(member, str) and member != INPUT:
+                out.setdefault(member, []).extend(other for other in join if other != member)
+    return out
+
+
+def _arriving(source: Any, left: Mapping[str, str]) -> str:
+    """How the activations a graph's layer takes arrive under ``fsdp`` (:func:`_fsdp_mode`), from where its
+    input comes (:func:`dtx.perf.layers.sources`) and how each layer left its output (``left``).
+
+    The model's input arrives split by examples. A :data:`dtx.perf.layers.Join` (a residual add) is split by
+    examples when any branch is, else as its first branch (by :func:`dtx.perf.layers.join_members`). Read from
+    ResNet-18 width 16's compiled program (docs/memory.md): its stage-3 add of a contracted block (whole batch)
+    and a projection on gathered weights (split by examples) feeds a convolution on gathered weights; its stage-4
+    add of a contracted block and a projection on gathered activations (split by features) feeds contracting
+    convolutions. (In a chain's order the layer before each block is its projection: the model ran stage 4's last
+    block on gathered weights, 1.41 × the compiled peak.)
+    """
+    if isinstance(source, Join):
+        branches = [_arriving(member, left) for member in join_members(source)]
+        return "batch" if "batch" in branches else branches[0]
+    return "batch" if source == INPUT else left.get(source, "batch")
 
 
 def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, global_batch: int, group_size: int = 1,
@@ -225,6 +265,9 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
     params = optim = accumulator = 0.0
     modes, by_layer = {}, {}
     arriving = "batch"  # fsdp: how the previous layer left the activations (XLA's choice propagates)
+    left: dict[str, str] = {}  # fsdp: how each layer left its output, for a graph's layers (_arriving)
+    gathers: set = set()  # fsdp: the sources whose activations a graph's layer gathers (whole batch)
+    partners = _partners(layers)  # fsdp: per layer of a graph, the branches its output is added to
     for i, layer in enumerate(layers):
         w, s = layer.weights, (stash or {}).get(layer.name) or Stash((layer.in_elements + layer.out_elements) * e_c)
         stored_split = params_split and _fsdp_divisible(layer.kernel_shape, n)
@@ -237,13 +280,20 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
             # A split 1×1 convolution's gathered input is gathered again in the backward pass instead
             # (measured on XLA:CPU, ResNet-50 at G = 2: twice the forward's all-gathers).
         elif stored_split:
-            mode, arriving = _fsdp_mode(layer, n, micro, arriving)
+            if layer.source is not None:  # a graph (a residual network): the input's own source, not the layer before
+                arriving = _arriving(layer.source, left)
+            pulled = any(_arriving(other, left) == "features" for other in partners.get(layer.name, ()))
+            mode, arriving = _fsdp_mode(layer, n, micro, arriving, layer.source is not None and layer.source in gathers,
+                                        pulled)
+            if mode == "gather_activations" and layer.source is not None:
+                gathers.add(layer.source)
             shards = 1 if mode == "gather_weights" else n
             act += micro * e_c * {"gather_weights": 0, "gather_activations": layer.in_elements,
                                   "contracting": layer.out_elements}[mode]
         if cpu and i == 0 and layer.kind == "conv":  # XLA:CPU re-lays out the batch for a first convolution
             act += b * layer.in_elements * e_c
         modes[layer.name], by_layer[layer.name] = mode, act
+        left[layer.name] = arriving if layer.source is None or mode != "data" else _arriving(layer.source, left)
         stored = _split(_tensors(layer), n) if params_split else w / shards
         params += stored * e_p
         state_split = state_split_everywhere and _fsdp_divisible(layer.kernel_shape, n)
@@ -323,15 +373,16 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
 
     Measured (benchmarks/memory_model.py, held-out table; docs/memory.md): FSDP, whose peak depends on
     which layers XLA's SPMD partitioner runs on gathered weights, gathered activations or contracted
-    slices and on when it gathers them (held-out rows 0.62 to 1.41 of XLA's); accumulation under ``jit`` with
-    kernels split over ``model`` (each model group's gradient summed apart, :mod:`dtx.step.accumulate`; no held-out
-    row measures it: whole gradients per device read 0.96 and 1.01); a compute
+    slices and on when it gathers them (held-out rows 0.62 to 1.14 of XLA's; residual networks, whose adds
+    now decide how a layer's input arrives, 0.82 to 1.14, tests/test_residual_memory.py); accumulation under
+    ``jit`` with kernels split over ``model`` (each model group's gradient summed apart, :mod:`dtx.step.accumulate`;
+    no held-out row measures it: whole gradients per device read 0.96 and 1.01); a compute
     dtype narrower than float32 on XLA:CPU, which computes in float32 and keeps converted copies (0.68 to 0.90).
     """
     lay = get_layout(layout)
     if lay.zero_stage == 3:
         return ("FSDP: XLA's partitioner chooses per layer whether to gather weights or activations and when; "
-                "held-out FSDP rows were 0.62-1.41x the compiled peak (with parallel.reduce=once: MLPs 0.93-1.00, "
+                "held-out FSDP rows were 0.62-1.14x the compiled peak (with parallel.reduce=once: MLPs 0.93-1.00, "
                 "conv nets 0.43-0.70)")
     if accum_steps > 1 and not explicit and lay.kernels != "none":
         return ("gradient accumulation under jit with kernels split over model (each model group's gradient summed "
