@@ -112,7 +112,7 @@ class ActivationLayout:
             name, x = "/".join(module.path), args[0]
             if graph.get(name) is not None and graph[name] != produced[-1][2]:
                 # A branch (a shortcut projection) or a join (a residual add): it arrives where its source left it.
-                produced.append((*self._source_spec(graph[name], produced[0][0], outputs), None))
+                produced.append((*source_spec(graph[name], outputs, produced[0][0], None), None))
             if name in self.kernels and _column_split(module, self.kernels[name]):
                 inside.append(name)
                 try:
@@ -135,19 +135,6 @@ class ActivationLayout:
             return out
 
         return nn.intercept_methods(constrain)
-
-    def _source_spec(self, source, model_input: PartitionSpec | None, outputs: Mapping) -> tuple:
-        """``(spec, width)`` of a layer's input from ``source`` (:func:`dtx.perf.layers.sources`): a layer's output
-        where that layer left it; a join of branches (a residual add) where they all are, or the batch split over
-        every device when they differ (the add then moves the split branch there: an all-to-all, and one back for
-        its gradient; :mod:`dtx.perf.model` charges it)."""
-        if isinstance(source, frozenset):
-            members = [self._source_spec(member, model_input, outputs) for member in source]
-            first = members[0]
-            return first if all(m == first for m in members) else (None, None)
-        if source == "":
-            return model_input, None
-        return outputs.get(source, (None, None))
 
     def _model_parallel(self, module: nn.Module, x: jax.Array, arriving: PartitionSpec) -> jax.Array:
         """A column-split Dense/Conv as Das et al. §3.2 run it, with explicit collectives.
@@ -256,6 +243,20 @@ def carried(spec: PartitionSpec | None, width: int | None, x_shape) -> Partition
             and _is_model(spec[-1]) and x_shape[-1] == width):
         return PartitionSpec(spec[0], *[None] * (len(x_shape) - 2), spec[-1])
     return spec
+
+
+def source_spec(source, outputs: Mapping, model_input: PartitionSpec | None, batch: PartitionSpec | None) -> tuple:
+    """``(spec, width)`` where ``source`` (:func:`dtx.perf.layers.sources`) leaves a layer's input: a layer's output
+    where that layer left it (``outputs``: layer -> its output's ``(spec, width)``); ``model_input`` for the model's
+    input; a join of branches (a residual add) where they all are, or ``batch`` (the batch split over every device)
+    when they differ -- the add then moves the split branch there (an all-to-all, and one back for its gradient;
+    :mod:`dtx.perf.model` charges it). The layout and :mod:`dtx.run.verify`'s per-layer programs share the rule."""
+    if isinstance(source, frozenset):
+        members = [source_spec(member, outputs, model_input, batch) for member in source]
+        return members[0] if all(m == members[0] for m in members) else (batch, None)
+    if source == "":
+        return model_input, None
+    return outputs.get(source, (batch, None))
 
 
 def _graph(root: nn.Module, x) -> dict:

@@ -123,7 +123,7 @@ def verify_layers(model: nn.Module, input_shape: Sequence[int], plan: perfmodel.
         module, in_shape = modules[layer.name]
         x_shape = (plan.global_batch, *in_shape)
         if layer.source is not None:  # a residual network: the input arrives where its source left it
-            arriving, width = _source_spec(layer.source, outputs, batch)
+            arriving, width = activations.source_spec(layer.source, outputs, batch, batch)
         compiled, arriving, width = _layer_program(module, x_shape, dtype, mesh,
                                                    activations.carried(arriving, width, x_shape),
                                                    kernels.get(layer.name), moved=layer.name in moves)
@@ -170,15 +170,6 @@ def _redistribution(plan: perfmodel.Plan, cluster: Cluster):
     split = [name for name in plan.sharded if name not in plan.rows]
     return perfmodel.redistribution(plan.layers, split, plan.nodes, plan.global_batch, plan.group_size,
                                     cluster.bytes_per_element)
-
-
-def _source_spec(source, outputs, batch: PartitionSpec):
-    """``(spec, width)`` where ``source`` (:func:`dtx.perf.layers.sources`) leaves a layer's input: a layer's output
-    spec, a join's when its branches agree, else (and for the model's input) the batch split over every device."""
-    if isinstance(source, frozenset):
-        members = [_source_spec(member, outputs, batch) for member in source]
-        return members[0] if all(m == members[0] for m in members) else (batch, None)
-    return outputs.get(source, (batch, None))
 
 
 def _dtype(cluster: Cluster):
