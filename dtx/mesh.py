@@ -5,17 +5,26 @@ A mesh is described as data — a sequence of ``(axis_name, size)`` pairs such a
 their topology in a config file. One size may be ``-1``: it takes
 whatever devices the other axes leave.
 
-Every axis carries the batch: data parallelism (the Hitchhiker's Guide §3.1; Das
-et al. §2) splits the global batch over all of them, so a data-parallel layer sees
-``1/N`` of the batch on each of the ``N`` devices whatever the mesh's shape. A 2D
-data mesh such as ``[("node", 2), ("local", 4)]`` is thus pure data parallelism,
-laid out so hierarchical all-reduce can use the two levels. The ``model`` axis
-means more only to model-parallel layers (:mod:`dtx.parallel`): there it is the
-group of Das et al. §3.3 that gathers a layer's input and splits its weights.
+Each axis name says what it does, declared by the parallelism that owns it (:class:`Axis`,
+:data:`AXES`): ``data`` (and ``node``/``local``, the two levels hierarchical all-reduce uses)
+holds data replicas; ``fsdp`` holds replicas whose train state is split over it (ZeRO, FSDP);
+``stage`` holds a pipeline's stages; ``model`` a model-parallel group. A name no parallelism
+declares is refused (:func:`check_axes`), naming those that exist, so a typo or an axis of a
+parallelism not built cannot silently split the batch.
+
+Batches are placed split over every axis whose devices do not share one stream of examples
+(:func:`batch_axes`): data parallelism (the Hitchhiker's Guide §3.1; Das et al. §2) splits the
+global batch over all of them, so a data-parallel layer sees ``1/N`` of the batch on each of the
+``N`` devices whatever the mesh's shape. A 2D data mesh such as ``[("node", 2), ("local", 4)]``
+is thus pure data parallelism, laid out so hierarchical all-reduce can use the two levels. The
+``model`` and ``stage`` axes gather a data shard's rows inside their group where they need them:
+the group of Das et al. §3.3 that gathers a layer's input and splits its weights, a pipeline's
+stages that share a data shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -25,12 +34,65 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MODEL_AXIS = "model"
+FSDP_AXIS = "fsdp"
 
 MeshSpec = Sequence[tuple[str, int]]
 
 
 class MeshError(ValueError):
     """A mesh description or batch size that does not fit the devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """What a mesh axis does, declared once by the parallelism that owns it.
+
+    Attributes:
+      name: the axis name in meshes and ``--config.mesh``.
+      parallelism: the parallelism that declares it (its package or layout).
+      replicas: whether its devices are data replicas (different examples, the same model): the gradient is
+        reduced over it. Otherwise its devices share a data shard's examples (a pipeline's stages, a model group).
+      state: whether the train state (parameters, gradients, optimizer state) is split over it: ZeRO and FSDP
+        over an ``fsdp`` axis; its stage is that parallelism's setting.
+      batch: whether dtx places batches split over it (:func:`batch_axes`). An axis whose devices need the whole
+        sequence or the same rows without gathering them (a future ``context`` axis) declares False.
+      doc: one line for errors and docs.
+    """
+
+    name: str
+    parallelism: str
+    replicas: bool
+    state: bool = False
+    batch: bool = True
+    doc: str = ""
+
+
+AXES: dict[str, Axis] = {}
+
+
+def declare_axis(axis: Axis) -> Axis:
+    """Register ``axis`` (a parallelism's module does this at import); the same declaration again is a no-op."""
+    if axis.name in AXES and AXES[axis.name] != axis:
+        raise MeshError(f"mesh axis {axis.name!r} is declared twice: by {AXES[axis.name].parallelism} and by "
+                        f"{axis.parallelism}")
+    AXES[axis.name] = axis
+    return axis
+
+
+# Data parallelism is every mesh's default: its axes are declared here, the others by their parallelisms.
+for _name, _doc in (("data", "data replicas"), ("node", "data replicas, the nodes of hierarchical all-reduce"),
+                    ("local", "data replicas, the devices of a node in hierarchical all-reduce")):
+    declare_axis(Axis(_name, "data", replicas=True, doc=_doc))
+
+
+def check_axes(names: Sequence[str], where: str = "mesh") -> None:
+    """Refuse an axis name no parallelism declares, naming the declared ones and what each does."""
+    unknown = [name for name in names if name not in AXES]
+    if unknown:
+        known = "; ".join(f"{a.name!r} ({a.parallelism}: {a.doc})" for a in AXES.values())
+        raise MeshError(f"{where} axis {', '.join(map(repr, unknown))} is declared by no parallelism, so dtx cannot "
+                        f"tell whether it splits the batch or the model; the axes are: {known}. Rename it "
+                        "(e.g. --config.mesh='((\"data\", -1),)') or declare it with dtx.mesh.declare_axis")
 
 
 def emulate_cpu_devices(count: int) -> None:
@@ -113,7 +175,7 @@ def make_mesh(spec: MeshSpec = (("data", -1),), devices: Sequence[jax.Device] | 
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the batch (of data-parallel layers) is split over: every axis.
+    """The mesh axes batches are placed split over: every declared axis that takes the batch (:class:`Axis`).
 
     Leaving one out would make the devices along it compute the same examples
     twice: with a ``model`` axis of size ``G``, every convolution ``G`` times over.
@@ -125,12 +187,30 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def group_batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes a model-parallel layer's batch is split over: every axis but ``model``.
+    """The axes a model-parallel layer's batch is split over: every batch axis but ``model``.
 
     The ``G`` devices of a model group share their examples at such a layer (its
     input is gathered inside the group) and each computes ``1/G`` of its outputs.
     """
-    return tuple(name for name in mesh.axis_names if name != MODEL_AXIS)
+    check_axes(mesh.axis_names)
+    return tuple(name for name in mesh.axis_names if name != MODEL_AXIS and AXES[name].batch)
+
+
+def replica_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes whose devices are data replicas (the gradient is reduced over them): ``data``, ``node``,
+    ``local``, ``fsdp``; not a pipeline's ``stage`` nor a ``model`` group."""
+    check_axes(mesh.axis_names)
+    return tuple(name for name in mesh.axis_names if AXES[name].replicas)
+
+
+def state_axes(mesh: Mesh, over: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The axes ZeRO/FSDP split the train state over: the mesh's ``fsdp`` axes (the state axes), or where it has
+    none every axis of ``over`` (default :func:`batch_axes`): ``parallel.name=fsdp`` (zero1, zero2) on a plain
+    data mesh splits the state over every device, as ZeRO does. With both a ``data`` and an ``fsdp`` axis the
+    state is split over ``fsdp`` and replicated over ``data`` (hybrid sharding: HSDP)."""
+    check_axes(mesh.axis_names)
+    split = tuple(name for name in mesh.axis_names if AXES[name].state)
+    return split or tuple(batch_axes(mesh) if over is None else over)
 
 
 def data_parallel_size(mesh: Mesh) -> int:

@@ -464,7 +464,7 @@ def test_dtx_train_runs_the_pipeline_like_one_device(tmp_path, mlp_runs):
 
 @pytest.mark.parametrize("overrides,says", [
     (("--config.parallel.schedule=1f1b",), "'parallel.schedule' is now 'pipeline.schedule'"),
-    (("--config.pipeline.schedule=1f1b",), "pipeline.schedule='1f1b' applies to parallel.name=pipeline only"),
+    (("--config.pipeline.schedule=1f1b",), "pipeline.schedule='1f1b' applies to pipelines only"),
     (PIPELINE[:1] + PIPELINE[2:], "'stage' axis"),
     (PIPELINE + ("--config.grad_accum_steps=2",),
      "grad_accum_steps=2 with pipeline.microbatches=4.*--config.pipeline.microbatches=8"),

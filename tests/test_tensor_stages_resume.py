@@ -60,7 +60,7 @@ def _restore(directory, model, tx, example, mesh, plan=None):
         abstract = pp.abstract_state(model, tx, example, plan)
         shardings = pp.state_shardings(abstract, mesh, plan)
     convert = relayout_lib.relayout(model, tx, example, tree, abstract, shardings, mesh, plan,
-                                    lambda parallel: parallel.get("name") == "pipeline")
+                                    lambda saved: (saved.get("parallel") or {}).get("name") == "pipeline")
     with checkpoint_lib.Checkpointer(directory, read_only=True) as checkpointer:
         resumed = checkpointer.resume(checkpoint_lib.abstract_target(abstract, shardings), relayout=convert)
     assert resumed.step == SAVED
@@ -213,7 +213,7 @@ def test_the_saved_model_size_is_read_from_its_mesh_or_from_the_rows(runs):
     tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
     tree = abstract_train_state(model, tx, example)
     adapt = relayout_lib.relayout(model, tx, example, tree, tree, None, data8, None,
-                                  lambda parallel: parallel.get("name") == "pipeline")
+                                  lambda saved: (saved.get("parallel") or {}).get("name") == "pipeline")
     config = {**CONFIGS["split"], "mesh": [["stage", 2], ["model", -1]]}
     narrow = [2, split.rows_shape[1] - 1]
     with pytest.raises(PipelineError, match=rf"rows \[2, {narrow[1]}\].*not split over model.* the layout it was saved"):

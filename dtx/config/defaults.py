@@ -38,7 +38,9 @@ def base_config() -> ConfigDict:
     # Persistent XLA compilation cache: "auto" (the user's cache folder, $XDG_CACHE_HOME/dtx/jax or
     # ~/.cache/dtx/jax; $DTX_COMPILATION_CACHE overrides it), a folder, or "" (off).
     c.compilation_cache = "auto"
-    c.mesh = (("data", -1),)  # (axis, size) pairs; every axis but "model" splits the batch
+    # (axis, size) pairs, each axis declared by a parallelism (dtx.mesh.AXES): data/node/local replicas, fsdp
+    # (replicas, the state split over them), stage (pipeline), model (kernels split); any subset composes
+    c.mesh = (("data", -1),)
     c.distributed = "auto"  # join a multi-process job when launched as one (dtx launch, SLURM, ...); "off"
     c.watchdog_seconds = 300.0  # abort when no step completes for this long (0: off)
     # A process of a multi-process job that sends no heartbeat for this long is declared dead and the
@@ -110,6 +112,11 @@ def base_config() -> ConfigDict:
     c.tensor = ConfigDict()
     c.tensor.sequence_parallel = False
     c.tensor.zero_stage = 0  # ZeRO over the data axes: 1 optimizer state, 2 and gradients, 3 and parameters
+
+    # An "fsdp" mesh axis (data replicas with the train state split over them; beside a "data" axis: hybrid
+    # sharding, HSDP): which ZeRO stage it runs. With parallel.name=data (or tensor, or a "stage" axis) it composes.
+    c.fsdp = ConfigDict()
+    c.fsdp.zero_stage = 3  # 1 the optimizer state, 2 and the gradients, 3 and the parameters (FSDP)
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

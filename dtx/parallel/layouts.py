@@ -52,6 +52,10 @@ from dtx.parallel.activations import ActivationLayout, activation_layout
 from dtx.parallel.rules import PartitionError
 from dtx.parallel.stages import STAGE_AXIS, row_spec
 
+mesh_lib.declare_axis(mesh_lib.Axis(
+    mesh_lib.MODEL_AXIS, "model", replicas=False,
+    doc="a model-parallel group: kernels split over it (model, hybrid, rules, or Megatron's tensor pairs)"))
+
 KERNEL_SPLITS = ("none", "all", "dense", "explicit", "paired")
 REDUCE = ("per_microbatch", "once")  # parallel.reduce: when FSDP reduces the gradients under accumulation
 
@@ -236,11 +240,54 @@ def get_layout(layout: str | Layout) -> Layout:
 
 def configured(config) -> Layout:
     """The layout ``config.parallel.name`` with the ``parallel.*`` settings that are fields of its declaration
-    (``parallel.reduce``) applied."""
+    (``parallel.reduce``) applied, composed with the parallelisms its mesh's axes bring (:func:`compose`)."""
     chosen = get_layout(config.parallel.name)
     own = {key: config.parallel[key] for key in chosen.settings if key in config.parallel
            and key in {field.name for field in dataclasses.fields(Layout)}}
-    return dataclasses.replace(chosen, **own) if own else chosen
+    chosen = dataclasses.replace(chosen, **own) if own else chosen
+    return compose(chosen, tuple(name for name, _ in config.mesh), config.fsdp.zero_stage)
+
+
+def _zero(stage: int) -> Layout:
+    """The layout that splits the state over the data axes at ZeRO stage ``stage`` and does nothing else."""
+    return next(layout for layout in LAYOUTS.values() if layout.kernels == "none" and not layout.stages
+                and layout.zero_stage == stage)
+
+
+def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3) -> Layout:
+    """``layout`` (a ``parallel.name`` preset) with the parallelisms the mesh's ``axes`` declare.
+
+    A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
+    stage, an ``fsdp`` axis ZeRO over each stage's row: :mod:`dtx.step.pipeline_zero`); an ``fsdp`` axis makes a
+    replicated preset ZeRO at ``fsdp_stage`` and gives a Megatron preset that stage over it. Presets that already
+    split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
+    compose is refused, naming the axes and the presets that take them."""
+    mesh_lib.check_axes(axes, "--config.mesh")
+    if STAGE_AXIS in axes and not layout.stages:
+        if layout.replicated or (layout.kernels == "paired" and not layout.zero_stage):
+            return LAYOUTS["pipeline"]
+        raise PartitionError(f"parallel.name={layout.name!r} does not compose with a {STAGE_AXIS!r} mesh axis: "
+                             "pipeline stages take Megatron's split over 'model' and ZeRO over 'fsdp'; use "
+                             "parallel.name=data (the mesh's axes decide) or drop the stage axis")
+    if mesh_lib.FSDP_AXIS in axes and not layout.stages:
+        if fsdp_stage not in (1, 2, 3):
+            raise PartitionError(f"fsdp.zero_stage={fsdp_stage!r}: choose 1 (optimizer state), 2 (and gradients) "
+                                 "or 3 (and parameters)")
+        if layout.replicated:
+            return _zero(fsdp_stage)
+        if layout.kernels == "paired":
+            return dataclasses.replace(layout, zero_stage=fsdp_stage)
+        if layout.kernels != "none":
+            raise PartitionError(f"parallel.name={layout.name!r} does not compose with an 'fsdp' mesh axis (it "
+                                 "splits kernels as Das et al.'s model or hybrid parallelism, and its model-axis "
+                                 "activations are laid out for replicated parameters); use parallel.name=tensor "
+                                 "or data with an fsdp axis, or a 'data' axis with this preset")
+    return layout
+
+
+def fsdp_stage(config) -> int:
+    """The ZeRO stage of a run's ``fsdp`` axis (``fsdp.zero_stage``), 0 where its mesh has none."""
+    return int(config.fsdp.zero_stage) if any(name == mesh_lib.FSDP_AXIS for name, _ in config.mesh) else 0
 
 
 # The functions of the layouts by name, for code that holds a name (configs, the memory model's callers).
@@ -260,6 +307,21 @@ def check_config(config) -> None:
     """``parallel.name`` is a registered layout, and a ``parallel.*`` setting goes only to a layout that takes it
     (``parallel.rules``: to ``rules``), a layout's own block (``tensor.*``) only to that layout."""
     chosen = get_layout(config.parallel.name)
+    axes = tuple(name for name, _ in config.mesh)
+    composed = compose(chosen, axes, config.fsdp.zero_stage)  # undeclared axes, presets that do not compose
+    stage = config.fsdp.zero_stage
+    if mesh_lib.FSDP_AXIS not in axes and stage != 3:
+        raise ConfigError(f"fsdp.zero_stage={stage!r} sets the ZeRO stage of an 'fsdp' mesh axis, and the mesh "
+                          f"{tuple(config.mesh)} has none: add one, e.g. --config.mesh='((\"data\", 2), (\"fsdp\", "
+                          "-1))', or leave fsdp.zero_stage at its default 3")
+    if mesh_lib.FSDP_AXIS in axes:
+        for key in ("tensor.zero_stage", "pipeline.zero_stage"):
+            block, name = key.split(".")
+            if config[block][name]:
+                raise ConfigError(f"{key}={config[block][name]!r} with an 'fsdp' mesh axis: the axis's ZeRO stage is "
+                                  f"fsdp.zero_stage ({stage}); set that and leave {key} at 0")
+    if composed.stages and not chosen.stages:  # the axes made it a pipeline: the pipeline's settings apply
+        chosen = composed
     reduce = config.parallel.get("reduce", REDUCE[0])
     if reduce != REDUCE[0]:  # before the generic refusal: zero2's own hint, an unknown value, k = 1
         try:

@@ -96,8 +96,9 @@ def megatron_rules(abstract_params: Any, mesh: Mesh, layout: str = "tensor", dat
 
 
 def _over_data(rules: list, leaves: dict, mesh: Mesh) -> list[tuple[str, P]]:
-    """Each parameter's rule with the data axes added along its largest free dimension they divide."""
-    axes = mesh_lib.group_batch_axes(mesh)
+    """Each parameter's rule with the state axes (``fsdp``, or every data axis) added along its largest free
+    dimension they divide."""
+    axes = mesh_lib.state_axes(mesh, over=mesh_lib.group_batch_axes(mesh))
     size = math.prod(mesh.shape[axis] for axis in axes)
     placed = []
     for path, leaf in leaves.items():

@@ -11,6 +11,7 @@ Rajbhandari et al. 2020), or the user's own rules (:func:`explicit_rules`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,10 @@ from dtx import mesh as mesh_lib
 from dtx.paths import named_leaves, path_str
 
 Rules = Sequence[tuple[str, PartitionSpec]]
+
+mesh_lib.declare_axis(mesh_lib.Axis(
+    mesh_lib.FSDP_AXIS, "fsdp", replicas=True, state=True,
+    doc="data replicas with the train state split over them (ZeRO stage fsdp.zero_stage: 1, 2 or 3)"))
 
 # Kernels of convolutions are rank 4 (H, W, C_in, C_out); of dense layers rank 2 (C_in, C_out).
 _CONV_KERNEL, _DENSE_KERNEL = 4, 2
@@ -112,10 +117,10 @@ def split_kernels(abstract_params: Any, mesh: Mesh, which: str, layout: str,
 
 
 def fsdp_rules(abstract_params: Any, mesh: Mesh) -> list[tuple[str, PartitionSpec]]:
-    """Every tensor split over all batch axes together along the largest dimension their size divides
+    """Every tensor split over the state axes (:func:`dtx.mesh.state_axes`: ``fsdp``, or all batch axes) together along the largest dimension their size divides
     (even shards, fewest gathers); tensors no dimension of which divides stay whole."""
-    axes = mesh_lib.batch_axes(mesh)
-    size = mesh_lib.data_parallel_size(mesh)
+    axes = mesh_lib.state_axes(mesh)
+    size = math.prod(mesh.shape[a] for a in axes)
     rules = []
     for path, leaf in named_leaves(abstract_params):
         shape = leaf.shape

@@ -39,9 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from dtx import mesh as mesh_lib
 from dtx.mesh import MODEL_AXIS
 
 STAGE_AXIS = "stage"
+mesh_lib.declare_axis(mesh_lib.Axis(STAGE_AXIS, "pipeline", replicas=False,
+                                    doc="pipeline stages, one per device; they share a data shard's examples"))
 
 
 def row_spec(mesh) -> PartitionSpec:

@@ -90,7 +90,12 @@ def collectives(gradient_shardings: Any, mesh: Mesh, *, stage: int, policy: Poli
     if stage not in (1, 2):
         raise ZeroError(f"ZeRO stage {stage} is not 1 or 2 (stage 3 is parallel.name=fsdp)")
     axes = mesh_lib.batch_axes(mesh)
-    p = mesh_lib.data_parallel_size(mesh)
+    # Hybrid sharding (an "fsdp" and a "data" axis): the slices are reduce-scattered over the state axes, then
+    # averaged over the replicas of each slice (the other batch axes): 1/S of the gradient crosses them.
+    split_axes = mesh_lib.state_axes(mesh)
+    rest = tuple(a for a in axes if a not in split_axes)
+    p = math.prod(mesh.shape[a] for a in split_axes)
+    replicas = mesh_lib.data_parallel_size(mesh) // p
     dims = split_dims(gradient_shardings, mesh)
     specs = jax.tree.map(lambda s: s.spec, gradient_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     per_dim = functools.partial(jax.tree.map, is_leaf=lambda d: d is None)
@@ -103,15 +108,18 @@ def collectives(gradient_shardings: Any, mesh: Mesh, *, stage: int, policy: Poli
         leaves, tree = jax.tree.flatten(grads)
         splits = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
         whole = iter(lax.pmean([g for d, g in zip(splits, leaves) if d is None], axes))
-        out = [next(whole) if d is None else lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True) / p
+        out = [next(whole) if d is None else lax.psum_scatter(g, split_axes, scatter_dimension=d, tiled=True) / p
                for d, g in zip(splits, leaves)]
+        if rest:  # every slice averaged over its replicas in one op
+            averaged = iter(lax.pmean([g for d, g in zip(splits, out) if d is not None], rest))
+            out = [g if d is None else next(averaged) for d, g in zip(splits, out)]
         return policy.cast_to_params(jax.tree.unflatten(tree, out))
 
     def accumulator(params):  # shapes only: zeros need no collective
         return jax.tree.map(jnp.zeros_like, jax.eval_shape(scatter, params))
 
     gather = jax.shard_map(
-        lambda slices: per_dim(lambda d, x: x if d is None else lax.all_gather(x, axes, axis=d, tiled=True),
+        lambda slices: per_dim(lambda d, x: x if d is None else lax.all_gather(x, split_axes, axis=d, tiled=True),
                                dims, slices),
         # all_gather's result is the same on every worker, but this jax types it "varying"
         # (its invariant form is private): the replication checker cannot see it.
@@ -122,16 +130,17 @@ def collectives(gradient_shardings: Any, mesh: Mesh, *, stage: int, policy: Poli
         split_micro=scatter if per_micro else _identity, split_grads=_identity if per_micro else scatter,
         accumulator=accumulator if per_micro else None, specs=specs,
         slices=lambda params: jax.tree.map(lax.with_sharding_constraint, params, gradient_shardings),
-        gather=gather, traffic=lambda params: traffic(params, dims, p, accum_steps, stage, policy.reduce))
+        gather=gather, traffic=lambda params: traffic(params, dims, p, accum_steps, stage, policy.reduce, replicas))
 
 
 def split_dims(gradient_shardings: Any, mesh: Mesh) -> Any:
-    """Per gradient leaf, the dimension split over every batch axis (``None``: kept whole).
+    """Per gradient leaf, the dimension split over the state axes (``None``: kept whole).
 
     ZeRO's layouts (:func:`dtx.parallel.optimizer_rules`) split one dimension of a tensor
-    over all batch axes together, or leave it whole when no dimension divides.
+    over the state axes together (:func:`dtx.mesh.state_axes`: an ``fsdp`` axis, or every batch
+    axis), or leave it whole when no dimension divides.
     """
-    axes = mesh_lib.batch_axes(mesh)
+    axes = mesh_lib.state_axes(mesh)
 
     def dim(sharding: NamedSharding):
         split = [(i, entry) for i, entry in enumerate(sharding.spec) if entry is not None]
@@ -139,31 +148,37 @@ def split_dims(gradient_shardings: Any, mesh: Mesh) -> Any:
             return None
         (i, entry), = split  # one dimension: the rules' fsdp split
         if tuple(entry if isinstance(entry, tuple) else (entry,)) != axes:
-            raise ZeroError(f"ZeRO under shard_map splits over every batch axis {axes}; got {sharding.spec}")
+            raise ZeroError(f"ZeRO under shard_map splits over the state axes {axes}; got {sharding.spec}")
         return i
 
     return jax.tree.map(dim, gradient_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def traffic(abstract_params: Any, dims: Any, p: int, accum_steps: int, stage: int,
-            reduce_dtype: Any = None) -> costmodel.Traffic:
+            reduce_dtype: Any = None, replicas: int = 1) -> costmodel.Traffic:
     """What one worker sends per step, in :mod:`dtx.comm.hlo`'s conventions: ``(p−1)`` times the
-    slice's bytes and ``p−1`` rounds per reduce-scatter (``k`` of them under stage 2) and per
-    all-gather; the tensors kept whole are averaged in one ring all-reduce (per micro-batch under stage 2):
-    each leaf's ring bytes, one ring's rounds."""
+    slice's bytes and ``p−1`` rounds per reduce-scatter over the ``p`` state devices (``k`` of them under
+    stage 2) and per all-gather; under hybrid sharding each reduced slice's ring all-reduce over its
+    ``replicas``; the tensors kept whole are averaged in one ring all-reduce over all ``p·replicas`` workers
+    (per micro-batch under stage 2): each leaf's ring bytes, one ring's rounds."""
     messages = sent = 0
+    sliced = False
     passes = accum_steps if stage == 2 else 1
     whole = False
     for leaf, dim in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(dims, is_leaf=lambda d: d is None)):
         wire = jnp.dtype(reduce_dtype or leaf.dtype).itemsize
         n = math.prod(leaf.shape)
         if dim is None:  # averaged whole, as often as the others are scattered: one ring op for all of them
-            ring = costmodel.expected_traffic("ring", n * wire, p, None, wire)
+            ring = costmodel.expected_traffic("ring", n * wire, p * replicas, None, wire)
             messages += 0 if whole else passes * ring.messages
             sent, whole = sent + passes * ring.bytes_sent, True
             continue
         messages += (passes + 1) * (p - 1)
         sent += (p - 1) * n // p * (passes * wire + jnp.dtype(leaf.dtype).itemsize)
+        if replicas > 1:  # the slice averaged over its replicas, one ring all-reduce per pass
+            ring = costmodel.expected_traffic("ring", n // p * wire, replicas, None, wire)
+            messages += 0 if sliced else passes * ring.messages
+            sent, sliced = sent + passes * ring.bytes_sent, True
     return costmodel.Traffic(messages, sent)
 
 

@@ -14,6 +14,7 @@ times this process's devices, plus :data:`HOST_ALLOWANCE`, is held against what 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import sys
@@ -84,6 +85,10 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                   policy=policy, accum_steps=micro_batches(config),
                   backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu",
                   explicit=get_driver(config.driver).explicit)
+    split = math.prod(mesh.shape[a] for a in mesh_lib.state_axes(mesh))
+    if chosen.zero_stage and split < mesh.size:  # hybrid sharding: a device holds what FSDP over the fsdp axis
+        # alone holds, with its replicas' share of the batch (each data index a run of its own, reduced after)
+        common.update(nodes=split, global_batch=config.global_batch_size // (mesh.size // split))
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
     rules = parallel.LAYOUTS["rules"] if chosen.kernels != "none" and sharded else chosen
 

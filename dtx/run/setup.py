@@ -34,6 +34,7 @@ from dtx.paths import named_leaves
 from dtx.strategies.stragglers import Stragglers
 from dtx.step.state import TrainState, abstract_train_state, init_train_state
 from dtx.step import StepSpec, check_accumulation, check_combination, make_eval_step, make_train_step
+from dtx.parallel.stages import STAGE_AXIS
 from dtx.step import pipeline as step_pipeline
 from dtx.step import pipeline_check, pipeline_relayout
 from dtx.step.pipeline_check import micro_batches
@@ -138,7 +139,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     # backup's arrival order is the straggler model's, the one the simulated clock times (dtx.perf.simclock)
     strategy = strategies.make_strategy(config.strategy.name, stragglers=stragglers(config),
                                         **_settings(config.strategy, strategies.strategy_settings()))
-    if not parallel.get_layout(config.parallel.name).replicated and not (
+    if not parallel.configured(config).replicated and not (
             strategy.caps.identity and compressor.caps.identity):
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r} with strategy.name={config.strategy.name!r} / "
@@ -161,9 +162,12 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     if chosen.stages:  # the model's layers cut into stages; the state is their parameter rows
         pipeline, abstract_state = _pipeline(config, model, tx, example, abstract_state.params, mesh)
     settings = dict(config[chosen.block]) if chosen.block else {}  # the layout's own block (tensor.*)
+    if parallel.fsdp_stage(config):  # the fsdp axis's stage, composed into the layout (parallel.compose)
+        settings.pop("zero_stage", None)
     placement = chosen.place(abstract_state, mesh, config.parallel.rules, **settings)._replace(pipeline=pipeline)
-    if pipeline is not None and pipeline.zero_stage:  # ZeRO-1's optimizer rows split over the data axes too
-        placement = placement._replace(state=step_pipeline.state_shardings(abstract_state, mesh, pipeline.plan, 1))
+    if pipeline is not None and pipeline.zero_stage:  # ZeRO's optimizer rows (stage 3: parameter rows) split too
+        placement = placement._replace(state=step_pipeline.state_shardings(abstract_state, mesh, pipeline.plan,
+                                                                           pipeline.zero_stage))
     layout = placement.activations
     if config.driver not in placement.layout.drivers:
         raise config_lib.ConfigError(
@@ -190,13 +194,13 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
             microbatches=block.microbatches, driver=config.driver, optimizer=opt.name,
             weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
             allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
-            zero_stage=block.zero_stage)
+            zero_stage=pipeline_check.zero_stage(config))
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
                                                boundaries=block.boundaries, micro=block.microbatches,
                                                chunks=block.virtual_stages, example=example,
                                                per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay,
-                                                                                    block.zero_stage),
-                                               zero_stage=block.zero_stage,
+                                                                                    pipeline_check.zero_stage(config)),
+                                               zero_stage=pipeline_check.zero_stage(config),
                                                decay_mask=optim.path_mask(opt.exclude) if opt.weight_decay else None,
                                                sequence_parallel=config.tensor.sequence_parallel)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
@@ -281,8 +285,10 @@ def relayout(parts: Parts, mesh):
     tree_state = abstract_train_state(parts.model, parts.tx, parts.example, parts.loss_scaler, parts.strategy,
                                       parts.compressor, parts.workers)
     plan = parts.placement.pipeline.plan if parts.placement.pipeline is not None else None
-    def pipelined(saved: dict) -> bool:  # the saved run's parallel block: its layout cut stages
-        return saved.get("name") in parallel.LAYOUTS and bool(parallel.get_layout(saved["name"]).stages)
+    def pipelined(saved: dict) -> bool:  # the saved run's layout cut stages: its preset, or a stage axis
+        name = (saved.get("parallel") or {}).get("name")
+        return (name in parallel.LAYOUTS and bool(parallel.get_layout(name).stages)) or any(
+            axis == STAGE_AXIS for axis, _ in saved.get("mesh") or ())
     return pipeline_relayout.relayout(parts.model, parts.tx, parts.example, tree_state, parts.abstract_state,
                                       parts.placement.state, mesh, plan, pipelined)
 

@@ -64,7 +64,7 @@ class Pipeline:
     policy: Policy = Policy()  # compute (and the activation buffer) in policy.compute, the all-reduce in .reduce
     per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.step.pipeline_optim), not the row
     loss_scaler: LossScaler = LossScaler()  # dynamic loss scaling (float16 compute): scaled seeds, skipped steps
-    zero_stage: int = 0  # 1: the optimizer state and update split over the data axes (dtx.step.pipeline_zero)
+    zero_stage: int = 0  # 1: the optimizer state and update split over the data axes; 3: the rows too (pipeline_zero)
     decay: tuple | None = dataclasses.field(default=None, compare=False)  # ZeRO-1's weight-decay row mask, as runs
 
 
@@ -89,11 +89,12 @@ def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
 
 def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan, zero_stage: int = 0) -> TrainState:
     """Every leaf shaped like the parameter rows split over ``stage`` (and ``model``); the rest replicated. ZeRO-1:
-    the optimizer's rows split over the data axes too (:func:`dtx.step.pipeline_zero.state_shardings`)."""
+    the optimizer's rows split over the data (or ``fsdp``) axes too, ZeRO-3 the parameter rows as well
+    (:func:`dtx.step.pipeline_zero.state_shardings`)."""
     rows = plan.rows_shape
     split, whole = NamedSharding(mesh, row_spec(mesh)), NamedSharding(mesh, PartitionSpec())
     if zero_stage:
-        return pipeline_zero.state_shardings(abstract_state, mesh, rows, split)
+        return pipeline_zero.state_shardings(abstract_state, mesh, rows, split, zero_stage)
     return jax.tree.map(lambda x: split if tuple(x.shape) == rows else whole, abstract_state)
 
 
@@ -129,9 +130,10 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
     """What one device sends per step, the accountant's count (:mod:`dtx.comm.costmodel`): the all-gather over
     ``stage`` of its ``batch_bytes`` (each array's local part), the schedule's ``ppermute`` messages of one
     micro-batch's buffer (in the policy's compute dtype), the gradient row's all-reduce over the data axes (in its
-    reduce dtype; ZeRO-1: its reduce-scatter and the updated row's all-gather, :func:`pipeline_zero.traffic`),
+    reduce dtype; ZeRO: its reduce-scatter and a slice's all-gather, :func:`pipeline_zero.traffic`),
     and the ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
     data = math.prod(mesh.shape[a] for a in data_axes(mesh))
+    split = pipeline_zero.data_size(mesh)  # the devices ZeRO splits the row over (the fsdp axes, or all data axes)
     group = math.prod(mesh.shape[a] for a in _group(mesh))
     sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, group) for n in batch_bytes),
                                  tensor_traffic(plan, schedule, micro, jnp.dtype(policy.compute).itemsize))
@@ -141,7 +143,7 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
     row = jax.ShapeDtypeStruct((plan.chunks * plan.row,), policy.reduce)
     scalars = jax.ShapeDtypeStruct((records,), jnp.float32)
     if zero_stage:
-        sent = costmodel.add_traffic(sent, pipeline_zero.traffic(row, 4, data))
+        sent = costmodel.add_traffic(sent, pipeline_zero.traffic(row, 4, split, data // split))
     scored = plan.devices * positions_split(plan)  # the scalars' psum: over model too under SP
     for tree, p in ((scalars, scored), (scalars, data)) if zero_stage else (
             (row, data), (scalars, scored), (scalars, data)):
@@ -209,7 +211,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     plan, schedule = pipeline.plan, pipeline.schedule
     task, policy, scaler = pipeline.task or task_lib.classification(), pipeline.policy, pipeline.loss_scaler
     axes = data_axes(mesh)
-    sliced = bool(pipeline.zero_stage and axes)  # ZeRO-1: the row's optimizer state and update split over axes
+    sliced = bool(pipeline.zero_stage and axes)  # ZeRO: the row's optimizer state and update split over axes
+    split_rows = sliced and pipeline.zero_stage == 3  # ZeRO-3: the parameter rows too, gathered once per step
+    zero_axes, replicas = pipeline_zero.zero_axes(mesh), pipeline_zero.replica_axes(mesh)
     p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
     if schedule.chunks != plan.chunks or schedule.stages != p:
         raise StepError(f"schedule {schedule.name!r} is for {schedule.stages} devices x {schedule.chunks} chunks, "
@@ -224,7 +228,8 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
 
     def per_device(state: TrainState, batch):
         stage = lax.axis_index(STAGE_AXIS)
-        row = state.params[0]  # this device's V stage rows side by side
+        # this device's V stage rows side by side (ZeRO-3: gathered from the slices, kept for every micro-batch)
+        row = (pipeline_zero.gather_row(state.params, zero_axes) if split_rows else state.params)[0]
 
         def locate(entry):  # a table entry -> (micro-batch, virtual stage, that stage's row)
             index = jnp.maximum(entry, 0)
@@ -296,8 +301,8 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         _, _, _, grads, loss, values = carry
         grads = grads * (1.0 / m_count)  # the step's loss is the micro-batches' mean
         grads = sum_replicated(plan, grads)  # SP: the replicated leaves' gradients summed over model
-        if sliced:  # ZeRO-1: this data rank's slice of the row's mean, one reduce-scatter
-            grads = pipeline_zero.reduce_scatter(grads, axes, policy)
+        if sliced:  # ZeRO: this data rank's slice of the row's mean, one reduce-scatter (HSDP: then the replicas')
+            grads = pipeline_zero.reduce_scatter(grads, zero_axes, policy, replicas)
         elif axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
             grads = policy.cast_to_params(lax.pmean(policy.cast_to_reduce(grads), axes))
         grads = scaler.unscale(state.loss_scale, grads)
@@ -308,8 +313,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
                            (STAGE_AXIS, MODEL) if positions_split(plan) > 1 else STAGE_AXIS)
         if axes:
             scalars = lax.pmean(scalars, axes)
-        if sliced:  # the slice updated with its slice of the state, then the rows all-gathered
-            params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, axes, pipeline.decay)
+        if sliced:  # the slice updated with its slice of the state, then (ZeRO-1) the rows all-gathered
+            params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, zero_axes,
+                                                     pipeline.decay, split_rows)
         elif pipeline.per_tensor:  # each stage's update on its own tensors (LARS/LAMB's norms, weight decay's mask)
             updates, opt_state = pipeline_optim.update(tx, plan, grads[None], state.opt_state, state.params, stage)
             params = optax.apply_updates(state.params, updates)
@@ -331,7 +337,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
 
     def specs(state):
-        return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan, sliced))
+        return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan, pipeline.zero_stage if sliced else 0))
 
     def step(state, batch):
         batch_spec = PartitionSpec(mesh_lib.batch_axes(mesh))  # as every dtx batch is placed (dtx.data.loader)
@@ -353,8 +359,9 @@ def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe"
     """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
     ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
     optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
-    shape and dtype (:func:`dtx.parallel.stages.make_plan`); ``zero_stage=1``: ZeRO-1 over the data axes
-    (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them; ``decay_mask``: the optimizer's weight-decay
+    shape and dtype (:func:`dtx.parallel.stages.make_plan`); ``zero_stage=1``: ZeRO-1 over the data axes (or the
+    ``fsdp`` axes), ``3``: the parameter rows split too (:mod:`dtx.step.pipeline_zero`; the rows padded to split over
+    them; ``decay_mask``: the optimizer's weight-decay
     mask function, :func:`dtx.optim.path_mask`, which ZeRO-1 lays out as a row)."""
     pipeline_zero.check(zero_stage, per_tensor)
     stages = mesh.shape.get(STAGE_AXIS, 0)

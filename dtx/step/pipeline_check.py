@@ -20,9 +20,9 @@ import numpy as np
 
 from dtx.config import ConfigError, base_config, register_check
 from dtx.comm.algorithms import get_algorithm
-from dtx.parallel.layouts import LAYOUTS
+from dtx.parallel.layouts import LAYOUTS, configured, fsdp_stage
 from dtx.parallel.pipeline_schedules import CHUNKED, SCHEDULES
-from dtx.mesh import MODEL_AXIS
+from dtx.mesh import FSDP_AXIS, MODEL_AXIS
 from dtx.precision import parse_policy
 from dtx.parallel.stages import STAGE_AXIS
 from dtx.step.drivers import get_driver
@@ -106,31 +106,30 @@ def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_deca
     data axes to split over, LARS and LAMB (their trust ratios need each tensor whole; weight decay runs)."""
     if not zero_stage:
         return []
-    if zero_stage in (2, 3):
-        what = ("ZeRO-2 splits the gradient over the data ranks, but a pipeline accumulates each stage's gradient "
-                "row whole over its micro-batches and reduces it once per step, which pipeline.zero_stage=1 "
-                "already reduce-scatters: stage 2 would save nothing more (DeepSpeed and Megatron-LM also allow "
-                "only ZeRO-1 with pipelines)" if zero_stage == 2 else
-                "ZeRO-3 splits the parameters too, and every forward and backward slot of every micro-batch "
-                "would gather its stage's row again")
-        return [f"pipeline.zero_stage={zero_stage}: {what}; set --config.pipeline.zero_stage=1"]
-    if zero_stage != 1:
-        return [f"pipeline.zero_stage={zero_stage!r} is unknown: 0 (none) or 1 (the optimizer state split over "
-                "the data axes)"]
+    key = "fsdp.zero_stage" if FSDP_AXIS in mesh_shape else "pipeline.zero_stage"
+    if zero_stage == 2:
+        return [f"{key}=2: ZeRO-2 splits the gradient over the data ranks, but a pipeline accumulates each stage's "
+                "gradient row whole over its micro-batches and reduces it once per step, which stage 1 already "
+                "reduce-scatters: stage 2 would save nothing more (DeepSpeed and Megatron-LM also allow only ZeRO-1 "
+                f"with pipelines); set --config.{key}=1, or 3 to split the parameter rows too"]
+    if zero_stage not in (1, 3):
+        return [f"{key}={zero_stage!r} is unknown: 0 (none), 1 (the optimizer state split over the data axes) or 3 "
+                "(the parameter rows too)"]
     problems = []
     data = 1
     for name, size in mesh_shape.items():
-        data *= size if name not in (STAGE_AXIS, MODEL_AXIS) else 1
+        data *= size if name not in (STAGE_AXIS, MODEL_AXIS) and (FSDP_AXIS not in mesh_shape or
+                                                                   name == FSDP_AXIS) else 1
     if data < 2:
-        problems.append(f"pipeline.zero_stage=1 splits the optimizer state over the data axes, and the mesh "
+        problems.append(f"{key}={zero_stage} splits the stage rows' state over the data axes, and the mesh "
                         f"{dict(mesh_shape)} has no data replicas to split it over: add a data axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))', or set "
-                        "--config.pipeline.zero_stage=0")
+                        f"--config.{key}=0")
     if optimizer in PER_TENSOR_OPTIMIZERS:
-        problems.append(f"optimizer.name={optimizer!r}: pipeline.zero_stage=1 updates a slice of each stage's row, "
+        problems.append(f"optimizer.name={optimizer!r}: {key}={zero_stage} updates a slice of each stage's row, "
                         "and LARS's and LAMB's trust ratios need each tensor's whole norm: use one of "
                         f"{', '.join(ELEMENTWISE_OPTIMIZERS)} or adamw (weight decay runs, masked by "
-                        "optimizer.exclude), or set --config.pipeline.zero_stage=0")
+                        f"optimizer.exclude), or set --config.{key}=0")
     return problems
 
 
@@ -146,8 +145,20 @@ def per_tensor(optimizer: str, weight_decay: float, zero_stage: int = 0) -> bool
 
 
 def _staged(config) -> bool:
-    layout = LAYOUTS.get(config.parallel.name)
-    return layout is not None and layout.stages
+    """Whether the run is a pipeline: its preset, or a ``stage`` mesh axis that composes it
+    (:func:`dtx.parallel.layouts.compose`)."""
+    if config.parallel.name not in LAYOUTS:
+        return False
+    try:
+        return configured(config).stages
+    except ValueError:  # an undeclared axis, a preset that does not compose: the layouts' own check says so
+        return LAYOUTS[config.parallel.name].stages
+
+
+def zero_stage(config) -> int:
+    """A pipeline run's ZeRO stage over its rows: ``pipeline.zero_stage``, or the ``fsdp`` axis's
+    ``fsdp.zero_stage``."""
+    return int(config.pipeline.zero_stage) or fsdp_stage(config)
 
 
 def micro_batches(config) -> int:
@@ -165,10 +176,13 @@ def check_config(config) -> None:
         changed = [f"pipeline.{key}={block[key]!r}" for key in block if tuple(np.atleast_1d(block[key])) !=
                    tuple(np.atleast_1d(defaults[key]))]
         if changed:
-            raise ConfigError(f"{', '.join(changed)} applies to parallel.name=pipeline only, not "
-                              f"{config.parallel.name}: set --config.parallel.name=pipeline or leave pipeline.* at "
-                              "the defaults")
+            raise ConfigError(f"{', '.join(changed)} applies to pipelines only (parallel.name=pipeline, or a "
+                              f"'stage' mesh axis), not {config.parallel.name}: set --config.parallel.name=pipeline "
+                              "or leave pipeline.* at the defaults")
         return
+    stage = zero_stage(config)
+    if stage not in (0, 1, 3):  # the rest of zero_problems needs the mesh's sizes: refused with the others later
+        raise ConfigError(zero_problems(stage, {name: size for name, size in config.mesh}, "", 0.0)[0])
     m, accum = block.microbatches, config.grad_accum_steps
     if m < 1:
         raise ConfigError(f"pipeline.microbatches={m} must be >= 1 (the micro-batches per step)")

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx.mesh import MODEL_AXIS
+from dtx import mesh as mesh_lib
 from dtx.parallel.stages import PipelineError, StagePlan, make_plan
 from dtx.parallel.tensor_stages import split_over
 from dtx.step.pipeline import abstract_state
@@ -79,21 +80,21 @@ def _padded(saved: StagePlan, shape, plan: StagePlan | None) -> StagePlan:
 
 
 def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh, plan: StagePlan | None,
-             pipelined=lambda parallel: False):
+             pipelined=lambda saved_config: False):
     """``(saved config, saved arrays) -> (target, convert) | None``: how a run whose state is ``state`` (placed by
     ``shardings``; its pipeline ``plan``, None for the model's own tree ``tree_state``) restores a checkpoint saved in
     the other layout, pipeline rows or tree (:meth:`dtx.ckpt.checkpoint.Checkpointer.resume`'s ``relayout``). The
     saved state is restored replicated on ``mesh`` as it was saved, then unpacked by the saved run's plan (its stage
     count read from the saved rows, its cut and chunks from its ``pipeline`` block, its ``model`` split from its
     ``mesh``) and packed by this run's; None when the checkpoint holds no other layout of this model.
-    ``pipelined(saved parallel block)``: whether it saved rows."""
+    ``pipelined(saved config)``: whether it saved rows."""
     if jax.tree.leaves((tree_state.worker, tree_state.shared)):  # per-worker state: no pipeline ever had it
         return lambda saved_config, arrays: None
 
     def adapt(saved_config: dict, arrays: dict):
         parallel = saved_config.get("parallel") or {}
         saved_plan = None
-        if pipelined(parallel):
+        if pipelined(saved_config):
             shape = tuple(arrays.get("params", ((),))[0])
             if len(shape) != 2 or not shape[0]:
                 return None
@@ -103,7 +104,8 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
                 saved_plan = make_plan(model, tree_state.params, shape[0], tuple(cut.get("boundaries") or ()),
                                        int(cut.get("virtual_stages") or 1), example_inputs)
                 saved_plan = _split(saved_plan, tree_state.params, example_inputs, saved_config.get("mesh"), shape)
-                if int(cut.get("zero_stage") or 0):
+                axes = [name for name, _ in saved_config.get("mesh") or ()]
+                if int(cut.get("zero_stage") or 0) or mesh_lib.FSDP_AXIS in axes:  # ZeRO padded the rows
                     saved_plan = _padded(saved_plan, shape, plan)
             except ValueError:
                 return None

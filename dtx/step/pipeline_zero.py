@@ -16,10 +16,22 @@ A reduce-scatter and an all-gather of the row send what the ring all-reduce send
 step's bytes do not change; the optimizer state per device falls by ``D``. The row is padded to a multiple of ``D``
 (:attr:`dtx.parallel.stages.StagePlan.row_multiple`) so the slices are equal.
 
-Only stage 1: the gradient is accumulated whole across the micro-batches of a step (the backward slots add into it
-until the last tick) and reduced once, so partitioning it (ZeRO-2) would save nothing beyond 1 — DeepSpeed and
-Megatron allow only ZeRO-1 with pipelines for the same reason — and partitioning the parameters (ZeRO-3) would
-gather every stage's row in every slot (:func:`dtx.step.pipeline_check.check_settings` refuses both).
+**Stage 3 (FSDP) keeps the parameter rows split too** (``pipeline.zero_stage=3``, or an ``fsdp`` mesh axis at
+``fsdp.zero_stage=3``): between steps a device holds ``1/D`` of its row, its optimizer state's ``1/D`` beside it.
+A step all-gathers the row once before its first tick and keeps it through the micro-batches — gathering it again in
+every forward and backward slot would send the row ``2M`` times a step; this is PyTorch FSDP's
+``reshard_after_forward=False``, torchtitan's choice for pipeline stages — then reduce-scatters the gradient row and
+updates the slice in place: no all-gather after the update. The bytes are stage 1's (the all-gather moved from the
+step's end to its start); what falls is the state a device keeps (and checkpoints) between steps: the parameters'
+``(D−1)/D`` besides the optimizer state's.
+
+Stage 2 is refused: the gradient is accumulated whole across the micro-batches of a step (the backward slots add
+into it until the last tick) and reduced once, so partitioning it would save nothing beyond 1 — DeepSpeed and
+Megatron allow only ZeRO-1 with pipelines for the same reason (:func:`dtx.step.pipeline_check.check_settings`).
+
+**Which axes.** The row is split over the mesh's ``fsdp`` axes where it has any (:func:`dtx.mesh.state_axes`),
+else over every data axis (``pipeline.zero_stage``); with both an ``fsdp`` and a ``data`` axis (hybrid sharding) the
+reduce-scattered slice is then averaged over the ``data`` axes, ``1/D`` of the row crossing them.
 
 **Weight decay on a slice.** :mod:`dtx.optim` masks weight decay by name (``optimizer.exclude``: biases and
 LayerNorm scales are not decayed), a mask of booleans, one per leaf, that ``optax.masked`` applies leaf by leaf — but
@@ -47,11 +59,12 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dtx import mesh as mesh_lib
 from dtx.comm import costmodel
 from dtx.mesh import MODEL_AXIS
 from dtx.parallel.stages import STAGE_AXIS, PipelineError
 
-STAGES = (0, 1)  # the pipeline.zero_stage values this module runs
+STAGES = (0, 1, 3)  # the pipeline.zero_stage values this module runs
 
 
 def check(zero_stage: int, per_tensor: bool) -> None:
@@ -59,11 +72,11 @@ def check(zero_stage: int, per_tensor: bool) -> None:
     earlier, :func:`dtx.step.pipeline_check.zero_problems`): a stage but 0 and 1, and ZeRO-1 with an optimizer
     that updates each stage's tensors."""
     if zero_stage not in STAGES:
-        raise PipelineError(f"zero_stage={zero_stage!r}: a pipeline takes ZeRO stage 0 or 1 (its gradient row is "
+        raise PipelineError(f"zero_stage={zero_stage!r}: a pipeline takes ZeRO stage 0, 1 or 3 (its gradient row is "
                             "accumulated whole over the micro-batches and reduce-scattered once, so 2 saves nothing "
-                            "more; 3 would gather every stage row in every slot)")
+                            "more than 1)")
     if zero_stage and per_tensor:
-        raise PipelineError("zero_stage=1 with per_tensor=True: each data rank updates a slice of the row, and an "
+        raise PipelineError(f"zero_stage={zero_stage} with per_tensor=True: each data rank updates a slice of the row, and an "
                             "optimizer that needs each tensor whole (LARS's and LAMB's trust ratios) cannot run on "
                             "it; weight decay runs with per_tensor=False and decay_mask= the optimizer's mask "
                             "(dtx.optim.path_mask(exclude)); or set zero_stage=0")
@@ -108,9 +121,20 @@ def _data_axes(mesh) -> tuple[str, ...]:
     return tuple(name for name in mesh.axis_names if name not in (STAGE_AXIS, MODEL_AXIS))
 
 
+def zero_axes(mesh) -> tuple[str, ...]:
+    """The axes a stage row is split over: the ``fsdp`` axes, or every data axis (module docstring)."""
+    return mesh_lib.state_axes(mesh, over=_data_axes(mesh))
+
+
+def replica_axes(mesh) -> tuple[str, ...]:
+    """The data axes the row is not split over (hybrid sharding's ``data`` beside ``fsdp``): its slices'
+    replicas, averaged over after the reduce-scatter."""
+    return tuple(a for a in _data_axes(mesh) if a not in zero_axes(mesh))
+
+
 def data_size(mesh) -> int:
-    """``D``: the devices a stage row's data replicas span (the product of the data axes)."""
-    return math.prod(mesh.shape[a] for a in _data_axes(mesh))
+    """``D``: the devices a stage row is split over (the product of :func:`zero_axes`)."""
+    return math.prod(mesh.shape[a] for a in zero_axes(mesh))
 
 
 def optimizer_spec(mesh) -> PartitionSpec:
@@ -118,24 +142,34 @@ def optimizer_spec(mesh) -> PartitionSpec:
     index its own slices, :mod:`dtx.parallel.tensor_stages`) then the data axes, so device ``(s, t, d)`` holds slice
     ``d`` of its own row — the order :func:`reduce_scatter`, :func:`local_slice` and :func:`update` number the data
     ranks in."""
-    within = tuple(a for a in (MODEL_AXIS,) if a in mesh.axis_names) + _data_axes(mesh)
+    within = tuple(a for a in (MODEL_AXIS,) if a in mesh.axis_names) + zero_axes(mesh)
     return PartitionSpec(STAGE_AXIS, within or None)
 
 
-def state_shardings(abstract_state, mesh: Mesh, rows: tuple[int, int], row_sharding):
-    """The pipeline state's shardings under ZeRO-1: the parameter rows ``row_sharding`` (whole on every data
-    rank), the optimizer's row-shaped leaves :func:`optimizer_spec`, everything else replicated."""
+def state_shardings(abstract_state, mesh: Mesh, rows: tuple[int, int], row_sharding, zero_stage: int = 1):
+    """The pipeline state's shardings under ZeRO: the parameter rows ``row_sharding`` (stage 1: whole on every data
+    rank) or, stage 3, split as the optimizer's row-shaped leaves are (:func:`optimizer_spec`); everything else
+    replicated."""
     whole, sliced = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, optimizer_spec(mesh))
     pick = lambda split: lambda x: split if tuple(x.shape) == rows else whole  # noqa: E731
     shardings = jax.tree.map(pick(row_sharding), abstract_state)
-    return shardings.replace(opt_state=jax.tree.map(pick(sliced), abstract_state.opt_state))
+    shardings = shardings.replace(opt_state=jax.tree.map(pick(sliced), abstract_state.opt_state))
+    return shardings.replace(params=sliced) if zero_stage == 3 else shardings
 
 
-def reduce_scatter(grads, axes: tuple[str, ...], policy):
+def gather_row(params, axes: tuple[str, ...]):
+    """Stage 3: a device's whole ``(1, V·row)`` rows from its slices, one all-gather over ``axes`` per step."""
+    return lax.all_gather(params, axes, axis=1, tiled=True)
+
+
+def reduce_scatter(grads, axes: tuple[str, ...], policy, replicas: tuple[str, ...] = ()):
     """This rank's slice of the data replicas' mean gradient row: one reduce-scatter over ``axes`` (in the
-    policy's reduce dtype, as the all-reduce it replaces), then ``1/D``."""
+    policy's reduce dtype, as the all-reduce it replaces), then ``1/D``; under hybrid sharding the slice then
+    averaged over its ``replicas`` axes."""
     d = math.prod(lax.axis_size(a) for a in axes)
     summed = lax.psum_scatter(policy.cast_to_reduce(grads), axes, scatter_dimension=0, tiled=True)
+    if replicas:
+        summed = lax.pmean(summed, replicas)
     return policy.cast_to_params(summed) * (1.0 / d)
 
 
@@ -146,24 +180,32 @@ def local_slice(rows, axes: tuple[str, ...]):
     return lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * size, size, axis=rows.ndim - 1)
 
 
-def update(tx: optax.GradientTransformation, grads, opt_state, params, axes: tuple[str, ...], decay=None):
+def update(tx: optax.GradientTransformation, grads, opt_state, params, axes: tuple[str, ...], decay=None,
+           split: bool = False):
     """``(new parameter rows, new optimizer state)`` on one device: ``grads`` its slice of the reduced row
-    (:func:`reduce_scatter`), ``opt_state`` its slice of the state, ``params`` its whole ``(1, V·row)`` rows. An
-    element-wise optimizer on the slice is the same arithmetic as on the row; the updated slices are all-gathered.
-    ``decay``: :func:`decay_tables` where the optimizer decays by name — it is handed the slice times its mask."""
-    mine = local_slice(params, axes)
+    (:func:`reduce_scatter`), ``opt_state`` its slice of the state, ``params`` its whole ``(1, V·row)`` rows (stage
+    1; ``split``, stage 3: its slice of them). An element-wise optimizer on the slice is the same arithmetic as on
+    the row; stage 1 all-gathers the updated slices, stage 3 keeps them. ``decay``: :func:`decay_tables` where the
+    optimizer decays by name — it is handed the slice times its mask."""
+    mine = params if split else local_slice(params, axes)
     shown = mine if decay is None else mine * decay_slice(decay, lax.axis_index(STAGE_AXIS), lax.axis_index(axes),
                                                           mine.shape[-1])
     updates, opt_state = tx.update(grads[None], opt_state, shown)
-    return lax.all_gather(optax.apply_updates(mine, updates), axes, axis=1, tiled=True), opt_state
+    new = optax.apply_updates(mine, updates)
+    return (new if split else lax.all_gather(new, axes, axis=1, tiled=True)), opt_state
 
 
-def traffic(row: jax.ShapeDtypeStruct, params_itemsize: int, data: int) -> costmodel.Traffic:
-    """What one device sends for ZeRO-1's reduction (:mod:`dtx.comm.costmodel`): the ring reduce-scatter of its
-    row (``D − 1`` blocks of ``1/D``, in ``row``'s dtype) and the ring all-gather of the updated slice (in the
-    parameters' dtype)."""
+def traffic(row: jax.ShapeDtypeStruct, params_itemsize: int, data: int, replicas: int = 1) -> costmodel.Traffic:
+    """What one device sends for ZeRO's reduction (:mod:`dtx.comm.costmodel`): the ring reduce-scatter of its
+    row (``D − 1`` blocks of ``1/D``, in ``row``'s dtype), under hybrid sharding the slice's ring all-reduce over its
+    ``replicas``, and the ring all-gather of a slice (in the parameters' dtype: stage 1's updated slices after the
+    update, stage 3's stored slices before the first tick)."""
     if data <= 1:
         return costmodel.Traffic(0, 0)
     block = row.shape[0] // data
-    return costmodel.add_traffic(costmodel.Traffic(data - 1, (data - 1) * block * row.dtype.itemsize),
+    sent = costmodel.add_traffic(costmodel.Traffic(data - 1, (data - 1) * block * row.dtype.itemsize),
                                  costmodel.all_gather_traffic(block * params_itemsize, data))
+    if replicas > 1:
+        sent = costmodel.add_traffic(sent, costmodel.expected_traffic(
+            "ring", block * row.dtype.itemsize, replicas, None, row.dtype.itemsize))
+    return sent
