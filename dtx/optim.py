@@ -14,6 +14,7 @@ LAMB) that exclude biases and normalisation parameters, like weight decay does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -23,7 +24,6 @@ import optax
 
 from dtx.paths import path_str
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars", "lamb")
 SCHEDULES = ("constant", "cosine", "polynomial", "step")
 SCALING_RULES = ("none", "linear", "sqrt")
 # Biases and normalisation scales/offsets: no weight decay, no trust ratio (LARS paper §3, Goyal et al. §5).
@@ -33,7 +33,53 @@ DEFAULT_EXCLUDE = r"(^|/)(bias|scale)$"
 # parameters: the same figures), and seen again in whole training steps, where the plans of the speech DNN at 8 nodes
 # (G = 1, 4, 8) count 11.0 more per parameter a device holds under Adam than under SGD. Element-wise work, so a
 # device pays it on the parameters it holds (dtx.tools.plancheck adds it to a plan's whole step).
-UPDATE_FLOPS = {"sgd": 2, "momentum": 4, "nesterov": 6, "adam": 13, "adamw": 13, "lars": 15, "lamb": 24}
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """An optimizer, declared by what the rest of dtx needs to know of it (the memory models, the pipeline's and
+    ZeRO's checks, the planners): never by its name.
+
+    Attributes:
+      name: its ``optimizer.name``.
+      slots: parameter-shaped arrays of state it keeps per parameter (Adam's two moments, momentum's trace).
+      by_entry: its update of each entry reads only that entry's gradient and state (without weight decay), so
+        it acts on a flat row of parameters as on the tree (a pipeline's rows, ZeRO's slices).
+      whole_tensors: it needs each tensor whole: LARS's and LAMB's trust ratios ``‖w‖/‖u‖`` (You et al. 2017,
+        arXiv 1708.03888; 2019, arXiv 1904.00962), which a slice of a row cannot give.
+      masks_by_name: it decays weights masked by the leaves' names (``optimizer.exclude``) whatever the weight
+        decay, so it needs the tree where a row would hide the names (AdamW).
+      update_flops: FLOPs per parameter of one update and its application (``update`` + ``apply_updates``) as
+        XLA's cost analysis counts them, float32, no weight decay: read from each optimizer's update compiled
+        alone (4,096 and 65,536 parameters: the same figures), and seen again in whole training steps, where the
+        plans of the speech DNN at 8 nodes (G = 1, 4, 8) count 11.0 more per parameter a device holds under Adam
+        than under SGD. Element-wise work, so a device pays it on the parameters it holds.
+    """
+
+    name: str
+    slots: int
+    by_entry: bool
+    whole_tensors: bool
+    update_flops: int
+    masks_by_name: bool = False
+
+
+DECLARED: dict[str, Optimizer] = {o.name: o for o in (
+    Optimizer("sgd", slots=0, by_entry=True, whole_tensors=False, update_flops=2),
+    Optimizer("momentum", slots=1, by_entry=True, whole_tensors=False, update_flops=4),
+    Optimizer("nesterov", slots=1, by_entry=True, whole_tensors=False, update_flops=6),
+    Optimizer("adam", slots=2, by_entry=True, whole_tensors=False, update_flops=13),
+    Optimizer("adamw", slots=2, by_entry=True, whole_tensors=False, update_flops=13, masks_by_name=True),
+    Optimizer("lars", slots=1, by_entry=False, whole_tensors=True, update_flops=15),
+    Optimizer("lamb", slots=2, by_entry=False, whole_tensors=True, update_flops=24),
+)}
+OPTIMIZERS = tuple(DECLARED)
+UPDATE_FLOPS = {name: o.update_flops for name, o in DECLARED.items()}  # dtx.tools.plancheck adds it to a whole step
+
+
+def declared(name: str) -> Optimizer:
+    """The declaration of optimizer ``name`` (:class:`Optimizer`)."""
+    if name not in DECLARED:
+        raise OptimizerError(f"unknown optimizer.name {name!r}; choose one of {list(DECLARED)}")
+    return DECLARED[name]
 
 
 class OptimizerError(ValueError):

@@ -372,9 +372,13 @@ def replaces_optimizer(part: str, when: str = "") -> Callable[[Callable], Callab
 
 def check_plain_sgd(config: ConfigDict, block: str, factory: Callable | None) -> None:
     """Refuse an optimizer other than SGD under a plug-in that :func:`replaces_optimizer`'s part."""
+    from dtx.optim import DECLARED  # the optimizers' declarations (dtx.optim, on this floor)
+
     part, when = getattr(factory, "replaces_optimizer", (None, ""))
     node, optimizer = config[block], config.optimizer.name
-    if part is None or optimizer == "sgd" or (when and not node[when]):
+    declared = DECLARED.get(optimizer)
+    plain = declared is not None and declared.slots == 0 and declared.by_entry  # no state, no preconditioning
+    if part is None or plain or (when and not node[when]):
         return
     setting = f"{block}.{when}={node[when]!r} ({block} {node.name!r})" if when else f"{block}.name={node.name!r}"
     raise ConfigError(f"{setting} does the optimizer's {part} itself, so optimizer.name={optimizer!r} would apply "

@@ -7,17 +7,33 @@ into ``(regex, PartitionSpec)`` rules over the ``model`` axis (and, for FSDP ove
 over them too), refusing a width the axis does not divide with the sizes that would work. Used by the ``tensor``
 layout (:mod:`dtx.parallel.tensor`) and by pipeline stages split over ``model``
 (:mod:`dtx.parallel.tensor_stages`).
+
+And what one device runs of each split layer, written once for both (:func:`attention`, :func:`column`,
+:func:`row`): a region on this device's ``1/T`` of the heads or units, parameterised by Megatron's pair
+(:class:`Pair`): ``f``, which brings the region's input to every device of the group before its column products
+(and reduces their input gradient over ``model``), and ``g``, which reduces the row products' partial sums. The
+``tensor`` layout runs them inside ``shard_map`` regions with its own pair (sequence parallelism's ``f`` gathers
+the input again in the backward pass, so that a layer keeps ``1/T`` of it); pipeline stages run them in their
+per-device step with theirs (the backward slot re-runs the forward, so the gathered input is kept). Masks and
+dropout reach the attention the same way in both.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dtx import mesh as mesh_lib
+from dtx.models.remat import PROJECTION
 from dtx.paths import named_leaves
 from dtx.parallel.rules import PartitionError
 
@@ -110,3 +126,91 @@ def _over_data(rules: list, leaves: dict, mesh: Mesh) -> list[tuple[str, P]]:
             spec[free[0]] = axes[0] if len(axes) == 1 else axes
         placed.append((f"^{re.escape(path)}$", P(*spec)))
     return placed
+
+
+# ------------------------------------------------------------------------------------------- the regions, per device
+
+class Pair(NamedTuple):
+    """Megatron's ``f`` and ``g`` as a caller runs them (Shoeybi et al. §3, Fig. 3).
+
+    Attributes:
+      project: ``(x, [(kernel, bias), ...], dtype, precision) -> outputs``: ``f`` applied to the region's input
+        ``x``, then each column product (:func:`products`) of what it gives.
+      reduce: ``g``: the row products' partial sums reduced over ``model``.
+    """
+
+    project: Callable
+    reduce: Callable
+
+
+def products(x, layers, dtype, precision) -> tuple:
+    """``x·W + b`` for each ``(W, b)`` of ``layers`` (``b`` may be None), contracting ``x``'s last axis with
+    ``W``'s first, in ``dtype`` as flax's ``Dense``/``DenseGeneral`` promote them."""
+    outs = []
+    for kernel, bias in layers:
+        x_, kernel, bias = promote_dtype(x, kernel, bias, dtype=dtype)
+        y = jax.lax.dot_general(x_, kernel, (((x_.ndim - 1,), (0,)), ((), ())), precision=precision)
+        outs.append(y if bias is None else y + bias)
+    return tuple(outs)
+
+
+def after(f: Callable) -> Callable:
+    """A :attr:`Pair.project` that applies ``f`` to the input and keeps what it gives for the products' gradient."""
+    return lambda x, layers, dtype, precision: products(f(x), layers, dtype, precision)
+
+
+def check_self_attention(module, args, kwargs, layer: str, what: str) -> None:
+    """Refuse an attention call the split does not cover (other keys or values, decoding, sown weights,
+    normalised query/key), naming ``layer`` and ``what`` splits it."""
+    x = args[0]
+    others = list(args[1:3]) + [kwargs.get("inputs_k"), kwargs.get("inputs_v"), kwargs.get("inputs_kv")]
+    if (any(o is not None and o is not x for o in others) or module.decode or kwargs.get("sow_weights")
+            or module.normalize_qk):
+        raise PartitionError(f"{what} splits self-attention; layer {layer!r} is called with other keys/values, "
+                             "decode, sow_weights or normalize_qk, which it does not split")
+
+
+def dropout_of(module, kwargs) -> tuple[bool, Any]:
+    """``(deterministic, rng)`` of an attention call: its dropout key where it drops weights (the caller folds
+    in what makes each device's draw its own)."""
+    deterministic = module.dropout_rate == 0 or nn.merge_param("deterministic", module.deterministic,
+                                                                kwargs.get("deterministic"))
+    return deterministic, (None if deterministic else module.make_rng("dropout"))
+
+
+def attention(module, params, x, pair: Pair, mask=None, rng=None, deterministic: bool = True):
+    """Self-attention on this device's heads: Q, K and V from one ``f`` of the input (their kernels
+    ``(in, h/T, head_dim)``), attention with ``mask`` and dropout (``rng``), this device's rows of the output
+    projection; the partial outputs reduced by ``g``. Without the output bias, which the caller adds once after
+    the reduction (``params["out"]`` may hold it or not)."""
+    heads, head_dim = params["query"]["kernel"].shape[1:]
+    width = module.out_features or x.shape[-1]
+    local = module.clone(parent=None, name=None, num_heads=heads, qkv_features=heads * head_dim, out_features=width)
+    params = dict(params)
+    kernel = params["out"]["kernel"]
+    params["out"] = {"kernel": kernel, **({"bias": jnp.zeros((width,), kernel.dtype)} if module.use_bias else {})}
+    names = ("query", "key", "value")
+    done = dict(zip(names, pair.project(x, [(params[n]["kernel"], params[n].get("bias")) for n in names],
+                                        module.dtype, module.precision)))
+
+    def projected(next_fun, args, kwargs, context):  # the local module's projections: the results above
+        if context.method_name == "__call__" and context.module.name in done and \
+                isinstance(context.module, nn.DenseGeneral):
+            return done[context.module.name]
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(projected):
+        y = local.apply({"params": params}, x, x, mask=mask, deterministic=deterministic, dropout_rng=rng)
+    return checkpoint_name(pair.reduce(y), PROJECTION)  # kept by remat's dots: no collective runs again
+
+
+def column(module, params, x, pair: Pair):
+    """An MLP up-projection: ``f`` of the input times this device's ``1/T`` of the columns (and their bias)."""
+    return pair.project(x, [(params["kernel"], params.get("bias"))], module.dtype, module.precision)[0]
+
+
+def row(module, kernel, x, pair: Pair):
+    """An MLP down-projection: this device's ``1/T`` of the hidden units times its rows, reduced by ``g``; without
+    the bias, which the caller adds once after."""
+    y = module.clone(parent=None, name=None, use_bias=False).apply({"params": {"kernel": kernel}}, x)
+    return checkpoint_name(pair.reduce(y), PROJECTION)  # kept by remat's dots: no collective runs again

@@ -40,7 +40,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import flax.linen as nn
-from flax.linen.dtypes import promote_dtype
 import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -50,6 +49,7 @@ from dtx.config import ConfigError, register_check
 from dtx.models.remat import PROJECTION
 from dtx.parallel import nested
 from dtx.paths import named_leaves
+from dtx.parallel import megatron
 from dtx.parallel.megatron import _ATTENTION
 from dtx.parallel.rules import PartitionError
 
@@ -176,12 +176,7 @@ class TensorLayout:
         sp = self.sequence_parallel
 
         def apply(whole, kernels, biases):
-            outs = []
-            for kernel, bias in zip(kernels, biases):
-                whole_, kernel, bias = promote_dtype(whole, kernel, bias, dtype=dtype)
-                y = jax.lax.dot_general(whole_, kernel, (((whole_.ndim - 1,), (0,)), ((), ())), precision=precision)
-                outs.append(y if bias is None else y + bias)
-            return tuple(outs)
+            return megatron.products(whole, list(zip(kernels, biases)), dtype, precision)
 
         def gather(x, again=False):
             if not sp:
@@ -210,6 +205,13 @@ class TensorLayout:
         # Matmul outputs that remat's dots keeps: its policy does not see the dot_general inside a custom VJP.
         return tuple(checkpoint_name(y, PROJECTION) for y in project(x, kernels, biases))
 
+    @property
+    def _pair(self) -> megatron.Pair:
+        """Megatron's ``f`` and ``g`` inside this layout's regions (:mod:`dtx.parallel.megatron`'s kernels run
+        with them): the input gathered (SP; again in the backward pass) or taken as it is (TP), its gradient
+        reduced; the partial sums all-reduced or reduce-scattered."""
+        return megatron.Pair(self._projections, self._reduce)
+
     def _reduce(self, y):
         """A row region's partial sums: all-reduced (TP) or reduce-scattered onto the positions (SP)."""
         if self.sequence_parallel:
@@ -236,7 +238,7 @@ class TensorLayout:
         specs = {"kernel": P(None, MODEL), "bias": P(MODEL)}
 
         def per_device(x, params):
-            return self._projections(x, [(params["kernel"], params.get("bias"))], module.dtype, module.precision)[0]
+            return megatron.column(module, params, x, self._pair)
 
         return self._region(per_device, (between, {k: specs[k] for k in params}), P(self._data(), None, MODEL))(
             x, dict(params))
@@ -245,34 +247,24 @@ class TensorLayout:
         """An MLP down-projection: this device's ``1/T`` of the hidden units times its rows, reduced; the bias after."""
         x, params = args[0], module.variables["params"]
         between = self._stream(x, path)
-        local = module.clone(parent=None, name=None, use_bias=False)
 
         def per_device(x, kernel):
-            y = local.apply({"params": {"kernel": kernel}}, x)
-            return checkpoint_name(self._reduce(y), PROJECTION)  # kept by remat's dots: no collective runs again
+            return megatron.row(module, kernel, x, self._pair)
 
         y = self._region(per_device, (P(self._data(), None, MODEL), P(MODEL, None)), between)(x, params["kernel"])
         return y + params["bias"].astype(y.dtype) if "bias" in params else y
 
     def _attention(self, module, path, args, kwargs):
-        """Self-attention with ``h/T`` heads per device: Q, K, V of its heads, attention, its rows of the output
-        projection; the partial outputs reduced once, the output bias added after."""
+        """Self-attention with ``h/T`` heads per device (:func:`dtx.parallel.megatron.attention` in a region): Q, K,
+        V of its heads, attention, its rows of the output projection; the partial outputs reduced once, the
+        output bias added after."""
         x = args[0]
-        others = list(args[1:3]) + [kwargs.get("inputs_k"), kwargs.get("inputs_v"), kwargs.get("inputs_kv")]
-        if (any(o is not None and o is not x for o in others) or module.decode or kwargs.get("sow_weights")
-                or module.normalize_qk):
-            raise PartitionError(f"parallel.name='tensor' splits self-attention; layer {path!r} is called with other "
-                                 "keys/values, decode, sow_weights or normalize_qk, which it does not split")
+        megatron.check_self_attention(module, args, kwargs, path, "parallel.name='tensor'")
         between = self._stream(x, path)
         params = dict(module.variables["params"])
         out_bias = params["out"].get("bias")
-        qkv = (module.qkv_features or x.shape[-1]) // self.size
-        local = module.clone(parent=None, name=None, num_heads=module.num_heads // self.size, qkv_features=qkv,
-                             out_features=module.out_features or x.shape[-1])
         mask = kwargs.get("mask")
-        deterministic = module.dropout_rate == 0 or nn.merge_param("deterministic", module.deterministic,
-                                                                    kwargs.get("deterministic"))
-        rng = module.make_rng("dropout") if module.dropout_rate > 0 and not deterministic else None
+        deterministic, rng = megatron.dropout_of(module, kwargs)
         split = {"kernel": P(None, MODEL, None), "bias": P(MODEL, None)}
         specs = {name: {k: split[k] for k in params[name]} for name in _ATTENTION[:3]}
         specs["out"] = {"kernel": P(MODEL, None, None)}
@@ -284,29 +276,11 @@ class TensorLayout:
             extras["rng"], extra_specs["rng"] = rng, P()
 
         def per_device(x, params, extras):
-            params = dict(params)
-            if out_bias is not None:  # added once, after the reduction
-                params["out"] = {**params["out"], "bias": jax.numpy.zeros(out_bias.shape, out_bias.dtype)}
             rng = extras.get("rng")
             if rng is not None:  # each device's examples and heads drop their own weights
                 for axis in self.mesh.axis_names:
                     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-            # Q, K and V from one gather of the input (and one reduction of its gradient): the local module's
-            # projections are replaced by their results.
-            qkv = self._projections(x, [(params[n]["kernel"], params[n].get("bias")) for n in _ATTENTION[:3]],
-                                    module.dtype, module.precision)
-            done = dict(zip(_ATTENTION[:3], qkv))
-
-            def projected(next_fun, args, kwargs, context):
-                if context.method_name == "__call__" and context.module.name in done and \
-                        isinstance(context.module, nn.DenseGeneral):
-                    return done[context.module.name]
-                return next_fun(*args, **kwargs)
-
-            with nn.intercept_methods(projected):
-                y = local.apply({"params": params}, x, x, mask=extras.get("mask"), deterministic=deterministic,
-                                dropout_rng=rng)
-            return checkpoint_name(self._reduce(y), PROJECTION)  # kept by remat's dots: no collective runs again
+            return megatron.attention(module, params, x, self._pair, extras.get("mask"), rng, deterministic)
 
         params["out"] = {"kernel": params["out"]["kernel"]}
         y = self._region(per_device, (between, specs, extra_specs), between)(x, params, extras)

@@ -10,9 +10,11 @@ row layer (Megatron's ``g``), in the backward pass at the column layer's input (
 
 The pipeline step is one ``shard_map`` manual over every axis (:mod:`dtx.step.pipeline`), so the regions here
 are the per-device computation itself, not ``shard_map`` regions: each split module is intercepted
-(``nn.intercept_methods``) and run as a copy of itself on its ``1/T`` of the heads or units, ``f`` and ``g``
-written out as custom VJPs (identity one way, ``psum`` over ``model`` the other), so the gradients do not
-depend on how JAX types a value's replication. The model is unchanged.
+(``nn.intercept_methods``) and run by Megatron's per-device kernels (:func:`dtx.parallel.megatron.attention`,
+``column``, ``row``: the ones the ``tensor`` layout runs inside its regions, masks and dropout included) on its
+``1/T`` of the heads or units, with this module's ``f`` and ``g`` written out as custom VJPs (identity one way,
+``psum`` over ``model`` the other), so the gradients do not depend on how JAX types a value's replication. The
+model is unchanged.
 
 What lives where:
 
@@ -48,7 +50,8 @@ from jax.sharding import AbstractMesh, Mesh
 from dtx import mesh as mesh_lib
 from dtx.parallel.stage_positions import (check_positions, gather_from_model, own_positions, replicated_size,
                                           scatter_to_model)
-from dtx.parallel.stages import PipelineError, StagePlan
+from dtx.parallel import megatron
+from dtx.parallel.stages import STAGE_AXIS, PipelineError, StagePlan
 from dtx.parallel.megatron import megatron_rules
 from dtx.paths import named_leaves
 
@@ -73,41 +76,35 @@ def reduce_from_model(x):
 reduce_from_model.defvjp(lambda x: (jax.lax.psum(x, MODEL), None), lambda _, g: (g,))
 
 
-# (f, g) of a region: tensor parallelism's, or sequence parallelism's.
-PAIRS = {False: (copy_to_model, reduce_from_model), True: (gather_from_model, scatter_to_model)}
+# (f, g) of a region: tensor parallelism's, or sequence parallelism's. The backward slot re-runs the stage's
+# forward, so f's gathered input is kept for the products' gradient (the tensor layout's SP gathers it again).
+PAIRS = {False: megatron.Pair(megatron.after(copy_to_model), reduce_from_model),
+         True: megatron.Pair(megatron.after(gather_from_model), scatter_to_model)}
 
 
-def _attention(module, args, kwargs, f, g):
-    """Self-attention on this device's heads (their Q, K, V and rows of the output projection); the partial
-    outputs summed over ``model``, the output bias added once after."""
-    params = dict(module.variables["params"])
-    x = args[0]
-    fx = f(x)
-    args = tuple(fx if a is x else a for a in args)
-    kwargs = {k: fx if v is x else v for k, v in kwargs.items()}
-    heads, head_dim = params["query"]["kernel"].shape[1:]
-    local = module.clone(parent=None, name=None, num_heads=heads, qkv_features=heads * head_dim,
-                         out_features=module.out_features or x.shape[-1])
+def _attention(module, args, kwargs, pair, layer):
+    """Self-attention on this device's heads (:func:`dtx.parallel.megatron.attention`), the output bias added once
+    after the reduction."""
+    megatron.check_self_attention(module, args, kwargs, layer, "a pipeline stage split over 'model'")
+    deterministic, rng = megatron.dropout_of(module, kwargs)
+    if rng is not None:  # each device's examples and heads drop their own weights
+        for axis in (STAGE_AXIS, MODEL):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+    params = module.variables["params"]
+    y = megatron.attention(module, params, args[0], pair, kwargs.get("mask"), rng, deterministic)
     out_bias = params["out"].get("bias")
-    if out_bias is not None:  # added once, after the reduction
-        params["out"] = {**params["out"], "bias": jnp.zeros_like(out_bias)}
-    y = g(local.apply({"params": params}, *args, **kwargs))
     return y if out_bias is None else y + out_bias.astype(y.dtype)
 
 
-def _column(module, args, kwargs, f, g):
-    """The MLP's up-projection: the whole input times this device's columns (and their bias)."""
-    params = module.variables["params"]
-    local = module.clone(parent=None, name=None, features=params["kernel"].shape[-1])
-    return local.apply({"params": params}, f(args[0]), *args[1:], **kwargs)
+def _column(module, args, kwargs, pair, layer):
+    """The MLP's up-projection (:func:`dtx.parallel.megatron.column`)."""
+    return megatron.column(module, module.variables["params"], args[0], pair)
 
 
-def _row(module, args, kwargs, f, g):
-    """The MLP's down-projection: this device's hidden units times its rows, summed over ``model``; the bias
-    after."""
+def _row(module, args, kwargs, pair, layer):
+    """The MLP's down-projection (:func:`dtx.parallel.megatron.row`), the bias added once after the reduction."""
     params = module.variables["params"]
-    local = module.clone(parent=None, name=None, use_bias=False)
-    y = g(local.apply({"params": {"kernel": params["kernel"]}}, *args, **kwargs))
+    y = megatron.row(module, params["kernel"], args[0], pair)
     return y + params["bias"].astype(y.dtype) if "bias" in params else y
 
 
@@ -129,7 +126,7 @@ def regions(kinds: dict, hits: set | None = None, sequence_parallel: bool = Fals
             hits.add(path)
         inside.append(path)
         try:
-            return REGIONS[kinds[path]](context.module, args, kwargs, *pair)
+            return REGIONS[kinds[path]](context.module, args, kwargs, pair, "/".join(path))
         finally:
             inside.pop()
 

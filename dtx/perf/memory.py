@@ -72,13 +72,14 @@ from typing import Any
 
 import numpy as np
 
+from dtx.optim import DECLARED
 from dtx.parallel.layouts import LAYOUTS, Layout, get_layout
 from dtx.perf.model import Plan
 from dtx.perf.layers import INPUT, Join, Layer, analyze, join_members, joins
 from dtx.perf.memory_profile import POOL_INDEX_ARRAYS, Stash, activation_profile, model_terms  # noqa: F401
 from dtx.precision import Policy
 
-SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2, "lars": 1, "lamb": 2}
+SLOTS = {name: optimizer.slots for name, optimizer in DECLARED.items()}  # dtx.optim's declarations
 BACKENDS = ("xla_cpu", "gpu")
 
 

@@ -41,11 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtx.comm import costmodel
+from dtx.optim import DECLARED
 from dtx.parallel.pipeline_schedules import IDLE, Schedule
 from dtx.parallel.stages import StagePlan
 from dtx.perf.clusters import Cluster
 
-OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2, "lars": 1, "lamb": 2}
+OPTIMIZER_SLOTS = {name: optimizer.slots for name, optimizer in DECLARED.items()}  # dtx.optim's declarations
 # Row-sized temporaries of the compiled step (XLA:CPU, read from programs of widths 256-512 with SGD, momentum and
 # Adam): the accumulator and the all-reduce's out-of-place result, each the device's V stage rows, and the backward
 # slot's gradient, one stage's row; every schedule.

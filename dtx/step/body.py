@@ -19,12 +19,20 @@ named helper here or a collaborator passed in:
 strategy's update (4–5) and the end (7 and the records: :func:`finish`). ZeRO under ``shard_map``
 (Rajbhandari et al. 2020, arXiv 1910.02054; :mod:`dtx.step.zero_step`) runs the same three parts,
 its reduce-scatter as the pass's ``split_micro``/``split_grads`` and the update at ``jit`` level.
+
+What the step computes is one :class:`Worker` (model, optimizer, policy, loss scaling, micro-batches,
+strategy, compressor, task), the same under every driver; where the drivers and layouts differ — the
+axes the body runs over, how micro-batches and gradients are laid out, the activations' context — is one
+:class:`Route`. A driver builds both and calls the body; no function here takes more than 8 parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -34,7 +42,7 @@ from jax import lax
 
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
-from dtx import strategies
+from dtx import compress, strategies
 from dtx.data import tasks as task_lib
 from dtx.data.loader import Batch
 from dtx.precision import Policy, all_finite, select_tree
@@ -48,24 +56,79 @@ class BodyError(ValueError):
     """A body configuration that cannot work (accumulation that does not split the batch, ...)."""
 
 
-def train_body(state, batch: Batch, *, model, tx, policy, scaler, accum_steps, strategy, compressor, comm, axes,
-               shards, constrain, layout, split_grads, split_micro, task, grad_norm=False, apart=None, record=True):
+def _identity(tree):
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """What one worker computes, the same under every driver and layout: the model (its batch norm synchronised
+    as the driver needs), the optimizer, the precision policy and loss scaling, the micro-batches per step, the
+    synchronisation strategy, the compressor around its reduction, the task, and whether the reduced gradient's
+    norm is recorded."""
+
+    model: Any
+    tx: Any
+    policy: Policy
+    scaler: Any
+    accum_steps: int
+    strategy: Any
+    compressor: Any
+    task: Task
+    grad_norm: bool = False
+
+    @classmethod
+    def of(cls, model, tx, spec) -> Worker:
+        """A step spec's worker (:class:`dtx.step.spec.StepSpec`): no strategy is synchronous SGD, no compressor
+        none, no task classification."""
+        return cls(model, tx, spec.policy, spec.loss_scaler, spec.accum_steps, spec.strategy or strategies.sync(),
+                   spec.compressor or compress.none(), spec.task or task_lib.classification(), spec.grad_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where the drivers and layouts differ, in one object: how a worker's batch and gradients are laid out.
+
+    Attributes:
+      axes: the mesh axes the body runs per device over (``shard_map``: the batch axes); ``()`` under ``jit``,
+        whose body sees the global batch.
+      shards: the batch's shards in the body's view (``jit``: every device's), so that micro-batch ``i`` takes
+        the ``i``-th ``1/k`` of each shard (:func:`gradients`).
+      constrain: lays a micro-batch out as the batch is (``jit``: a sharding constraint).
+      layout: the context the forward pass runs in (where model-parallel layers' activations live).
+      split_grads: once per step, the gradient laid out as the optimizer state is (ZeRO: reduce-scattered).
+      split_micro: per micro-batch, the gradient laid out as the accumulator is (ZeRO-2).
+      accumulator: ``params -> zeros`` laid out as ``split_micro`` leaves them, made without a collective;
+        ``None``: ``split_micro`` of zeros.
+      apart: each shard's gradient summed apart and reduced once (:class:`dtx.step.accumulate.Apart`, ``jit``).
+    """
+
+    axes: tuple = ()
+    shards: int = 1
+    constrain: Callable = _identity
+    layout: Callable = contextlib.nullcontext
+    split_grads: Callable = _identity
+    split_micro: Callable = _identity
+    accumulator: Callable | None = None
+    apart: Any = None
+
+
+def train_body(state, batch: Batch, worker: Worker, route: Route, comm, record: bool = True):
     """One training step on this worker's batch (module docstring): ``(state, metrics)``.
 
     Three parts, each one function, so that a driver may run them apart: :func:`worker_pass` (jobs
     1–3 and 6), the strategy's update (4–5) and :func:`finish` (7 and the records). ZeRO under
     ``shard_map`` (:mod:`dtx.step.zero_step`) runs the pass inside ``shard_map`` and the update at
-    ``jit`` level, where an optimizer sees whole tensors. ``record=False``: a step whose records nobody
-    reads (:func:`records_collective`)."""
-    rng, step_rng, shared_key, index = step_keys(state, axes)
-    reduce = make_reduce(compressor, policy, scaler, state.loss_scale, comm, grad_norm)
-    ctx = strategies.StepContext(tx=tx, comm=comm, reduce=reduce, key=shared_key, index=index)
-    worked = worker_pass(state, batch, strategy.grad_params(state, ctx), rng, step_rng, model=model, policy=policy,
-                         scaler=scaler, accum_steps=accum_steps, strategy=strategy, axes=axes, shards=shards,
-                         constrain=constrain, layout=layout, split_grads=split_grads, split_micro=split_micro,
-                         task=task, merged=averages_merge(comm, strategy, compressor), record=record, apart=apart)
+    ``jit`` level, where an optimizer sees whole tensors. ``comm``: the reduction's context;
+    ``record=False``: a step whose records nobody reads (:func:`records_collective`)."""
+    strategy = worker.strategy
+    rng, step_rng, shared_key, index = step_keys(state, route.axes)
+    reduce = make_reduce(worker.compressor, worker.policy, worker.scaler, state.loss_scale, comm, worker.grad_norm)
+    ctx = strategies.StepContext(tx=worker.tx, comm=comm, reduce=reduce, key=shared_key, index=index)
+    worked = worker_pass(state, batch, strategy.grad_params(state, ctx), (rng, step_rng), worker, route,
+                         averages_merge(comm, strategy, worker.compressor), record)
     new_state, stats = strategy.apply(state, worked.grads, ctx)
-    return finish(state, new_state, stats, worked, scaler, strategy)
+    return finish(state, new_state, stats, worked, worker.scaler, strategy)
 
 
 def records_collective(strategy) -> bool:
@@ -112,16 +175,19 @@ class Pass(NamedTuple):
     traffic: Metrics  # the averages' part of the comm fields (:func:`averages_traffic`)
 
 
-def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, scaler, accum_steps, strategy, axes,
-                shards, constrain, layout, split_grads, split_micro, task, merged, accumulator=None,
-                apart=None, record=True) -> Pass:
-    """The loss, this worker's gradients (accumulated, split by ``split_micro``/``split_grads``), its
-    finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``). Where the
-    averages are the records' own collective (:func:`records_collective`) they run only with ``record``,
-    and the model state stays this worker's."""
+def worker_pass(state, batch: Batch, params, keys, worker: Worker, route: Route, merged: bool,
+                record: bool = True) -> Pass:
+    """The loss, this worker's gradients (accumulated, split by the route's ``split_micro``/``split_grads``),
+    its finiteness verdict and the averages, at ``params`` (the strategy's ``grad_params``); ``keys``: the
+    carried key and this worker's step key (:func:`step_keys`); ``merged``: whether the averages ride in the
+    gradients' all-reduce (:func:`averages_merge`). Where the averages are the records' own collective
+    (:func:`records_collective`) they run only with ``record``, and the model state stays this worker's."""
+    rng, step_rng = keys
+    strategy, task, policy, scaler, axes = worker.strategy, worker.task, worker.policy, worker.scaler, route.axes
+    accum_steps, apart = worker.accum_steps, route.apart
     denominator = valid_denominator(task, batch, axes, accum_steps, strategy, apart.shards if apart else 1)
     model_state = model_state_of(state, strategy)
-    loss_fn = make_loss_fn(model, policy, task, layout, list(model_state), denominator,
+    loss_fn = make_loss_fn(worker.model, policy, task, route.layout, list(model_state), denominator,
                            functools.partial(scaler.scale_loss, state.loss_scale))
     if axes and not strategy.caps.local_models:
         # Differentiate per-device copies: each gradient is then its own batch's, and *we* choose how
@@ -130,9 +196,8 @@ def worker_pass(state, batch: Batch, params, rng, step_rng, *, model, policy, sc
     # The model's own collectives (synchronised batch norm's statistics), once per micro-batch.
     inside = batchnorm.model_traffic(jax.value_and_grad(loss_fn, has_aux=True), (
         params, model_state, jax.tree.map(lambda x: x[: x.shape[0] // accum_steps], batch), step_rng), axes)
-    grads, loss, values, model_state = gradients(loss_fn, params, model_state, batch, step_rng, accum_steps,
-                                                 shards, constrain, axes, split_micro, accumulator, apart)
-    grads = split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
+    grads, loss, values, model_state = gradients(loss_fn, params, model_state, batch, step_rng, accum_steps, route)
+    grads = route.split_grads(grads)  # ZeRO: reduce-scattered to the optimizer state's layout
     # Each worker's verdict on what it is about to send, before any compressor sees it: a compressor may
     # leave overflowing entries out of the average, and the step must be skipped all the same
     # (Micikevicius et al. 2018, §3.2).
@@ -224,15 +289,17 @@ def make_loss_fn(model, policy: Policy, task: Task, layout, mutable: list, denom
     return loss_fn
 
 
-def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, axes, split_micro=None,
-              accumulator=None, apart=None):
+def gradients(loss_fn, params, model_state, batch, rng, k, route: Route = Route()):
     """``(grads, loss, metrics, model_state)`` of the batch: one pass, or ``k`` micro-batches summed into one
-    accumulator (no k-fold copies). Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice,
-    so each stays spread over all devices and both drivers see the same ones. ``split_micro`` lays each
-    micro-batch's gradient out as the accumulator is (ZeRO-2); ``accumulator(params)`` is that accumulator's
-    zero (default: ``split_micro`` of zeros; ZeRO under ``shard_map`` makes it without a collective).
-    ``apart`` (:class:`dtx.step.accumulate.Apart`, ``jit`` only): every shard's gradient summed apart and
-    reduced once after the loop."""
+    accumulator (no k-fold copies). Micro-batch ``i`` takes the ``i``-th ``1/k`` of *every device's* slice
+    (the route's ``shards``, laid out by its ``constrain``), so each stays spread over all devices and both
+    drivers see the same ones. The route's ``split_micro`` lays each micro-batch's gradient out as the
+    accumulator is (ZeRO-2); its ``accumulator(params)`` is that accumulator's zero (default: ``split_micro``
+    of zeros; ZeRO under ``shard_map`` makes it without a collective). Its ``apart``
+    (:class:`dtx.step.accumulate.Apart`, ``jit`` only): every shard's gradient summed apart and reduced once
+    after the loop."""
+    shards, constrain, axes, apart = route.shards, route.constrain, route.axes, route.apart
+    split_micro, accumulator = route.split_micro, route.accumulator
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if k == 1 and apart is None:
         (_, (loss, values, model_state)), grads = grad_fn(params, model_state, batch, rng)
@@ -248,7 +315,6 @@ def gradients(loss_fn, params, model_state, batch, rng, k, shards, constrain, ax
         return constrain(jnp.swapaxes(x, 0, 1).reshape((k, -1) + x.shape[3:]))
 
     micro_batches = jax.tree.map(split, batch)
-    split_micro = split_micro or (lambda tree: tree)
 
     def one(carry, inputs):
         grads_sum, loss_sum, values_sum, model_state = carry
@@ -364,12 +430,13 @@ def count_traffic(task: Task, axes, strategy) -> costmodel.Traffic:
     return comm_lib.pmean_traffic(jnp.zeros((), jnp.int32), math.prod(lax.axis_size(a) for a in axes))
 
 
-def eval_body(model, policy: Policy, reduce_sum, strategy, comm: comm_lib.CommContext, layout, state, batch: Batch,
-              *, task: Task) -> Metrics:
+def eval_body(worker: Worker, comm: comm_lib.CommContext, reduce_sum, layout, state, batch: Batch) -> Metrics:
     """Sums over the real examples of an evaluation batch (:func:`dtx.data.tasks.eval_sums`) at the strategy's
-    global parameters."""
+    global parameters, ``reduce_sum`` adding the workers' (``shard_map``: a ``psum``), the forward pass in the
+    activation ``layout``."""
+    strategy, policy = worker.strategy, worker.policy
     params = strategy.eval_params(state, comm)
     variables = {"params": policy.cast_to_compute(params), **eval_model_state(state, strategy, comm)}
     with layout():
-        logits = model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
-    return reduce_sum(task_lib.eval_sums(task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))
+        logits = worker.model.apply(variables, policy.cast_to_compute(batch["inputs"]), train=False)
+    return reduce_sum(task_lib.eval_sums(worker.task, policy.cast_to_output(logits), batch["labels"], batch["mask"]))

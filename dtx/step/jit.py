@@ -35,10 +35,8 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dtx import compress, strategies
 from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
-from dtx.data import tasks as task_lib
 from dtx.parallel import activations as activations_lib
 from dtx.step import accumulate, batchnorm, body
 from dtx.step.spec import StepSpec
@@ -66,23 +64,21 @@ class JitDriver:
             model = batchnorm.synchronise(model, apart.axis_names)
             if placement is not None and placement.activations is not None:
                 layout = placement.activations.inside_map(apart.axes)
-        train = functools.partial(
-            body.train_body, model=model, tx=tx, policy=spec.policy, scaler=spec.loss_scaler,
-            accum_steps=spec.accum_steps, strategy=spec.strategy or strategies.sync(),
-            compressor=spec.compressor or compress.none(), comm=self.comm(mesh, spec), axes=(),
-            shards=mesh_lib.data_parallel_size(mesh),
-            constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=layout,
-            split_grads=split_grads, split_micro=split_grads if placement is not None and placement.shard_accumulator
-            else _identity, task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm, apart=apart)
+        route = body.Route(shards=mesh_lib.data_parallel_size(mesh),
+                           constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=layout,
+                           split_grads=split_grads, apart=apart,
+                           split_micro=split_grads if placement is not None and placement.shard_accumulator
+                           else _identity)
+        train = functools.partial(body.train_body, worker=body.Worker.of(model, tx, spec), route=route,
+                                  comm=self.comm(mesh, spec))
         state_sharding = _state_sharding(mesh, placement)
         return jax.jit(_without_comm(train), in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=(state_sharding, mesh_lib.replicated(mesh)),
                        donate_argnums=(0,) if spec.donate else ())
 
     def eval_step(self, model, mesh: Mesh, spec: StepSpec):
-        evaluate = functools.partial(body.eval_body, model, spec.policy, _identity, spec.strategy or strategies.sync(),
-                                     self.comm(mesh, spec), _activations(spec.placement, mesh),
-                                     task=spec.task or task_lib.classification())
+        evaluate = functools.partial(body.eval_body, body.Worker.of(model, None, spec), self.comm(mesh, spec),
+                                     _identity, _activations(spec.placement, mesh))
         return jax.jit(evaluate, in_shardings=(_state_sharding(mesh, spec.placement), mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
 

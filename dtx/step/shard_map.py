@@ -24,7 +24,6 @@ from dtx import mesh as mesh_lib
 from dtx.comm import collectives
 from dtx.comm import context as comm_lib
 from dtx.comm.algorithms import get_algorithm
-from dtx.data import tasks as task_lib
 from dtx.step import batchnorm, body, pipeline, zero_step
 from dtx.step.spec import StepError, StepSpec
 from dtx.step.state import TrainState
@@ -57,22 +56,15 @@ class ShardMapDriver:
                 raise StepError("ZeRO (gradient_shardings) reduce-scatters and all-gathers by itself: it runs "
                                 "strategy sync, no compression, allreduce 'psum', no buckets (--config.strategy.name=sync "
                                 "--config.compression.name=none --config.allreduce=psum --config.bucket_bytes=0)")
-            return zero_step.make_zero_step(
-                model, tx, mesh, stage=2 if placement.shard_accumulator else 1, state_shardings=placement.state,
-                gradient_shardings=placement.gradients, strategy=strategy, policy=spec.policy,
-                loss_scaler=spec.loss_scaler, accum_steps=spec.accum_steps, task=spec.task, grad_norm=spec.grad_norm,
-                donate=spec.donate)
+            return zero_step.make_zero_step(model, tx, mesh, spec)
         _check_replicated(placement)
         axes = mesh_lib.batch_axes(mesh)
         comm = self.comm(mesh, spec)
         # Synchronous strategies normalise over the global batch; workers with their own
         # models normalise over their own batch (no collective inside the forward pass).
         norm_model = model if strategy.caps.local_models else batchnorm.synchronise(model, axes)
-        train = functools.partial(
-            body.train_body, model=norm_model, tx=tx, policy=spec.policy, scaler=spec.loss_scaler,
-            accum_steps=spec.accum_steps, strategy=strategy, compressor=compressor, comm=comm, axes=axes, shards=1,
-            constrain=lambda x: x, layout=contextlib.nullcontext, split_grads=_identity, split_micro=_identity,
-            task=spec.task or task_lib.classification(), grad_norm=spec.grad_norm, record=spec.record)
+        train = functools.partial(body.train_body, worker=body.Worker.of(norm_model, tx, spec),
+                                  route=body.Route(axes=axes), comm=comm, record=spec.record)
         # An allreduce built from ppermutes (and the compressed ones) leaves identical values
         # on every device, but JAX types them "varying" and has no free cast back to
         # replicated; such steps run without the replication checker (the tests assert
@@ -91,8 +83,8 @@ class ShardMapDriver:
         strategy = spec.strategy or strategies.sync()
         axes = mesh_lib.batch_axes(mesh)
         comm = comm_lib.CommContext(axes, mesh_lib.data_parallel_size(mesh), functools.partial(lax.pmean, axis_name=axes))
-        evaluate = functools.partial(body.eval_body, model, spec.policy, functools.partial(lax.psum, axis_name=axes),
-                                     strategy, comm, contextlib.nullcontext, task=spec.task or task_lib.classification())
+        evaluate = functools.partial(body.eval_body, body.Worker.of(model, None, spec), comm,
+                                     functools.partial(lax.psum, axis_name=axes), contextlib.nullcontext)
         specs = state_specs(axes)
         per_device = jax.shard_map(_per_worker(evaluate), mesh=mesh, in_specs=(specs, PartitionSpec(axes)),
                                    out_specs=PartitionSpec(), check_vma=not strategy.caps.local_models)

@@ -19,8 +19,7 @@ trust ratios need a tensor's norm, not a slice's (:mod:`dtx.parallel.zero`).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,28 +31,25 @@ from dtx import compress
 from dtx import mesh as mesh_lib
 from dtx import strategies
 from dtx.comm import context as comm_lib
-from dtx.data import tasks as task_lib
 from dtx.parallel import zero as zero_lib
-from dtx.precision import LossScaler, Policy
 from dtx.step import batchnorm, body
-from dtx.strategies.base import Strategy
+from dtx.step.spec import StepSpec
 
 
-def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage: int, state_shardings: Any,
-                   gradient_shardings: Any, strategy: Strategy | None = None, policy: Policy = Policy(),
-                   loss_scaler: LossScaler = LossScaler(), accum_steps: int = 1, task: task_lib.Task | None = None,
-                   grad_norm: bool = False, donate: bool = True):
-    """The jitted ``(state, batch) -> (state, metrics)`` ZeRO step (module docstring).
-
-    ``gradient_shardings`` is the optimizer state's layout per parameter, ``state_shardings`` the
-    whole state's; ``strategy`` an identity one (``sync``, the default). Metrics as every
-    ``shard_map`` step's (:func:`dtx.step.body.finish`), ``comm_bytes``/``comm_rounds`` counted by
-    :func:`dtx.parallel.zero.traffic` plus the averages'.
+def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, spec: StepSpec):
+    """The jitted ``(state, batch) -> (state, metrics)`` ZeRO step (module docstring) of ``spec``, whose placement
+    holds the whole state's shardings and the optimizer state's layout per parameter (``gradients``); its
+    stage is 2 where the placement splits the accumulator. The spec's strategy is an identity one (``sync``, the
+    default), its compressor none. Metrics as every ``shard_map`` step's (:func:`dtx.step.body.finish`),
+    ``comm_bytes``/``comm_rounds`` counted by :func:`dtx.parallel.zero.traffic` plus the averages'.
     """
-    zero = zero_lib.collectives(gradient_shardings, mesh, stage=stage, policy=policy, accum_steps=accum_steps)
-    strategy = strategy or strategies.sync()
-    task = task or task_lib.classification()
-    compressor = compress.none()  # ZeRO's collectives are the gradient path; nothing compresses them
+    placement = spec.placement
+    stage, state_shardings = 2 if placement.shard_accumulator else 1, placement.state
+    policy, loss_scaler, accum_steps, grad_norm = spec.policy, spec.loss_scaler, spec.accum_steps, spec.grad_norm
+    zero = zero_lib.collectives(placement.gradients, mesh, stage=stage, policy=policy, accum_steps=accum_steps)
+    # ZeRO's collectives are the gradient path; nothing compresses them
+    worker = body.Worker.of(model, tx, spec.replace(compressor=compress.none()))
+    strategy, compressor = worker.strategy, worker.compressor
     axes = mesh_lib.batch_axes(mesh)
     p = mesh_lib.data_parallel_size(mesh)
     synced = batchnorm.synchronise(model, axes)  # statistics over the global batch, as data parallelism's
@@ -77,12 +73,10 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage
         params = strategy.grad_params(state, context(state, workers, shared_key, index))
         # The gradients travel by reduce-scatter: the averages ride only in the all-reduce of the tensors
         # kept whole, where there is one after the loop.
-        return body.worker_pass(state, batch, params, rng, step_rng, model=synced, policy=policy, scaler=loss_scaler,
-                                accum_steps=accum_steps, strategy=strategy, axes=axes, shards=1,
-                                constrain=lambda x: x, layout=contextlib.nullcontext,
-                                split_grads=zero.split_grads, split_micro=zero.split_micro, task=task,
-                                merged=zero.averages_ride,
-                                accumulator=zero.accumulator)
+        route = body.Route(axes=axes, split_grads=zero.split_grads, split_micro=zero.split_micro,
+                           accumulator=zero.accumulator)
+        return body.worker_pass(state, batch, params, (rng, step_rng), dataclasses.replace(worker, model=synced),
+                                route, zero.averages_ride)
 
     everywhere = PartitionSpec()
     out_specs = body.Pass(grads=zero.specs, loss=everywhere, values=everywhere,
@@ -103,4 +97,4 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, *, stage
         return body.finish(state, new_state, stats, worked, loss_scaler, strategy)
 
     return jax.jit(step, in_shardings=(state_shardings, mesh_lib.batch_sharding(mesh)),
-                   out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,) if donate else ())
+                   out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,) if spec.donate else ())
