@@ -141,7 +141,8 @@ def run_steps():
     from dtx.step import StepSpec, make_train_step
 
     def run(setup, tx, steps, strategy=None):
-        state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+        state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"],
+                                 per_worker=StepSpec(strategy=strategy))
         step = make_train_step(setup["model"], tx, setup["mesh"], StepSpec(strategy=strategy, donate=False))
         states, records = [], []
         for t in range(steps):

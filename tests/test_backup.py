@@ -31,7 +31,7 @@ def setup(mlp16):
 
 def _run(setup, strategy):
     model, mesh, tx = setup["model"], setup["mesh"], optax.sgd(LR)
-    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
+    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, per_worker=StepSpec(strategy=strategy))
     step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy))
     records = []
     for batch in setup["batches"]:

@@ -105,8 +105,8 @@ def _initial_state(initial, case, model, tx, example, mesh, scaler, strategy, co
     key = (tuple(case.get("mesh", FLAT)), case.get("strategy"), tuple(sorted(case.get("settings", {}).items())),
            case.get("compressor"), case.get("policy"), case.get("scaler"))
     if key not in initial:
-        state = init_train_state(model, tx, example, 0, mesh, loss_scaler=scaler, strategy=strategy,
-                                 compressor=compressor)
+        state = init_train_state(model, tx, example, 0, mesh, loss_scaler=scaler,
+                                 per_worker=StepSpec(strategy=strategy, compressor=compressor))
         initial[key] = jax.device_get(state), jax.tree.map(lambda x: x.sharding, state)
     host, shardings = initial[key]
     return jax.device_put(host, shardings)

@@ -64,9 +64,9 @@ def _pipeline_run(schedule):
     mesh = mesh_lib.make_mesh(COMPOSED)
     example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), split.inputs[:1])["params"])
-    pipeline = pp.make_pipeline(model, abstract, mesh, schedule=schedule, micro=MICRO, task=tasks.next_token(),
-                                example=example, zero_stage=3, sequence_parallel=True,
-                                decay_mask=optim.path_mask(optim.DEFAULT_EXCLUDE))
+    options = pp.StageOptions(schedule=schedule, micro=MICRO, zero_stage=3, sequence_parallel=True,
+                              decay_mask=optim.path_mask(optim.DEFAULT_EXCLUDE))
+    pipeline = pp.make_pipeline(model, abstract, mesh, options, task=tasks.next_token(), example=example)
     shardings = pp.state_shardings(pp.abstract_state(model, tx, example, pipeline.plan), mesh, pipeline.plan, 3)
     state = pp.init_state(model, tx, example, 0, mesh, pipeline.plan, shardings)
     loader = TrainLoader(split, BATCH, mesh, seed=0)

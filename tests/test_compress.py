@@ -541,7 +541,7 @@ def trained(mesh):
     def run(name, mesh_spec=(("data", W),)):
         on = mesh_lib.make_mesh(mesh_spec)
         compressor = compress.none() if name == "none" else TRAINED[name]
-        state = init_train_state(model, tx, example, seed=0, mesh=on, compressor=compressor)
+        state = init_train_state(model, tx, example, seed=0, mesh=on, per_worker=StepSpec(compressor=compressor))
         initial = jax.device_get(state.params)
         step = make_train_step(model, tx, on, StepSpec(driver="shard_map", compressor=compressor))
         records = []

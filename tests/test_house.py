@@ -201,3 +201,55 @@ def test_make_train_step_takes_one_settings_object():
 
     assert list(inspect.signature(make_train_step).parameters) == ["model", "tx", "mesh", "spec"]
     assert list(inspect.signature(make_eval_step).parameters) == ["model", "mesh", "spec"]
+
+
+def test_no_function_on_the_step_floor_takes_more_than_eight_parameters():
+    """The step floor's functions take at most 8 parameters (self and cls aside): what the drivers and layouts
+    differ in travels as one object (dtx.step.body.Route, Worker; the pipeline's StageOptions; a StepSpec)."""
+    crowded = []
+    for name, path in sorted(modules().items()):
+        if _floors.floor_of(name) is None or _floors.FLOORS[_floors.floor_of(name)][0] != "the step":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + [x.arg for x in (a.vararg, a.kwarg)
+                                                                                   if x is not None]
+                count = len([n for n in names if n not in ("self", "cls")])
+                if count > 8:
+                    crowded.append(f"{name}.{node.name}: {count}")
+    assert not crowded, "functions on the step floor over 8 parameters:\n" + "\n".join(crowded)
+
+
+# Each family's registry, the names it registers and the variables that hold one of them.
+_FAMILIES = {
+    "dtx.strategies.registry": ("strategy",),
+    "dtx.compress.compressors": ("compression", "compressor"),
+    "dtx.optim": ("optimizer",),
+}
+
+
+def test_no_strategy_compressor_or_optimizer_name_is_compared_outside_its_registry():
+    """Strategies, compressors and optimizers are known by what they declare (``caps``, ``slots``,
+    ``whole_tensors``, ...): nothing outside the module that registers a family compares its names with a
+    variable holding one of that family."""
+    from dtx.compress import COMPRESSORS
+    from dtx.optim import DECLARED
+    from dtx.strategies import STRATEGIES
+
+    global _HOLDERS
+    registered = {"dtx.strategies.registry": set(STRATEGIES), "dtx.compress.compressors": set(COMPRESSORS),
+                  "dtx.optim": set(DECLARED)}
+    found, kept = [], _HOLDERS
+    try:
+        for registry, holders in _FAMILIES.items():
+            _HOLDERS = holders
+            for name, path in modules().items():
+                if name.startswith("dtx.") and name != registry and not name.startswith(("dtx.models",
+                                                                                          "dtx.experiments")):
+                    found += [f"{name} {line}" for line in name_comparisons(open(path).read(), registered[registry])]
+        assert name_comparisons('if optimizer in ("lars", "lamb"): pass', registered["dtx.optim"]) == [
+            "line 1: optimizer in ('lars', 'lamb')"]  # the check sees one when there is one
+    finally:
+        _HOLDERS = kept
+    assert not found, "name comparisons outside a registry:\n" + "\n".join(found)

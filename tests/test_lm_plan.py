@@ -180,8 +180,9 @@ def test_a_split_pipelines_elementwise_terms_hold_on_a_held_out_shape():
     example = jax.ShapeDtypeStruct((8, 16), np.int32)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32))["params"])
     mesh = mesh_lib.make_mesh([("data", 1), ("stage", 2), ("model", 4)])
-    pipeline = pp.make_pipeline(model, abstract, mesh, schedule="1f1b", micro=2, example=example,
-                                task=tasks.next_token(), sequence_parallel=True)
+    pipeline = pp.make_pipeline(model, abstract, mesh,
+                                pp.StageOptions(schedule="1f1b", micro=2, sequence_parallel=True),
+                                example=example, task=tasks.next_token())
     flops = lm_sim.slot_flops(pipeline.plan, tasks.next_token(), Policy(), mesh, p) * p.micro
     assert abs(flops / (p.flops - p.update_flops) - 1) <= 0.02, flops / (p.flops - p.update_flops)
 
@@ -213,9 +214,10 @@ def test_a_pipelines_zero1_terms_are_dtxs():
         plans = {z: lm_plan.plan(shape, H100, data * tensor * 2, 8 * data, tensor=tensor, stages=2,
                                  micro=2, zero=z) for z in (0, 1)}
         for z, p in plans.items():
-            pipe = pp.make_pipeline(model, abstract, mesh, schedule="1f1b", micro=2, zero_stage=z,
-                                    boundaries=lm_pipeline.boundaries(2, 2), task=tasks.next_token(),
-                                    example=jax.ShapeDtypeStruct((8, 4), np.int32))
+            pipe = pp.make_pipeline(model, abstract, mesh,
+                                    pp.StageOptions(schedule="1f1b", micro=2, zero_stage=z,
+                                                    boundaries=lm_pipeline.boundaries(2, 2)),
+                                    task=tasks.next_token(), example=jax.ShapeDtypeStruct((8, 4), np.int32))
             e = memory.estimate_pipeline(pipe.plan, pipe.schedule, micro=4, data=data, optimizer="adamw",
                                          zero_stage=z)
             assert lm_pipeline.stage_row(shape, tensor, 2, data if z else 1) == pipe.plan.row
@@ -247,12 +249,12 @@ def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
     assert config.pipeline.zero_stage == 1 and config.parallel.name == "pipeline"
     mesh = dict(tuple(map(tuple, config.mesh)))
     block, opt = config.pipeline, config.optimizer  # the embedding, the blocks, the output layer: L + 2 layers
-    pipeline_check.check_settings(
+    pipeline_check.check_settings(pipeline_check.PipelineSettings(
         mesh_shape=mesh, schedule=block.schedule, boundaries=block.boundaries, num_layers=BIG.layers + 2,
         global_batch_size=config.global_batch_size, microbatches=block.microbatches, driver=config.driver,
         optimizer=opt.name, weight_decay=opt.weight_decay, strategy=config.strategy.name,
         compression=config.compression.name, allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
-        precision=config.precision, zero_stage=block.zero_stage)
+        precision=config.precision, zero_stage=block.zero_stage))
     assert mesh == {"data": 32, "stage": 8, "model": 4} and opt.weight_decay  # AdamW's decay on slices
     for optimizer in ("lamb", "lars"):
         row = lm_sim.rows(BIG, small, [1024], 1024, optimizer=optimizer)[0]

@@ -30,7 +30,7 @@ from dtx.perf import memory as memory_lib
 from dtx.perf import pipeline as pipeline_model
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step import pipeline as pp
-from dtx.step.pipeline_check import check_settings
+from dtx.step.pipeline_check import PipelineSettings, check_settings
 from dtx.run import metrics
 from dtx.run.evaluate import export_run
 from dtx.run.trainer import train
@@ -150,7 +150,7 @@ def interleaved_run():
     mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
     digits, _ = _digits()
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), digits.train.inputs[:1])["params"])
-    pipeline = pp.make_pipeline(model, abstract, mesh, schedule="interleaved", micro=4, chunks=2)
+    pipeline = pp.make_pipeline(model, abstract, mesh, pp.StageOptions(schedule="interleaved", micro=4, chunks=2))
     return _run(model, tx, mesh, pipeline.schedule, 32, 2, chunks=2)
 
 
@@ -373,7 +373,7 @@ def test_refusals_name_the_fix():
     with pytest.raises(ScheduleError, match="choose one of"):
         make_schedule("zigzag", 2, 4)
     mesh = mesh_lib.make_mesh([("stage", 2), ("data", 4)])
-    pipeline, sgd = pp.make_pipeline(mlp, params, mesh, micro=2), optim.make_optimizer("sgd", 0.1)
+    pipeline, sgd = pp.make_pipeline(mlp, params, mesh, pp.StageOptions(micro=2)), optim.make_optimizer("sgd", 0.1)
     with pytest.raises(StepError, match="accum_steps=4 must be the schedule's 2"):
         pp.train_step(sgd, mesh, pipeline, StepSpec(accum_steps=4))
     with pytest.raises(StepError, match="leaves padding out"):
@@ -388,10 +388,11 @@ GOOD = dict(mesh_shape={"stage": 2, "data": 4}, num_layers=4, global_batch_size=
 
 
 def test_settings_a_pipeline_takes_pass():
-    check_settings(**GOOD)
-    check_settings(**{**GOOD, "schedule": "1f1b", "boundaries": (1,), "optimizer": "sgd", "precision": "p=f32,c=f32"})
-    check_settings(**{**GOOD, "optimizer": "lamb", "weight_decay": 1e-2})  # each stage updated as its own tree
-    check_settings(**{**GOOD, "precision": "p=f32,c=bf16,r=bf16"})
+    check_settings(PipelineSettings(**GOOD))
+    check_settings(PipelineSettings(**{**GOOD, "schedule": "1f1b", "boundaries": (1,), "optimizer": "sgd",
+                                       "precision": "p=f32,c=f32"}))
+    check_settings(PipelineSettings(**{**GOOD, "optimizer": "lamb", "weight_decay": 1e-2}))  # each stage its own tree
+    check_settings(PipelineSettings(**{**GOOD, "precision": "p=f32,c=bf16,r=bf16"}))
 
 
 @pytest.mark.parametrize("change,says", [
@@ -416,12 +417,12 @@ def test_settings_a_pipeline_takes_pass():
 def test_settings_a_pipeline_refuses_name_the_key_and_fix(change, says):
     """Each refusal before compiling names the key and the fix (and all of them come in one error)."""
     with pytest.raises(StepError, match=says):
-        check_settings(**{**GOOD, **change})
+        check_settings(PipelineSettings(**{**GOOD, **change}))
 
 
 def test_every_refusal_in_one_error():
     with pytest.raises(StepError) as error:
-        check_settings(**{**GOOD, "driver": "jit", "compression": "topk", "schedule": "x"})
+        check_settings(PipelineSettings(**{**GOOD, "driver": "jit", "compression": "topk", "schedule": "x"}))
     assert all(key in str(error.value) for key in ("pipeline.schedule='x'", "driver='jit'", "compression.name='topk'"))
 
 

@@ -78,7 +78,7 @@ def test_a_faster_pipeline_wins_and_says_why():
 def test_overrides_are_the_dtx_train_keys():
     """The printed overrides are the pipeline's config keys: they load and pass the pipeline's checks."""
     from dtx import config as config_lib
-    from dtx.step.pipeline_check import check_settings
+    from dtx.step.pipeline_check import PipelineSettings, check_settings
 
     p = pipeline_plan.plan(STACK, FAST, 8, 64, 4, 8)
     flags = [shlex.split(flag)[0] for flag in p.overrides()]
@@ -86,8 +86,9 @@ def test_overrides_are_the_dtx_train_keys():
     block = config.pipeline
     assert (config.parallel.name, block.schedule, block.microbatches, tuple(block.boundaries)) == (
         "pipeline", "1f1b", 8, p.boundaries)
-    check_settings(mesh_shape=dict(config.mesh), schedule=block.schedule, boundaries=block.boundaries,
-                   num_layers=len(STACK), global_batch_size=64, microbatches=block.microbatches)
+    check_settings(PipelineSettings(mesh_shape=dict(config.mesh), schedule=block.schedule,
+                                    boundaries=block.boundaries, num_layers=len(STACK), global_batch_size=64,
+                                    microbatches=block.microbatches))
 
 
 def test_transformer_blocks_as_layers():
@@ -129,7 +130,7 @@ def test_the_planner_interleaves_where_the_bubble_costs_most():
     than its best 1F1B plan (and its overrides load and pass the pipeline's checks); where each message costs a
     network round trip, 1F1B's fewer messages win."""
     from dtx import config as config_lib
-    from dtx.step.pipeline_check import check_settings
+    from dtx.step.pipeline_check import PipelineSettings, check_settings
 
     chosen, fitting = pipeline_plan.best(STACK, FAST, 4, 16, None, das_memory=0.0)
     assert chosen is fitting[0] and chosen.chunks > 1
@@ -137,9 +138,9 @@ def test_the_planner_interleaves_where_the_bubble_costs_most():
     assert chosen.time < min(p.time for p in fitting if p.chunks == 1)
     config = config_lib.load("digits_mlp", [shlex.split(flag)[0] for flag in chosen.overrides()])
     block = config.pipeline
-    check_settings(mesh_shape=dict(config.mesh), schedule=block.schedule, boundaries=block.boundaries,
-                   num_layers=len(STACK), global_batch_size=16, microbatches=block.microbatches,
-                   virtual_stages=block.virtual_stages)
+    check_settings(PipelineSettings(mesh_shape=dict(config.mesh), schedule=block.schedule,
+                                    boundaries=block.boundaries, num_layers=len(STACK), global_batch_size=16,
+                                    microbatches=block.microbatches, virtual_stages=block.virtual_stages))
     slow = dataclasses.replace(FAST, latency=1e-2, bandwidth=1e9, local_size=1)
     chosen, _ = pipeline_plan.best(STACK, slow, 4, 16, None, das_memory=0.0)
     assert chosen.chunks == 1

@@ -32,7 +32,7 @@ from dtx.run.trainer import train
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step import pipeline as pp
 from dtx.step import pipeline_relayout, pipeline_zero
-from dtx.step.pipeline_check import check_settings
+from dtx.step.pipeline_check import PipelineSettings, check_settings
 from dtx.step.state import init_train_state
 
 STEPS, MICRO, BATCH = 3, 4, 32
@@ -62,8 +62,9 @@ def _run(name, tx, mesh, schedule, zero, chunks=1, **settings):
     model, split, task = _case(name)
     example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), split.inputs[:1])["params"])
-    pipeline = pp.make_pipeline(model, abstract, mesh, schedule=schedule, micro=MICRO, chunks=chunks, task=task,
-                                example=example, zero_stage=zero, **settings)
+    pipeline = pp.make_pipeline(model, abstract, mesh, pp.StageOptions(schedule=schedule, micro=MICRO, chunks=chunks,
+                                                                       zero_stage=zero, **settings),
+                                task=task, example=example)
     shardings = pp.state_shardings(pp.abstract_state(model, tx, example, pipeline.plan), mesh, pipeline.plan, zero)
     state = pp.init_state(model, tx, example, 0, mesh, pipeline.plan, shardings)
     loader = TrainLoader(split, BATCH, mesh, seed=0)
@@ -240,15 +241,15 @@ def test_what_zero1_cannot_take_is_refused_by_key():
             (dict(zero_stage=1, optimizer="lars", weight_decay=1e-4), ["optimizer.name='lars'", "adamw"]),
             (dict(zero_stage=1, mesh_shape={"stage": 2, "model": 4}), ["no data replicas", "data"])):
         with pytest.raises(StepError) as error:
-            check_settings(**{**base, **settings})
+            check_settings(PipelineSettings(**{**base, **settings}))
         assert all(w in str(error.value) for w in words), (words, str(error.value))
-    check_settings(**base, zero_stage=1)
-    check_settings(**base, zero_stage=3)  # the rows split too (tests/test_compose.py)
-    check_settings(**base, zero_stage=1, optimizer="adamw", weight_decay=1e-4)  # decayed through the row mask
+    check_settings(PipelineSettings(**base, zero_stage=1))
+    check_settings(PipelineSettings(**base, zero_stage=3))  # the rows split too (tests/test_compose.py)
+    check_settings(PipelineSettings(**base, zero_stage=1, optimizer="adamw", weight_decay=1e-4))  # the row mask
     model = models.build_model("mlp", **MLP)
     for settings, words in ((dict(zero_stage=2), "zero_stage=2"), (dict(zero_stage=1, per_tensor=True), "per_tensor")):
         with pytest.raises(PipelineError, match=words):  # from Python: before the plan is made
-            pp.make_pipeline(model, None, mesh_lib.make_mesh([("stage", 2), ("data", 4)]), **settings)
+            pp.make_pipeline(model, None, mesh_lib.make_mesh([("stage", 2), ("data", 4)]), pp.StageOptions(**settings))
     with pytest.raises(config_lib.ConfigError, match="pipeline.zero_stage=1 applies to pipelines only"):
         config_lib.load(DIGITS_MLP, ("--config.pipeline.zero_stage=1",))
 

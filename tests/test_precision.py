@@ -460,7 +460,8 @@ def test_a_skipped_step_leaves_a_strategys_delay_buffer_alone(f16_setup, faulty_
     policy, model, _ = f16_setup
     strategy = make_strategy("async", staleness=2)
     example = jax.ShapeDtypeStruct(digits.train.inputs.shape, digits.train.inputs.dtype)
-    state = init_train_state(model, _tx(), example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER, strategy=strategy)
+    state = init_train_state(model, _tx(), example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER,
+                             per_worker=StepSpec(strategy=strategy))
     state = state.replace(shared=jax.tree.map(lambda x: x + 1.0, state.shared))  # distinct from the params
     assert jax.tree.leaves(state.shared), "async with staleness 2 keeps a delay buffer"
     before = jax.device_get(state)
@@ -529,7 +530,8 @@ def test_an_overflow_the_compressor_does_not_send_still_skips_the_step(probe, me
     compressor = compress.make_compressor(settings.pop("name"), **settings)
     tx = optim.make_optimizer("sgd", 0.1)
     example = jax.ShapeDtypeStruct(clean["inputs"].shape, jnp.float32)
-    state = init_train_state(model, tx, example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER, compressor=compressor)
+    state = init_train_state(model, tx, example, seed=0, mesh=mesh8, loss_scaler=FAULT_SCALER,
+                             per_worker=StepSpec(compressor=compressor))
     step = make_train_step(model, tx, mesh8, StepSpec(policy=policy, loss_scaler=FAULT_SCALER, compressor=compressor, donate=False))
     # Two clean steps first, so that residuals, momenta and factors are not all zeros.
     for _ in range(2):

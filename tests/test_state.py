@@ -10,6 +10,7 @@ import optax
 from dtx import mesh as mesh_lib
 from dtx import compress, models, strategies
 from dtx.precision import LossScaler
+from dtx.step import StepSpec
 from dtx.step.state import (INIT_COMPILER_OPTIONS, _drawn_shardings, _init_fn, _init_parts, abstract_train_state,
                             init_train_state, num_params, replicated_shardings)
 
@@ -72,8 +73,8 @@ def test_the_models_draw_is_one_program_whatever_the_rest_of_the_state():
         one = jax.jit(init, out_shardings=shardings).lower(2).compile(INIT_COMPILER_OPTIONS)(2)
         with warnings.catch_warnings():  # "Some donated buffers were not usable": the draw wrote the parameters
             warnings.simplefilter("error")  # elsewhere than where they live, and init held them twice
-            state = init_train_state(model, tx, EXAMPLE, seed=2, mesh=mesh, strategy=strategy,
-                                     compressor=compressor, shardings=shardings)
+            state = init_train_state(model, tx, EXAMPLE, seed=2, mesh=mesh, shardings=shardings,
+                                     per_worker=StepSpec(strategy=strategy, compressor=compressor))
         for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(state), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert a.sharding == b.sharding

@@ -62,7 +62,7 @@ def run(setup, strategy, tx, steps=STEPS, state=None):
     """Train ``steps`` steps; the host states after each step, the host metrics, the device state."""
     model, mesh = setup["model"], setup["mesh"]
     if state is None:
-        state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
+        state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, per_worker=StepSpec(strategy=strategy))
     step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy))
     states, records = [], []
     for s in range(steps):
@@ -341,7 +341,8 @@ def test_gossip_consensus_shrinks_by_the_spectral_gap(setup, topology, weights):
     tx = optax.sgd(0.0)
     strategy = make_strategy("gossip", topology=topology, consensus_every=1,
                              **({"mixing": weights} if weights else {}))
-    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"],
+                             per_worker=StepSpec(strategy=strategy))
     W = mixing_matrix(topology, weights, P)
     eigenvalues, eigenvectors = np.linalg.eig(W)
     order = np.argsort(-np.abs(eigenvalues))  # λ₁ = 1 (consensus) first
@@ -377,7 +378,7 @@ METRICS_OPERAND = 8  # bytes: the loss and accuracy pmean (two float32 scalars),
 
 def _compiled_collectives(setup, strategy, allreduce="psum"):
     model, mesh, tx = setup["model"], setup["mesh"], momentum()
-    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
+    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, per_worker=StepSpec(strategy=strategy))
     step = make_train_step(model, tx, mesh, StepSpec(strategy=strategy, allreduce=allreduce, donate=False))
     return hlo.collectives(step.lower(state, setup["batches"][0]).compile()), jax.tree.leaves(state.params)
 
@@ -422,7 +423,8 @@ def test_easgd_center_converges_to_the_workers_mean_with_zero_gradients(setup):
     alpha, beta, period = 0.1, 0.5, 2
     tx = optax.sgd(0.0)
     strategy = make_strategy("easgd", period=period, rho=alpha, moving_rate=beta)
-    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"],
+                             per_worker=StepSpec(strategy=strategy))
     base = jax.device_get(state.params)
     rng = np.random.default_rng(1)
     workers = jax.tree.map(lambda b: b + 0.1 * rng.normal(size=(P, *b.shape)).astype(np.float32), base)
@@ -518,7 +520,8 @@ def test_gossip_exponential_graph_reaches_exact_consensus_in_lg_p_steps(setup):
     mean of the 8 starting models (Assran et al. 2019), which no repetition of one round gives."""
     tx = optax.sgd(0.0)
     strategy = make_strategy("gossip", topology="exponential")
-    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"], strategy=strategy)
+    state = init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"],
+                             per_worker=StepSpec(strategy=strategy))
     base = jax.device_get(state.params)
     rng = np.random.default_rng(2)
     workers = jax.tree.map(lambda b: b + 0.1 * rng.normal(size=(P, *b.shape)).astype(np.float32), base)
@@ -590,7 +593,7 @@ def test_local_models_resume_exactly_from_a_checkpoint(tmp_path, name, settings)
 def _record_and_quiet(setup, strategy, model=None):
     """The step built with and without records (StepSpec.record), their compiled programs and a fresh state."""
     model, mesh, tx = model or setup["model"], setup["mesh"], momentum()
-    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, strategy=strategy)
+    state = init_train_state(model, tx, setup["example"], seed=0, mesh=mesh, per_worker=StepSpec(strategy=strategy))
     steps = [make_train_step(model, tx, mesh, StepSpec(strategy=strategy, donate=False, record=r)) for r in (True, False)]
     return steps, [step.lower(state, setup["batches"][0]).compile() for step in steps], state
 

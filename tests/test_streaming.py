@@ -13,6 +13,7 @@ import pytest
 
 from dtx.comm import costmodel, hlo
 from dtx.compress import quantize
+from dtx.step import StepSpec
 from dtx.step.state import init_train_state
 from dtx.strategies import StrategyError, make_strategy
 from dtx.strategies.streaming import fragment_slices
@@ -225,7 +226,7 @@ def test_quantised_outer_steps_match_a_numpy_reference(setup, run):
     out = run(setup, strategy, 8)
     tx = optax.sgd(LR, momentum=BETA)
     states = [jax.device_get(init_train_state(setup["model"], tx, setup["example"], seed=0, mesh=setup["mesh"],
-                                              strategy=strategy))] + out["states"]
+                                              per_worker=StepSpec(strategy=strategy)))] + out["states"]
     grad = _host_grads(setup)
     n = _flat(states[0].params).size
     bounds = [f * n // F for f in range(F + 1)]

@@ -71,8 +71,9 @@ def _setup():
 
 def _run(tx, mesh, schedule, sequence_parallel=False):
     model, split, example, abstract = _setup()
-    pipeline = pp.make_pipeline(model, abstract, mesh, schedule=schedule, micro=MICRO, example=example,
-                                task=tasks.next_token(), sequence_parallel=sequence_parallel)
+    pipeline = pp.make_pipeline(model, abstract, mesh,
+                                pp.StageOptions(schedule=schedule, micro=MICRO, sequence_parallel=sequence_parallel),
+                                example=example, task=tasks.next_token())
     state = pp.init_state(model, tx, example, 0, mesh, pipeline.plan)
     compiled = pp.make_pipeline_step(tx, mesh, pipeline).lower(state, TrainLoader(split, BATCH, mesh, seed=0)
                                                                .batch(0)).compile()
@@ -230,10 +231,11 @@ def test_what_split_stages_cannot_run_is_refused_by_key():
     from dtx.step import pipeline_check
 
     with pytest.raises(StepError, match="optimizer.name='lamb'"):
-        pipeline_check.check_settings(mesh_shape=dict(MESH), num_layers=4, global_batch_size=BATCH,
-                                      microbatches=MICRO, optimizer="lamb")
-    pipeline_check.check_settings(mesh_shape=dict(MESH), num_layers=4, global_batch_size=BATCH, microbatches=MICRO,
-                                  optimizer="adamw", weight_decay=0.01)
+        pipeline_check.check_settings(pipeline_check.PipelineSettings(
+            mesh_shape=dict(MESH), num_layers=4, global_batch_size=BATCH, microbatches=MICRO, optimizer="lamb"))
+    pipeline_check.check_settings(pipeline_check.PipelineSettings(
+        mesh_shape=dict(MESH), num_layers=4, global_batch_size=BATCH, microbatches=MICRO, optimizer="adamw",
+        weight_decay=0.01))
     base = ["--config.parallel.name=pipeline", "--config.mesh=((\"data\", 2), (\"stage\", 2), (\"model\", 2))",
             "--config.pipeline.microbatches=4"]
     experiment = os.path.join(os.path.dirname(__file__), "..", "experiments", "tiny_lm.py")
@@ -246,7 +248,8 @@ def test_what_split_stages_cannot_run_is_refused_by_key():
     model, _, _, abstract = _setup()
     odd = jax.ShapeDtypeStruct((BATCH, SEQ - 1), np.int32)
     with pytest.raises(PipelineError, match=r"7 positions .*dataset.seq_len, e.g. \[2, 4, 6, 8\]"):
-        pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH), micro=MICRO, example=odd, sequence_parallel=True)
+        pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH),
+                         pp.StageOptions(micro=MICRO, sequence_parallel=True), example=odd)
 
 
 def test_a_model_without_pairs_is_refused():
@@ -254,7 +257,7 @@ def test_a_model_without_pairs_is_refused():
     model = models.build_model("mlp", features=(16, 16), num_classes=4)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 8), np.float32))["params"])
     with pytest.raises(PipelineError, match="--config.mesh"):
-        pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH), micro=MICRO)
+        pp.make_pipeline(model, abstract, mesh_lib.make_mesh(MESH), pp.StageOptions(micro=MICRO))
 
 
 @pytest.mark.parametrize("name", ["1f1b", "sp-1f1b"])

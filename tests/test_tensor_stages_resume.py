@@ -59,10 +59,11 @@ def _restore(directory, model, tx, example, mesh, plan=None):
     else:
         abstract = pp.abstract_state(model, tx, example, plan)
         shardings = pp.state_shardings(abstract, mesh, plan)
-    convert = relayout_lib.relayout(model, tx, example, tree, abstract, shardings, mesh, plan,
+    target = checkpoint_lib.abstract_target(abstract, shardings)
+    convert = relayout_lib.relayout(model, tx, example, tree, target, mesh, plan,
                                     lambda saved: (saved.get("parallel") or {}).get("name") == "pipeline")
     with checkpoint_lib.Checkpointer(directory, read_only=True) as checkpointer:
-        resumed = checkpointer.resume(checkpoint_lib.abstract_target(abstract, shardings), relayout=convert)
+        resumed = checkpointer.resume(target, relayout=convert)
     assert resumed.step == SAVED
     return resumed.state
 
@@ -82,7 +83,8 @@ def runs(tmp_path_factory):
     task = tasks.next_token()
     data8, split_mesh = mesh_lib.make_mesh([("data", 8)]), mesh_lib.make_mesh(SPLIT)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), split.inputs[:1])["params"])
-    pipeline = pp.make_pipeline(model, abstract, split_mesh, schedule="1f1b", micro=MICRO, example=example, task=task)
+    pipeline = pp.make_pipeline(model, abstract, split_mesh, pp.StageOptions(schedule="1f1b", micro=MICRO),
+                                example=example, task=task)
     data_step = make_train_step(model, tx, data8, StepSpec(task=task))
     split_step = pp.make_pipeline_step(tx, split_mesh, pipeline)
     data_loader, split_loader = TrainLoader(split, BATCH, data8, seed=0), TrainLoader(split, BATCH, split_mesh, seed=0)
@@ -100,7 +102,7 @@ def runs(tmp_path_factory):
     as_data = _restore(tmp / "split", model, tx, example, data8)
     one = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
     four = mesh_lib.make_mesh([("stage", 4), ("data", 2)])
-    plain = pp.make_pipeline(model, abstract, four, micro=MICRO, example=example).plan
+    plain = pp.make_pipeline(model, abstract, four, pp.StageOptions(micro=MICRO), example=example).plan
     as_split = _restore(tmp / "data", model, tx, example, split_mesh, pipeline.plan)
     return dict(
         model=model, abstract=abstract, example=example, plan=pipeline.plan, saved=saved,
@@ -212,7 +214,7 @@ def test_the_saved_model_size_is_read_from_its_mesh_or_from_the_rows(runs):
     data8 = mesh_lib.make_mesh([("data", 8)])
     tx = optim.make_optimizer("momentum", 0.1, momentum=0.9)
     tree = abstract_train_state(model, tx, example)
-    adapt = relayout_lib.relayout(model, tx, example, tree, tree, None, data8, None,
+    adapt = relayout_lib.relayout(model, tx, example, tree, tree, data8, None,
                                   lambda saved: (saved.get("parallel") or {}).get("name") == "pipeline")
     config = {**CONFIGS["split"], "mesh": [["stage", 2], ["model", -1]]}
     narrow = [2, split.rows_shape[1] - 1]

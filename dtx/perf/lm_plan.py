@@ -308,7 +308,7 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                policies: Sequence[str] = POLICIES, pipeline_zero: bool = True) -> list[LMPlan]:
     """Every plan of ``nodes`` GPUs: ``T`` a power of two up to the node (dividing the heads), ``P`` dividing the
     blocks, ZeRO 0–3 (a pipeline's 0–1; only 0 when not ``pipeline_zero``: dtx refuses ZeRO-1 with stages for
-    LARS/LAMB, whose trust ratios need each tensor whole, ``dtx.step.pipeline_check.PER_TENSOR_OPTIMIZERS``), each
+    LARS/LAMB, whose trust ratios need each tensor whole, ``dtx.optim.Optimizer.whole_tensors``), each
     policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline)."""
     stage_zero = (0, 1) if pipeline_zero else (0,)
     out = []

@@ -22,6 +22,7 @@ from dtx import mesh as mesh_lib
 from dtx.data import tasks as tasks_lib
 from dtx.data import pipeline, userdata
 from dtx import compress
+from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.perf import clusters, flops, model as perfmodel, row_split, simclock
 from dtx.perf import layers as layers_lib
 from dtx.comm import hlo
@@ -188,21 +189,20 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
         layers = stages_lib.model_layers(model, abstract_params, example)
         opt = config.optimizer
         block = config.pipeline
-        pipeline_check.check_settings(
+        pipeline_check.check_settings(pipeline_check.PipelineSettings(
             mesh_shape=dict(mesh.shape), schedule=block.schedule, boundaries=block.boundaries,
             virtual_stages=block.virtual_stages, num_layers=len(layers), global_batch_size=config.global_batch_size,
             microbatches=block.microbatches, driver=config.driver, optimizer=opt.name,
             weight_decay=opt.weight_decay, strategy=config.strategy.name, compression=config.compression.name,
             allreduce=config.allreduce, bucket_bytes=config.bucket_bytes, precision=config.precision,
-            zero_stage=pipeline_check.zero_stage(config))
-        pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, schedule=block.schedule,
-                                               boundaries=block.boundaries, micro=block.microbatches,
-                                               chunks=block.virtual_stages, example=example,
-                                               per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay,
-                                                                                    pipeline_check.zero_stage(config)),
-                                               zero_stage=pipeline_check.zero_stage(config),
-                                               decay_mask=optim.path_mask(opt.exclude) if opt.weight_decay else None,
-                                               sequence_parallel=config.tensor.sequence_parallel)
+            zero_stage=pipeline_check.zero_stage(config)))
+        options = step_pipeline.StageOptions(
+            schedule=block.schedule, boundaries=block.boundaries, micro=block.microbatches,
+            chunks=block.virtual_stages,
+            per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay, pipeline_check.zero_stage(config)),
+            zero_stage=pipeline_check.zero_stage(config), sequence_parallel=config.tensor.sequence_parallel,
+            decay_mask=optim.path_mask(opt.exclude) if opt.weight_decay else None)
+        pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, options, example=example)
     except ValueError as error:  # PipelineError, StepError: the config's fault here
         raise config_lib.ConfigError(str(error)) from None
     return pipeline, step_pipeline.abstract_state(model, tx, example, pipeline.plan)
@@ -276,7 +276,7 @@ def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
         return step_pipeline.init_state(parts.model, parts.tx, parts.example, config.seed, mesh,
                                         parts.placement.pipeline.plan, parts.placement.state, parts.loss_scaler)
     return init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
-                            parts.placement.state, parts.strategy, parts.compressor)
+                            parts.placement.state, step_spec(config, parts))
 
 
 def relayout(parts: Parts, mesh):
@@ -289,8 +289,8 @@ def relayout(parts: Parts, mesh):
         name = (saved.get("parallel") or {}).get("name")
         return (name in parallel.LAYOUTS and bool(parallel.get_layout(name).stages)) or any(
             axis == STAGE_AXIS for axis, _ in saved.get("mesh") or ())
-    return pipeline_relayout.relayout(parts.model, parts.tx, parts.example, tree_state, parts.abstract_state,
-                                      parts.placement.state, mesh, plan, pipelined)
+    target = checkpoint_lib.abstract_target(parts.abstract_state, parts.placement.state)
+    return pipeline_relayout.relayout(parts.model, parts.tx, parts.example, tree_state, target, mesh, plan, pipelined)
 
 
 def compile_step(train_step, state: TrainState, batch):

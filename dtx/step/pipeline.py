@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -353,30 +354,58 @@ def gather_params(state: TrainState, plan: StagePlan):
     return plan.unpack(state.params)
 
 
-def make_pipeline(model, abstract_params, mesh: Mesh, *, schedule: str = "gpipe", boundaries=(), micro: int = 1,
-                  chunks: int = 1, task: task_lib.Task | None = None, per_tensor: bool = False,
-                  example=None, zero_stage: int = 0, sequence_parallel: bool = False, decay_mask=None) -> Pipeline:
-    """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``boundaries`` (or balanced) into
-    ``chunks`` stages per device, and the schedule ``schedule`` of ``micro`` micro-batches; ``per_tensor``: the
-    optimizer updates each stage's tensors (:func:`dtx.step.pipeline_check.per_tensor`); ``example``: the inputs'
-    shape and dtype (:func:`dtx.parallel.stages.make_plan`); ``zero_stage=1``: ZeRO-1 over the data axes (or the
-    ``fsdp`` axes), ``3``: the parameter rows split too (:mod:`dtx.step.pipeline_zero`; the rows padded to split over
-    them; ``decay_mask``: the optimizer's weight-decay
-    mask function, :func:`dtx.optim.path_mask`, which ZeRO-1 lays out as a row)."""
-    pipeline_zero.check(zero_stage, per_tensor)
+@dataclasses.dataclass(frozen=True)
+class StageOptions:
+    """How :func:`make_pipeline` cuts a model into stages and schedules them (the config's ``pipeline`` block, and
+    what the run's optimizer and mesh ask of it).
+
+    Attributes:
+      schedule: the schedule's name (:data:`dtx.parallel.pipeline_schedules.SCHEDULES`: GPipe, 1F1B, interleaved).
+      boundaries: the first layer of stages 1.. (:func:`dtx.parallel.stages.make_plan`); ``()``: balanced by FLOPs.
+      micro: ``M``, the micro-batches of a step (the schedule's ``micro``).
+      chunks: the (virtual) stages per device, ``V`` (2 or more: the interleaved schedule).
+      per_tensor: the optimizer updates each stage's tensors, not its row
+        (:func:`dtx.step.pipeline_check.per_tensor`).
+      zero_stage: ``1``: ZeRO-1 over the data axes (or the ``fsdp`` axes), ``3``: the parameter rows split too
+        (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them).
+      sequence_parallel: with a ``model`` axis, each stage's stream split over it by positions too
+        (``tensor.sequence_parallel``, :mod:`dtx.parallel.tensor_stages`).
+      decay_mask: the optimizer's weight-decay mask function (:func:`dtx.optim.path_mask`), which ZeRO-1 lays out
+        as a row; a function, so left out of comparisons.
+    """
+
+    schedule: str = "gpipe"
+    boundaries: Sequence[int] = ()
+    micro: int = 1
+    chunks: int = 1
+    per_tensor: bool = False
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    decay_mask: Callable | None = dataclasses.field(default=None, compare=False)
+
+
+def make_pipeline(model, abstract_params, mesh: Mesh, options: StageOptions = StageOptions(), *,
+                  task: task_lib.Task | None = None, example=None) -> Pipeline:
+    """The pipeline of ``model`` on ``mesh``'s ``stage`` axis: its layers cut at ``options.boundaries`` (or
+    balanced) into ``options.chunks`` stages per device, and the schedule ``options.schedule`` of ``options.micro``
+    micro-batches (:class:`StageOptions`: per-tensor updates, ZeRO, sequence parallelism, the decay mask);
+    ``task``: the loss and metrics (default classification); ``example``: the inputs' shape and dtype
+    (:func:`dtx.parallel.stages.make_plan`)."""
+    pipeline_zero.check(options.zero_stage, options.per_tensor)
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
-    plan = make_plan(model, abstract_params, stages, boundaries, chunks, example)
+    plan = make_plan(model, abstract_params, stages, options.boundaries, options.chunks, example)
     if MODEL in mesh.axis_names:  # each stage's blocks split over model (Megatron; LARS/LAMB: pipeline_check)
         # sequence_parallel (tensor.sequence_parallel): each stage's stream split over model by positions too
-        plan = split_plan(plan, abstract_params, mesh, example, sequence_parallel)
-    if zero_stage:
+        plan = split_plan(plan, abstract_params, mesh, example, options.sequence_parallel)
+    if options.zero_stage:
         plan = dataclasses.replace(plan, row_multiple=pipeline_zero.data_size(mesh))
-    decay = pipeline_zero.decay_tables(plan, decay_mask) if zero_stage and decay_mask is not None else None
-    return Pipeline(plan, make_schedule(schedule, stages, micro, chunks), task, per_tensor=per_tensor,
-                    zero_stage=zero_stage, decay=decay)
+    decay = (pipeline_zero.decay_tables(plan, options.decay_mask)
+             if options.zero_stage and options.decay_mask is not None else None)
+    return Pipeline(plan, make_schedule(options.schedule, stages, options.micro, options.chunks), task,
+                    per_tensor=options.per_tensor, zero_stage=options.zero_stage, decay=decay)
 
 
 def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):

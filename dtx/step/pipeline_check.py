@@ -14,10 +14,12 @@ for another layout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
+from dtx import compress, optim, strategies
 from dtx.config import ConfigError, base_config, register_check
 from dtx.comm.algorithms import get_algorithm
 from dtx.parallel.layouts import LAYOUTS, configured, fsdp_stage
@@ -28,15 +30,53 @@ from dtx.parallel.stages import STAGE_AXIS
 from dtx.step.drivers import get_driver
 from dtx.step.spec import StepError
 
-def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Sequence[int] = (), num_layers: int,
-                   virtual_stages: int = 1,
-                   global_batch_size: int, microbatches: int = 1, driver: str = "shard_map",
-                   optimizer: str = "adam", weight_decay: float = 0.0, strategy: str = "sync",
-                   compression: str = "none", allreduce: str = "psum", bucket_bytes: int = 0,
-                   precision: str = "", zero_stage: int = 0) -> None:
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSettings:
+    """What :func:`check_settings` reads of a pipeline run, each field named as its ``--config`` key says (by
+    keyword: ``mesh_shape``, ``num_layers`` and ``global_batch_size`` have no default).
+
+    Attributes:
+      mesh_shape: axis name -> size (``mesh``).
+      schedule: ``pipeline.schedule``.
+      boundaries: ``pipeline.boundaries``, the first layer of stages 1..; ``()``: balanced by FLOPs.
+      num_layers: the model's layers to cut (:func:`dtx.parallel.stages.model_layers`).
+      virtual_stages: ``pipeline.virtual_stages``, the chunks per device.
+      global_batch_size: ``global_batch_size``.
+      microbatches: ``M`` (:func:`micro_batches` of the config).
+      driver, optimizer, weight_decay, strategy, compression, allreduce, bucket_bytes, precision: the keys of those
+        names (``optimizer.name``, ``optimizer.weight_decay``, ``strategy.name``, ``compression.name``).
+      zero_stage: the ZeRO stage over the rows (:func:`zero_stage` of the config).
+    """
+
+    mesh_shape: dict
+    schedule: str = "gpipe"
+    boundaries: Sequence[int] = ()
+    num_layers: int
+    virtual_stages: int = 1
+    global_batch_size: int
+    microbatches: int = 1
+    driver: str = "shard_map"
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    strategy: str = "sync"
+    compression: str = "none"
+    allreduce: str = "psum"
+    bucket_bytes: int = 0
+    precision: str = ""
+    zero_stage: int = 0
+
+
+def check_settings(settings: PipelineSettings) -> None:
     """Raise :class:`~dtx.step.spec.StepError` listing every setting a pipeline run cannot take, each with
-    its ``--config`` key and the fix (module docstring). ``mesh_shape``: axis name -> size; ``microbatches``:
-    ``M`` (:func:`micro_batches` of the config)."""
+    its ``--config`` key and the fix (module docstring)."""
+    # The checks read each setting by its own name.
+    mesh_shape, schedule, boundaries = settings.mesh_shape, settings.schedule, settings.boundaries
+    num_layers, virtual_stages, microbatches = settings.num_layers, settings.virtual_stages, settings.microbatches
+    global_batch_size, driver, optimizer = settings.global_batch_size, settings.driver, settings.optimizer
+    weight_decay, strategy, compression = settings.weight_decay, settings.strategy, settings.compression
+    allreduce, bucket_bytes, precision = settings.allreduce, settings.bucket_bytes, settings.precision
+    zero_stage = settings.zero_stage
     problems = []
     devices = mesh_shape.get(STAGE_AXIS)
     stages = None if devices is None else devices * virtual_stages  # the (virtual) stages the layers are cut into
@@ -65,14 +105,15 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
     if not get_driver(driver).explicit:
         problems.append(f"driver={driver!r}: the pipeline places its own ppermutes, so it runs under a driver that "
                         "leaves the collectives to the step: set --config.driver=shard_map")
-    for key, value, plain, fine in (("strategy.name", strategy, "sync", strategy == "sync"),
-                                    ("compression.name", compression, "none", compression == "none"),
+    for key, value, plain, fine in (("strategy.name", strategy, "sync", _identity(strategies.make_strategy, strategy)),
+                                    ("compression.name", compression, "none",
+                                     _identity(compress.make_compressor, compression)),
                                     ("allreduce", allreduce, "psum", get_algorithm(allreduce).native),
                                     ("bucket_bytes", bucket_bytes, 0, not bucket_bytes)):
         if not fine:
             problems.append(f"{key}={value!r}: the pipeline reduces each stage's gradient once with psum over the "
                             f"data axes: set --config.{key}={plain}")
-    if MODEL_AXIS in mesh_shape and optimizer in ("lars", "lamb"):
+    if MODEL_AXIS in mesh_shape and optim.declared(optimizer).whole_tensors:
         problems.append(f"optimizer.name={optimizer!r}: a {MODEL_AXIS!r} mesh axis splits each stage's attention and "
                         "MLP kernels (dtx.parallel.tensor_stages), and LARS's and LAMB's trust ratios need each "
                         "tensor's whole norm: use adam, adamw, momentum or sgd, or drop the model axis")
@@ -97,8 +138,19 @@ def check_settings(*, mesh_shape: dict, schedule: str = "gpipe", boundaries: Seq
         raise StepError("parallel.name='pipeline': " + "; ".join(problems))
 
 
-ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
-PER_TENSOR_OPTIMIZERS = ("lars", "lamb")  # trust ratios from each tensor's norm
+def _identity(make, name: str) -> bool:
+    """Whether the plug-in ``name`` (a strategy or compressor, built with its defaults) leaves the gradient's
+    reduction as it is (``caps.identity``): what a pipeline's one psum over the data axes can take."""
+    try:
+        return bool(make(name).caps.identity)
+    except ValueError:  # an unknown name: its family's own check names the choices
+        return False
+
+
+# From dtx.optim's declarations: the optimizers that act on a row as on the tree (entry by entry, no mask by name),
+# and those that need each tensor whole (trust ratios from each tensor's norm).
+ELEMENTWISE_OPTIMIZERS = tuple(n for n, o in optim.DECLARED.items() if o.by_entry and not o.masks_by_name)
+PER_TENSOR_OPTIMIZERS = tuple(n for n, o in optim.DECLARED.items() if o.whole_tensors)
 
 
 def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_decay: float) -> list[str]:
@@ -125,7 +177,7 @@ def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_deca
                         f"{dict(mesh_shape)} has no data replicas to split it over: add a data axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))', or set "
                         f"--config.{key}=0")
-    if optimizer in PER_TENSOR_OPTIMIZERS:
+    if optim.declared(optimizer).whole_tensors:
         problems.append(f"optimizer.name={optimizer!r}: {key}={zero_stage} updates a slice of each stage's row, "
                         "and LARS's and LAMB's trust ratios need each tensor's whole norm: use one of "
                         f"{', '.join(ELEMENTWISE_OPTIMIZERS)} or adamw (weight decay runs, masked by "
@@ -139,9 +191,10 @@ def per_tensor(optimizer: str, weight_decay: float, zero_stage: int = 0) -> bool
     and Adam without it act entry by entry, so the pipeline updates its flat rows directly (less memory). Under
     ``pipeline.zero_stage=1`` weight decay runs on the row's slices through a row-shaped mask
     (:mod:`dtx.step.pipeline_zero`), so only LARS and LAMB would."""
+    declared = optim.declared(optimizer)
     if zero_stage:
-        return optimizer in PER_TENSOR_OPTIMIZERS
-    return optimizer not in ELEMENTWISE_OPTIMIZERS or bool(weight_decay)
+        return declared.whole_tensors
+    return declared.whole_tensors or declared.masks_by_name or not declared.by_entry or bool(weight_decay)
 
 
 def _staged(config) -> bool:

@@ -79,17 +79,23 @@ def _padded(saved: StagePlan, shape, plan: StagePlan | None) -> StagePlan:
     return saved  # refused below: rows it does not lay out
 
 
-def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh, plan: StagePlan | None,
+def relayout(model, tx, example_inputs, tree_state, target, mesh: Mesh, plan: StagePlan | None,
              pipelined=lambda saved_config: False):
-    """``(saved config, saved arrays) -> (target, convert) | None``: how a run whose state is ``state`` (placed by
-    ``shardings``; its pipeline ``plan``, None for the model's own tree ``tree_state``) restores a checkpoint saved in
-    the other layout, pipeline rows or tree (:meth:`dtx.ckpt.checkpoint.Checkpointer.resume`'s ``relayout``). The
-    saved state is restored replicated on ``mesh`` as it was saved, then unpacked by the saved run's plan (its stage
-    count read from the saved rows, its cut and chunks from its ``pipeline`` block, its ``model`` split from its
-    ``mesh``) and packed by this run's; None when the checkpoint holds no other layout of this model.
+    """``(saved config, saved arrays) -> (the saved layout's target, convert) | None``: how a run whose state is
+    ``target`` (its abstract state, each leaf a ``ShapeDtypeStruct`` carrying the ``sharding`` it is placed with, as
+    :func:`dtx.ckpt.checkpoint.abstract_target` builds it, or the plain abstract state, left where ``jit`` puts it;
+    its pipeline ``plan``, None for the model's own tree ``tree_state``) restores a checkpoint saved in the other
+    layout, pipeline rows or tree (:meth:`dtx.ckpt.checkpoint.Checkpointer.resume`'s ``relayout``). The saved state
+    is restored replicated on ``mesh`` as it was saved, then unpacked by the saved run's plan (its stage count read
+    from the saved rows, its cut and chunks from its ``pipeline`` block, its ``model`` split from its ``mesh``) and
+    packed by this run's; None when the checkpoint holds no other layout of this model.
     ``pipelined(saved config)``: whether it saved rows."""
     if jax.tree.leaves((tree_state.worker, tree_state.shared)):  # per-worker state: no pipeline ever had it
         return lambda saved_config, arrays: None
+    # Where the converted state is placed: the target's shardings, or (a leaf without one) no out_shardings at all.
+    shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), target)
+    if any(s is None for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None)):
+        shardings = None
 
     def adapt(saved_config: dict, arrays: dict):
         parallel = saved_config.get("parallel") or {}
@@ -122,11 +128,11 @@ def relayout(model, tx, example_inputs, tree_state, state, shardings, mesh: Mesh
                 "in (its --config.mesh and pipeline block)")
         saved = tree_state if saved_plan is None else abstract_state(model, tx, example_inputs, saved_plan)
         whole = NamedSharding(mesh, PartitionSpec())
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), saved)
+        saved_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), saved)
 
         def convert(restored):
             restored = restored if saved_plan is None else to_tree(restored, saved_plan)
             restored = restored if plan is None else to_rows(restored, plan)
-            return restored.replace(worker=state.worker, shared=state.shared)  # both without leaves (above)
-        return target, jax.jit(convert, out_shardings=shardings)
+            return restored.replace(worker=target.worker, shared=target.shared)  # both without leaves (above)
+        return saved_target, jax.jit(convert, out_shardings=shardings)
     return adapt

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
 from dtx.precision import LossScaler, LossScaleState
+from dtx.step.spec import StepSpec
 
 
 @flax.struct.dataclass
@@ -58,8 +59,7 @@ def init_train_state(
     mesh: Mesh,
     loss_scaler: LossScaler = LossScaler(),
     shardings: TrainState | None = None,
-    strategy: Any = None,
-    compressor: Any = None,
+    per_worker: StepSpec | None = None,
 ) -> TrainState:
     """Create the state directly in its sharded layout.
 
@@ -78,14 +78,16 @@ def init_train_state(
       loss_scaler: gives the initial loss-scale state.
       shardings: a ``NamedSharding`` per leaf (see :func:`dtx.parallel.state_shardings`);
         default: everything replicated (data parallelism) but ``worker``, split over workers.
-      strategy: a :class:`dtx.strategies.Strategy` (default: ``sync``, no state of its own):
-        its ``init`` gives ``worker["strategy"]`` and ``shared``.
-      compressor: a :class:`dtx.compress.Compressor` (default: none): its ``init`` gives
-        ``worker["compress"]``.
+      per_worker: the run's :class:`dtx.step.spec.StepSpec` (anything with a ``strategy`` and a
+        ``compressor``), read for the state its workers keep: its ``strategy`` (a
+        :class:`dtx.strategies.Strategy`; None: ``sync``, no state of its own), whose ``init`` gives
+        ``worker["strategy"]`` and ``shared``, and its ``compressor`` (a :class:`dtx.compress.Compressor`;
+        None: none), whose ``init`` gives ``worker["compress"]``. Default None: neither.
 
     Returns:
       The ``TrainState``, placed with ``shardings``.
     """
+    strategy, compressor = getattr(per_worker, "strategy", None), getattr(per_worker, "compressor", None)
     draw, assemble = _init_parts(model, tx, example_inputs, loss_scaler, strategy, compressor,
                                  mesh_lib.data_parallel_size(mesh))
     if shardings is None:

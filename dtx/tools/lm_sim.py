@@ -74,12 +74,12 @@ def rows(shape: lm_plan.LMShape, cluster: Cluster, nodes, global_batch: int, red
          optimizer: str = "adamw") -> list[dict]:
     """:func:`dtx.perf.lm_plan.best` per node count; ``optimizer``: the config's (LARS/LAMB: no ZeRO-1 with stages,
     which dtx refuses for them)."""
-    from dtx.step.pipeline_check import PER_TENSOR_OPTIMIZERS
+    from dtx.optim import declared
 
     out = []
     for n in nodes:
         found = lm_plan.best(shape, cluster, n, global_batch, reduce_bytes=reduce,
-                             pipeline_zero=optimizer not in PER_TENSOR_OPTIMIZERS)
+                             pipeline_zero=not declared(optimizer).whole_tensors)
         out.append(dict(nodes=n, why=lm_plan.why(found, cluster), **found))
     return out
 
