@@ -24,6 +24,11 @@ all-reduced over the data axes — once per step, as gradient accumulation does 
 the optimizer to its own row. The loss and the task's metrics come from the last stage (``psum`` over
 ``stage``, where the others add zeros) averaged over the data axes.
 
+What follows the ticks is the step body's (:mod:`dtx.step.body`): its reduction (``make_reduce``: the reduce dtype,
+the unscaling), its averages (``averages``: the records, and with loss scaling the verdict, here the sum of every
+stage's so that the whole model decides) and its end (``finish``: the skip of an overflowing step, the loss scale,
+the next key and step, the records); what is the pipeline's own is the schedule, the rows and their update.
+
 Every message is this module's ``ppermute``, so the compiled program (:mod:`dtx.comm.hlo`) shows each
 slot's ``collective-permute`` inside its phase's loop, once per tick.
 """
@@ -40,6 +45,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dtx import compress, strategies
 from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
@@ -48,9 +54,9 @@ from dtx.parallel.pipeline_schedules import Schedule, make_schedule
 from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan, row_spec
 from dtx.parallel.stage_positions import arriving_shape, own_positions, positions_split, sum_replicated
 from dtx.parallel.tensor_stages import MODEL, split_plan, tensor_traffic
-from dtx.step import pipeline_optim, pipeline_zero
+from dtx.step import body, pipeline_optim, pipeline_zero
 from dtx.step.spec import StepError
-from dtx.precision import LossScaler, Policy, all_finite, select_tree
+from dtx.precision import LossScaler, Policy, all_finite
 from dtx.step.state import TrainState, run_init
 
 
@@ -215,6 +221,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     sliced = bool(pipeline.zero_stage and axes)  # ZeRO: the row's optimizer state and update split over axes
     split_rows = sliced and pipeline.zero_stage == 3  # ZeRO-3: the parameter rows too, gathered once per step
     zero_axes, replicas = pipeline_zero.zero_axes(mesh), pipeline_zero.replica_axes(mesh)
+    data_size = math.prod(mesh.shape[a] for a in axes)
+    # ZeRO's reduce-scatter already summed the row in the reduce dtype: the body's reduction then only unscales it
+    reduced_policy = dataclasses.replace(policy, reduce=policy.params)
     p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
     if schedule.chunks != plan.chunks or schedule.stages != p:
         raise StepError(f"schedule {schedule.name!r} is for {schedule.stages} devices x {schedule.chunks} chunks, "
@@ -302,18 +311,24 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         _, _, _, grads, loss, values = carry
         grads = grads * (1.0 / m_count)  # the step's loss is the micro-batches' mean
         grads = sum_replicated(plan, grads)  # SP: the replicated leaves' gradients summed over model
+        # The body's reduction (dtx.step.body.make_reduce): each stage's row averaged over its data replicas in the
+        # policy's reduce dtype, unscaled. ZeRO reduce-scatters the row first (its split, as the body's split_grads)
+        # and the reduction then has nothing left to send.
         if sliced:  # ZeRO: this data rank's slice of the row's mean, one reduce-scatter (HSDP: then the replicas')
             grads = pipeline_zero.reduce_scatter(grads, zero_axes, policy, replicas)
-        elif axes:  # the step's one gradient all-reduce: each stage's row over its data replicas
-            grads = policy.cast_to_params(lax.pmean(policy.cast_to_reduce(grads), axes))
-        grads = scaler.unscale(state.loss_scale, grads)
-        # The last stage alone scored the micro-batches; the others add zeros. With loss scaling every stage adds
-        # whether its reduced gradient overflowed: the step is skipped on all of them alike.
+        comm = (comm_lib.CommContext(axes, data_size, lambda tree: lax.pmean(tree, axes)) if axes and not sliced
+                else comm_lib.compiler(1))
+        reduce = body.make_reduce(compress.none(), policy if axes and not sliced else reduced_policy, scaler,
+                                  state.loss_scale, comm, False)
+        grads, _, _ = reduce(grads, {}, None)
+        # The last stage alone scored the micro-batches, the others add zeros: summed over stage (and model under
+        # SP), every device holds the step's loss. With loss scaling each stage adds whether its reduced row
+        # overflowed, so the verdict is the whole model's, the same on every stage.
         overflow = [1.0 - all_finite(grads).astype(jnp.float32)] if scaler.enabled else []
         scalars = lax.psum(jnp.stack([loss / m_count, *(values[n] / m_count for n in names), *overflow]),
                            (STAGE_AXIS, MODEL) if positions_split(plan) > 1 else STAGE_AXIS)
-        if axes:
-            scalars = lax.pmean(scalars, axes)
+        mean = body.averages(axes, scalars[0], {n: scalars[1 + i] for i, n in enumerate(names)},
+                             (scalars[-1] == 0) if scaler.enabled else None, {})
         if sliced:  # the slice updated with its slice of the state, then (ZeRO-1) the rows all-gathered
             params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, zero_axes,
                                                      pipeline.decay, split_rows)
@@ -323,28 +338,23 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         else:  # an element-wise optimizer acts on the row as on the tree
             updates, opt_state = tx.update(grads[None], state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
-        new_state = state.replace(step=state.step + 1, params=params,
-                                  opt_state=opt_state, rng=jax.random.key_data(rng))
-        metrics = {"loss": scalars[0], **{n: scalars[1 + i] for i, n in enumerate(names)}}
-        if scaler.enabled:  # Micikevicius et al. 2018, §3.2: skip an overflowing step, back off; grow when finite
-            finite = scalars[-1] == 0
-            new_state = new_state.replace(params=jnp.where(finite, new_state.params, state.params),
-                                          opt_state=select_tree(finite, new_state.opt_state, state.opt_state),
-                                          loss_scale=scaler.update(state.loss_scale, finite))
-            metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.int32),
-                           skipped_steps=new_state.loss_scale.skipped_steps)
         sent = traffic(plan, schedule, micro, mesh, 1 + len(names) + scaler.enabled, batch_bytes, policy, sliced)
-        return new_state, {**metrics, **comm_lib.traffic_stats(sent)}
+        # The body's finish (Micikevicius et al. 2018, §3.2, with loss scaling: an overflowing step skipped on every
+        # device alike, the scale backed off; grown when finite), the next key and step, the records.
+        rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
+        worked = body.Pass(grads, mean.loss, mean.values, mean.finite, {}, jax.random.key_data(rng), {})
+        stats = {**comm_lib.traffic_stats(sent), **({"grads_finite": jnp.array(True)} if scaler.enabled else {})}
+        return body.finish(state, state.replace(params=params, opt_state=opt_state), stats, worked, scaler,
+                           strategies.sync())
 
     def specs(state):
         return jax.tree.map(lambda s: s.spec, state_shardings(state, mesh, plan, pipeline.zero_stage if sliced else 0))
 
     def step(state, batch):
         batch_spec = PartitionSpec(mesh_lib.batch_axes(mesh))  # as every dtx batch is placed (dtx.data.loader)
-        body = jax.shard_map(per_device, mesh=mesh, in_specs=(specs(state), batch_spec),
-                             out_specs=(specs(state), PartitionSpec()), check_vma=False)
-        return body(state, batch)
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs(state), batch_spec),
+                               out_specs=(specs(state), PartitionSpec()), check_vma=False)
+        return mapped(state, batch)
 
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
