@@ -253,3 +253,23 @@ def test_no_strategy_compressor_or_optimizer_name_is_compared_outside_its_regist
     finally:
         _HOLDERS = kept
     assert not found, "name comparisons outside a registry:\n" + "\n".join(found)
+
+
+def test_no_layout_kind_is_compared_outside_its_registry():
+    """A layout's kind of split (its ``kernels`` field) is read through what it declares (``splits_kernels``,
+    ``pairs``, ``user_rules``, ``by_layer_kind``, ``splits(kind)``), and no module but the registry picks a layout
+    by its name: nothing outside dtx.parallel.layouts compares ``.kernels`` or subscripts ``LAYOUTS`` with a name."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("dtx.") or name == "dtx.parallel.layouts" or name.startswith(("dtx.models",
+                                                                                             "dtx.experiments")):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if any(isinstance(o, ast.Attribute) and o.attr == "kernels" for o in operands) and \
+                    any(_literal_names(o) for o in operands):
+                found.append(f"{name} line {node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("LAYOUTS") and \
+                    isinstance(node.slice, ast.Constant):
+                found.append(f"{name} line {node.lineno}: {ast.unparse(node)}")
+    assert not found, "layout kinds or names asked outside the registry:\n" + "\n".join(found)

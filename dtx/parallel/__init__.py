@@ -10,7 +10,7 @@ from __future__ import annotations
 from dtx.parallel import activations, rules  # noqa: F401
 from dtx.parallel.activations import ActivationLayout, activation_layout  # noqa: F401
 from dtx.parallel.layouts import (  # noqa: F401
-    LAYOUTS, Layout, Placement, compose, configured, fsdp_stage, get_layout, make_rules, optimizer_rules,
+    LAYOUTS, Layout, Placement, compose, configured, fsdp_stage, get_layout, make_rules, optimizer_rules, rules_layout,
 )
 from dtx.parallel.rules import (  # noqa: F401
     PartitionError, Rules, check_rules_match, gradient_shardings, param_specs, state_shardings,

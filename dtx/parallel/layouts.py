@@ -141,6 +141,33 @@ class Layout:
                                  f"leave {fc_pairs_lib.KEY} at its default False")
 
     @property
+    def splits_kernels(self) -> bool:
+        """Whether any kernel is split over the ``model`` axis (model, hybrid, rules, Megatron's pairs)."""
+        return self.kernels != "none"
+
+    @property
+    def pairs(self) -> bool:
+        """Whether its kernels are Megatron's column/row pairs and attention heads (:mod:`dtx.parallel.tensor`),
+        which :mod:`dtx.perf.tensor` models, not the Das et al. layer model."""
+        return self.kernels == "paired"
+
+    @property
+    def user_rules(self) -> bool:
+        """Whether its split is the user's own rules (``parallel.rules``): which layers it splits is read from them."""
+        return self.kernels == "explicit"
+
+    @property
+    def by_layer_kind(self) -> bool:
+        """Whether which layers it splits follows from their kind alone (none, every Dense/Conv, the Dense ones):
+        what the Das et al. performance model and its planner can enumerate."""
+        return self.kernels in ("none", "all", "dense")
+
+    def splits(self, kind: str) -> bool:
+        """Whether it splits a layer of ``kind`` (``"dense"`` or ``"conv"``) by the layer's kind (:attr:`by_layer_kind`
+        layouts; the user's rules and Megatron's pairs are read from the parameters instead)."""
+        return self.kernels == "all" or (self.kernels == "dense" and kind == "dense")
+
+    @property
     def needs_model_axis(self) -> bool:
         """Whether it splits kernels over a ``model`` mesh axis that must exist."""
         return self.kernels in ("all", "dense", "paired")
@@ -236,6 +263,12 @@ def get_layout(layout: str | Layout) -> Layout:
     if layout not in LAYOUTS:
         raise PartitionError(f"unknown parallel.name {layout!r}; choose one of {list(LAYOUTS)}")
     return LAYOUTS[layout]
+
+
+def rules_layout() -> Layout:
+    """The layout whose split is the user's own rules (:attr:`Layout.user_rules`): how a plan of per-layer splits
+    (:mod:`dtx.perf.model`'s) or a layout's actual split on a model is estimated and run."""
+    return next(layout for layout in LAYOUTS.values() if layout.user_rules)
 
 
 def configured(config) -> Layout:

@@ -239,7 +239,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
         lay = get_layout(layout)
     except ValueError:
         raise MemoryModelError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}") from None
-    if lay.kernels == "paired":
+    if lay.pairs:
         raise MemoryModelError(f"dtx.perf.memory does not model Megatron's pairs (parallel.name={lay.name!r}); "
                                "dtx.perf.tensor gives their parameter bytes and activation ratios")
     state_split_everywhere = lay.zero_stage >= 1  # the optimizer state split 1/N (ZeRO 1, 2, FSDP)
@@ -252,10 +252,10 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
                                f"and the group size {g} must divide {n}")
     e_p, e_c = np.dtype(policy.params).itemsize, np.dtype(policy.compute).itemsize
     e_r = np.dtype(policy.reduce).itemsize
-    if lay.kernels == "explicit":
+    if lay.user_rules:
         split = set(sharded)
-    elif lay.kernels in ("all", "dense"):
-        split = {layer.name for layer in layers if lay.kernels == "all" or layer.kind == "dense"}
+    elif lay.splits_kernels:
+        split = {layer.name for layer in layers if lay.splits(layer.kind)}
     else:
         split = set()
     split = split if g > 1 else set()
@@ -385,7 +385,7 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
         return ("FSDP: XLA's partitioner chooses per layer whether to gather weights or activations and when; "
                 "held-out FSDP rows were 0.62-1.14x the compiled peak (with parallel.reduce=once: MLPs 0.93-1.00, "
                 "conv nets 0.43-0.70)")
-    if accum_steps > 1 and not explicit and lay.kernels != "none":
+    if accum_steps > 1 and not explicit and lay.splits_kernels:
         return ("gradient accumulation under jit with kernels split over model (each model group's gradient summed "
                 "apart, dtx/step/accumulate.py): no held-out row measures it")
     if backend == "xla_cpu" and np.dtype(policy.compute).itemsize < 4:

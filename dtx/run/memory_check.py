@@ -77,7 +77,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                 return
             check_host(config, mine, mesh, host)
         return
-    if chosen.kernels == "paired":  # Megatron's pairs: dtx.perf.tensor models them, not dtx.perf.memory
+    if chosen.pairs:  # Megatron's pairs: dtx.perf.tensor models them, not dtx.perf.memory
         return  # (docs/memory.md: neither memory_limit nor the host's memory is checked for parallel.name=tensor)
     sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
@@ -90,12 +90,12 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         # alone holds, with its replicas' share of the batch (each data index a run of its own, reduced after)
         common.update(nodes=split, global_batch=config.global_batch_size // (mesh.size // split))
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
-    rules = parallel.LAYOUTS["rules"] if chosen.kernels != "none" and sharded else chosen
+    rules = parallel.rules_layout() if chosen.splits_kernels and sharded else chosen
 
     def estimate(**changes):
         return memory.estimate_model(model, example.shape[1:], rules, dtype=example.dtype,
-                                     group_size=group if rules.kernels != "none" else 1,
-                                     sharded=sharded if rules.kernels == "explicit" else (), **{**common, **changes})
+                                     group_size=group if rules.splits_kernels else 1,
+                                     sharded=sharded if rules.user_rules else (), **{**common, **changes})
 
     try:
         mine = estimate()
@@ -128,7 +128,7 @@ def _check_device(config, model, example, chosen, group, common, mine, doubt, ca
     biggest = ", ".join(f"{what} {_gib(value)}" for value, what in parts[:3])
     fits = []
     for other in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank):
-        if (other.name == chosen.name or other.kernels == "explicit" or other.stages
+        if (other.name == chosen.name or other.user_rules or other.stages
                 or (other.needs_model_axis and group == 1)):
             continue
         try:

@@ -95,7 +95,7 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
     micro-batch's gradient over all devices: that is what they are."""
     placement = spec.placement
     if spec.accum_steps == 1:  # each shard's whole gradient, then one reduction (module docstring)
-        whole = placement is None or (placement.layout.kernels == "none" and placement.layout.zero_stage < 3)
+        whole = placement is None or (not placement.layout.splits_kernels and placement.layout.zero_stage < 3)
         return accumulate.Apart(mesh, mesh_lib.batch_axes(mesh), manual=True) if reuses and whole else None
     if placement is None or placement.whole_gradients:
         # A shard_map (module docstring), but for FSDP: it held the whole parameters beside the whole accumulator.

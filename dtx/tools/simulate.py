@@ -188,18 +188,18 @@ def _memory_rows(estimate, layers, points) -> list[dict]:
     layers only (Das et al.'s hybrid) over the plan's group (2 when the plan has none)."""
     rows = []
     layouts = [lay for lay in sorted(parallel.LAYOUTS.values(), key=lambda lay: lay.cost_rank)
-               if lay.kernels not in ("explicit", "paired") and not lay.stages]  # (nor stages and Megatron's pairs yet)
+               if lay.by_layer_kind and not lay.stages]  # (nor stages and Megatron's pairs yet)
     for point in points:
         n, batch, plan = point.nodes, point.global_batch, point.plan
         hybrid = plan.group_size if plan.group_size > 1 else 2
         for lay in layouts:
             g = {"all": n, "dense": hybrid}.get(lay.kernels, 1)
-            split = [layer for layer in layers if lay.kernels == "all" or (lay.kernels == "dense" and layer.kind == "dense")]
+            split = [layer for layer in layers if lay.splits(layer.kind)]
             if lay.needs_model_axis and (n % g or g == 1 or any(x.kernel_shape[-1] % g for x in split)):
                 continue  # dtx.parallel refuses a split that does not divide (or there is no group)
             e = estimate(layers, lay, nodes=n, global_batch=batch, group_size=g)
             rows.append(_memory_row(n, lay.name, g, e))
-        e = estimate(layers, parallel.LAYOUTS["rules"], nodes=n, global_batch=batch, group_size=plan.group_size,
+        e = estimate(layers, parallel.rules_layout(), nodes=n, global_batch=batch, group_size=plan.group_size,
                      sharded=plan.sharded)
         rows.append(_memory_row(n, f"plan ({perfmodel.plan_text(plan)})", plan.group_size, e))
     return rows
