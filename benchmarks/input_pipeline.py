@@ -5,7 +5,7 @@ Two pipelines, each against the model it feeds:
 * the default experiment (digits MLP): :class:`dtx.data.TrainLoader` indexes the epoch's permutation,
   gathers the rows of in-memory arrays and places them on the devices;
 * ResNet-18 on 32×32 images (``experiments/cifar10_resnet18.py``: global batch 512, He et al.'s
-  augmentation): :class:`dtx.data.pipeline.GrainLoader` reads each batch through grain from files
+  augmentation): :class:`dtx.data.inputs.GrainLoader` reads each batch through grain from files
   written to a temporary folder (CIFAR-10 binary records of random pixels, memory-mapped, and the
   same images as a PNG image folder, decoded by Pillow), pads, crops, flips and normalises them, and
   places them; in the training process (``dataset.workers=0``) and with two prefetching processes.

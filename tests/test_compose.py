@@ -16,11 +16,9 @@ transformer of tests/test_pipeline_zero.py, AdamW with weight decay (biases and 
   ``fsdp`` only; the ZeRO-1 accountant equal to the compiled program's bytes;
 * a config names only declared axes and composes only what composes, each refusal naming the key and the fix.
 
-Hand-breaks (each fails the tests named): ``pipeline_zero.update`` all-gathering stage 3's slice as stage 1 does ->
-the equality tests (the rows come back D times too wide, refused by shard_map's out_specs); ``pipeline_zero.gather_row``
-gathering over ``model`` -> ``test_fsdp_tp_pp_equals_one_device``; ``zero.collectives`` leaving out the ``pmean``
-over the replica axes -> ``test_hybrid_sharding_equals_one_device`` (shard_map); ``mesh.check_axes`` accepting any
-name -> ``test_undeclared_axes_are_refused``.
+Hand-breaks (each fails the tests named): ``pipeline_zero.gather_row`` gathering over ``model`` ->
+``test_fsdp_tp_pp_equals_one_device`` (both schedules); ``zero.collectives`` leaving out the ``pmean`` over the
+replica axes -> ``test_hybrid_sharding_equals_one_device[zero1]`` (refused by shard_map's replication check).
 """
 
 import jax

@@ -22,7 +22,7 @@ import pytest
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx.ckpt import checkpoint as checkpoint_lib
-from dtx.data import pipeline as data_pipeline
+from dtx.data import inputs
 from dtx.run import setup
 from dtx.run.trainer import train
 from dtx.step import pipeline_relayout
@@ -58,7 +58,7 @@ def _parts(layout):
     if layout == "one":
         config = config_lib.override(config, mesh=(("data", 1),))
     mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
-    dataset = data_pipeline.load_dataset(config.dataset, seed=config.seed)
+    dataset = inputs.load_dataset(config.dataset, seed=config.seed)
     return setup.build_parts(config, mesh, dataset, 100, config.num_steps), mesh
 
 

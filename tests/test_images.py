@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from dtx.data import datasets, images, pipeline
+from dtx.data import datasets, images, inputs
 from dtx.data.datasets import DatasetError
 
 
@@ -89,7 +89,7 @@ def test_grey_images_have_one_channel(tmp_path):
 def test_cifar10_binary_through_the_image_source_equals_the_reader(tmp_path, layout):
     write_cifar_bins(tmp_path if layout == "flat" else tmp_path / layout)
     reference = datasets.load_dataset("cifar10", data_dir=str(tmp_path))
-    mine = pipeline.load_dataset(block(**{"dataset.name": "cifar10", "dataset.data_dir": str(tmp_path)}), seed=0)
+    mine = inputs.load_dataset(block(**{"dataset.name": "cifar10", "dataset.data_dir": str(tmp_path)}), seed=0)
     assert isinstance(mine.train.inputs.source, images.CifarBinary)  # memory-mapped, read by record
     for ours, theirs in ((mine.train, reference.train), (mine.test, reference.test)):
         assert ours.inputs.shape == theirs.inputs.shape and ours.inputs.dtype == theirs.inputs.dtype
@@ -103,7 +103,7 @@ def test_cifar10_binary_through_the_image_source_equals_the_reader(tmp_path, lay
 def test_mnist_idx_through_the_image_source_equals_the_reader(tmp_path, gz):
     write_mnist_idx(tmp_path, gz=gz)
     reference = datasets.load_dataset("mnist", data_dir=str(tmp_path))
-    mine = pipeline.load_dataset(block(**{"dataset.name": "mnist", "dataset.data_dir": str(tmp_path)}), seed=0)
+    mine = inputs.load_dataset(block(**{"dataset.name": "mnist", "dataset.data_dir": str(tmp_path)}), seed=0)
     if not gz:  # an uncompressed IDX file is mapped from disk, not read
         assert isinstance(mine.train.inputs.source.images.base, np.memmap)
     for ours, theirs in ((mine.train, reference.train), (mine.test, reference.test)):
@@ -193,7 +193,7 @@ def test_normalisation_is_per_channel_with_the_training_statistics(tmp_path):
     written = write_folder(tmp_path)
     config = block(**{"dataset.name": "image_folder", "dataset.data_dir": str(tmp_path),
                       "dataset.augment.normalize": True})
-    dataset = pipeline.load_dataset(config, seed=0)
+    dataset = inputs.load_dataset(config, seed=0)
     x = written["train"][0].astype(np.float64) / 255  # fewer than 2048 images: all of them
     mean, std = x.mean(axis=(0, 1, 2)), x.std(axis=(0, 1, 2))
     np.testing.assert_allclose(dataset.train.inputs.mean, mean, rtol=1e-6)
@@ -206,7 +206,7 @@ def test_normalisation_is_per_channel_with_the_training_statistics(tmp_path):
     assert abs(dataset.train.inputs[:].mean(axis=(0, 1, 2))).max() < 1e-5
     given = block(**{"dataset.name": "image_folder", "dataset.data_dir": str(tmp_path), "dataset.augment.normalize": True,
                      "dataset.augment.mean": (0.5, 0.25, 0.0), "dataset.augment.std": (0.5, 0.5, 1.0)})
-    rows = pipeline.load_dataset(given, seed=0).test.inputs
+    rows = inputs.load_dataset(given, seed=0).test.inputs
     want = reference_augment(written["test"][0][3], 0, 0, False, 0, np.float32([0.5, 0.25, 0.0]),
                              np.float32([0.5, 0.5, 1.0]))
     np.testing.assert_array_equal(rows[3], want)
@@ -216,10 +216,10 @@ def test_normalisation_is_per_channel_with_the_training_statistics(tmp_path):
 
 def test_an_image_folder_without_folders_or_images_is_refused_naming_the_fix(tmp_path):
     def load(root):
-        return pipeline.load_dataset(block(**{"dataset.name": "image_folder", "dataset.data_dir": str(root)}), seed=0)
+        return inputs.load_dataset(block(**{"dataset.name": "image_folder", "dataset.data_dir": str(root)}), seed=0)
 
     with pytest.raises(DatasetError, match="data_dir is empty"):
-        pipeline.load_dataset(block(**{"dataset.name": "image_folder"}), seed=0)
+        inputs.load_dataset(block(**{"dataset.name": "image_folder"}), seed=0)
     with pytest.raises(DatasetError, match="is not a directory"):
         load(tmp_path / "nowhere")
     with pytest.raises(DatasetError, match=r"train.*is not a directory.*<class>"):
@@ -288,7 +288,7 @@ def test_normalising_with_the_wrong_number_of_channels_is_refused(tmp_path):
                       "dataset.augment.normalize": True, "dataset.augment.mean": (0.5, 0.5, 0.5),
                       "dataset.augment.std": (0.2, 0.2, 0.2)})
     with pytest.raises(ValueError, match=r"mean has 3 values but the images have 1 channel"):
-        pipeline.load_dataset(config, seed=0)
+        inputs.load_dataset(config, seed=0)
 
 
 # ------------------------------------------------------------------ the CIFAR-10 experiment

@@ -32,7 +32,7 @@ def test_what_a_resume_may_and_may_not_change():
 
 
 def test_a_resume_may_change_how_data_is_read_but_not_what():
-    """``dataset.workers`` changes who builds a batch, never the batch (tests/test_pipeline.py)."""
+    """``dataset.workers`` changes who builds a batch, never the batch (tests/test_inputs.py)."""
     config = config_lib.override(config_lib.base_config(), **{"dataset.name": "cifar10"})
     saved = _saved(config)
     check_resumable(saved, config_lib.override(config, **{"dataset.workers": 2}))

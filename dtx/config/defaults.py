@@ -138,7 +138,7 @@ def base_config() -> ConfigDict:
     # or dtx.train(data=)
     c.dataset.name = "digits"
     c.dataset.data_dir = ""  # folder with the files of mnist / cifar10 / image_folder (train/<class>/*.png, test/...)
-    # mnist / cifar10 / image_folder are read through grain (dtx.data.pipeline): augmentation of the training
+    # mnist / cifar10 / image_folder are read through grain (dtx.data.inputs): augmentation of the training
     # images, a hash of (seed, epoch, example) so batches stay a function of (seed, step), and prefetch workers.
     c.dataset.augment = ConfigDict(dict(
         crop_padding=0,  # pixels of zero padding before a random crop back to the image size (0: no crop)

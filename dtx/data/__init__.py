@@ -3,12 +3,12 @@
 Batches are a function of ``(seed, step)`` (:mod:`dtx.data.loader`), so a resumed run sees the same
 ones; built-in data sets (:mod:`dtx.data.datasets`), your arrays and memory-mapped files
 (:mod:`dtx.data.userdata`), image files read through grain with augmentation (:mod:`dtx.data.images`,
-:mod:`dtx.data.pipeline`), and what is scored how (:mod:`dtx.data.tasks`).
+:mod:`dtx.data.inputs`), and what is scored how (:mod:`dtx.data.tasks`).
 """
 
 from __future__ import annotations
 
-from dtx.data import datasets, images, pipeline, tasks, userdata  # noqa: F401
+from dtx.data import datasets, images, inputs, tasks, userdata  # noqa: F401
 from dtx.data.loader import (  # noqa: F401
     Batch, DataError, EvalBatches, TrainLoader, epoch_permutation, eval_batches,
 )

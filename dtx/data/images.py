@@ -237,7 +237,7 @@ class ImageRows:
     """A source as a read-only float32 array: ``rows[index]`` decodes and converts (:func:`to_float`) only
     those rows. What a :class:`dtx.data.datasets.Split` holds for an image source (evaluation batches,
     fingerprints and shapes read it as any array); training batches add augmentation
-    (:mod:`dtx.data.pipeline`)."""
+    (:mod:`dtx.data.inputs`)."""
 
     dtype = np.dtype(np.float32)
 

@@ -145,7 +145,7 @@ def check_same_run(config) -> None:
 
     from dtx import compress, models, optim, precision, strategies
     from dtx import config as config_lib
-    from dtx.data import pipeline
+    from dtx.data import inputs
     from dtx.run import setup
     from dtx.step.state import abstract_train_state
 
@@ -158,7 +158,7 @@ def check_same_run(config) -> None:
             if compression_name == config.compression.name else {}), **compression})
         return strategy, compressor
 
-    dataset = pipeline.load_dataset(config.dataset, seed=config.seed)
+    dataset = inputs.load_dataset(config.dataset, seed=config.seed)
     policy = precision.parse_policy(config.precision)
     model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
                                param_dtype=policy.params, remat=config.remat.policy,

@@ -49,7 +49,7 @@ from ml_collections import ConfigDict
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.ckpt import integrity
 from dtx.comm import context as comm_lib
-from dtx.data import datasets, pipeline, userdata
+from dtx.data import datasets, inputs, userdata
 from dtx.run import preflight
 from dtx.data import tasks as tasks_lib
 from dtx import config as config_lib
@@ -161,7 +161,7 @@ def restore(workdir: str | os.PathLike, *, step: int | None = None, model: nn.Mo
         mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
         task = task or setup.config_task(config)
         if data is None:  # as dtx.train reads the config
-            data = pipeline.load_dataset(config.dataset, seed=config.seed)
+            data = inputs.load_dataset(config.dataset, seed=config.seed)
     dataset = userdata.as_dataset(data, task)
     recorded = saved.get("dataset", {}).get("fingerprint")
     if recorded and recorded != userdata.fingerprint(dataset):

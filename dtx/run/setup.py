@@ -20,7 +20,7 @@ from dtx import config as config_lib
 from dtx.data import datasets
 from dtx import mesh as mesh_lib
 from dtx.data import tasks as tasks_lib
-from dtx.data import pipeline, userdata
+from dtx.data import inputs, userdata
 from dtx import compress
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.perf import clusters, flops, model as perfmodel, row_split, simclock
@@ -63,13 +63,13 @@ def load_data(config: ConfigDict, mesh, *, task: tasks_lib.Task | None = None, d
     """``config.dataset`` (or your ``data``), checked against the task, batched over ``mesh``."""
     task = task or config_task(config)
     given = data is not None
-    if not given:  # image datasets are read through grain, augmented (dtx.data.pipeline)
-        data = pipeline.load_dataset(config.dataset, seed=config.seed)
+    if not given:  # image datasets are read through grain, augmented (dtx.data.inputs)
+        data = inputs.load_dataset(config.dataset, seed=config.seed)
     dataset = userdata.as_dataset(data, task)  # labels the task cannot score are refused here
-    loader = pipeline.make_loader(dataset, config.global_batch_size, mesh, seed=config.seed,
+    loader = inputs.make_loader(dataset, config.global_batch_size, mesh, seed=config.seed,
                                   settings=None if given else config.dataset)
     num_steps = config.num_steps or math.ceil(config.num_epochs * loader.steps_per_epoch)
-    if isinstance(loader, pipeline.GrainLoader):
+    if isinstance(loader, inputs.GrainLoader):
         loader.num_steps = num_steps  # its prefetching workers stop after the run's last batch
     return Inputs(dataset, loader, num_steps, task)
 

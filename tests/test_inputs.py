@@ -1,4 +1,4 @@
-"""The grain pipeline (dtx.data.pipeline): a batch is a function of (seed, step) whatever the number of prefetch
+"""The grain pipeline (dtx.data.inputs): a batch is a function of (seed, step) whatever the number of prefetch
 workers, after a resume, and split over processes; its augmentation against a numpy reference; without augmentation
 it is the plain loader's batch; dtx.train on a generated image folder."""
 
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from dtx.data import images, pipeline
+from dtx.data import images, inputs
 from dtx.data.loader import TrainLoader
 
 from test_images import block, reference_augment, reference_draws, write_cifar_bins, write_folder
@@ -26,14 +26,14 @@ def folder(tmp_path_factory):
 def loader(root, mesh, *, seed=3, batch=16, workers=0, **settings):
     config = block(**{"dataset.name": "image_folder", "dataset.data_dir": str(root), "dataset.workers": workers,
                       **AUGMENT, **settings})
-    dataset = pipeline.load_dataset(config, seed=seed)
-    return pipeline.make_loader(dataset, batch, mesh, seed=seed, settings=config), dataset
+    dataset = inputs.load_dataset(config, seed=seed)
+    return inputs.make_loader(dataset, batch, mesh, seed=seed, settings=config), dataset
 
 
 def test_a_batch_is_the_numpy_reference_of_its_seed_and_step(folder, mesh):
     root, written = folder
     grain_loader, dataset = loader(root, mesh)
-    assert isinstance(grain_loader, pipeline.GrainLoader)
+    assert isinstance(grain_loader, inputs.GrainLoader)
     pixels, labels = written["train"]
     mean, std = dataset.train.inputs.mean, dataset.train.inputs.std
     plain = TrainLoader(dataset.train, 16, mesh, seed=3)
@@ -54,7 +54,7 @@ def test_without_augmentation_the_grain_batch_is_the_plain_loaders(tmp_path, mes
 
     write_cifar_bins(tmp_path, per_file=8, test=8)
     config = block(**{"dataset.name": "cifar10", "dataset.data_dir": str(tmp_path)})
-    grain_loader = pipeline.make_loader(pipeline.load_dataset(config, seed=1), 16, mesh, seed=1, settings=config)
+    grain_loader = inputs.make_loader(inputs.load_dataset(config, seed=1), 16, mesh, seed=1, settings=config)
     plain = TrainLoader(datasets.load_dataset("cifar10", data_dir=str(tmp_path)).train, 16, mesh, seed=1)
     for step in range(5):
         ours, theirs = grain_loader.batch(step), plain.batch(step)
@@ -82,7 +82,7 @@ def test_worker_count_resume_and_processes_do_not_change_a_batch(folder, mesh):
         prefetched.close()
     # Two processes with 4 devices each build rows [0, 8) and [8, 16) of every batch: together, the batch.
     whole = in_process.host
-    halves = [pipeline.HostBatches(in_process.split, 16, rows, 3, whole.augment) for rows in (slice(0, 8), slice(8, 16))]
+    halves = [inputs.HostBatches(in_process.split, 16, rows, 3, whole.augment) for rows in (slice(0, 8), slice(8, 16))]
     for step in steps:
         joined = np.concatenate([half(step)["inputs"] for half in halves])
         np.testing.assert_array_equal(joined, reference[step]["inputs"])
