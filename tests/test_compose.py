@@ -21,6 +21,8 @@ Hand-breaks (each fails the tests named): ``pipeline_zero.gather_row`` gathering
 replica axes -> ``test_hybrid_sharding_equals_one_device[zero1]`` (refused by shard_map's replication check).
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -42,6 +44,7 @@ LM = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2, max_len=8, num_cla
 SEQ, VOCAB = 8, 32
 COMPOSED = [("fsdp", 2), ("stage", 2), ("model", 2)]
 HYBRID = [("data", 2), ("fsdp", 4)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _data():
@@ -227,10 +230,8 @@ def test_hybrid_sharding_equals_one_device(runs, hybrid, kind):
 def test_the_guides_axis_table_is_the_declarations():
     """docs/composing.md's table of axes lists every declared axis with its parallelism, whether its devices are
     replicas and whether the state is split over it, as dtx.mesh.AXES declares them."""
-    import os
     import re
-    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                             "composing.md")).read()
+    page = open(os.path.join(REPO, "docs", "composing.md")).read()
     rows = {}
     for line in page.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -238,3 +239,16 @@ def test_the_guides_axis_table_is_the_declarations():
             for name in re.findall(r"`(\w+)`", cells[0]):
                 rows[name] = (cells[1], cells[3].startswith("yes"), cells[4].startswith("yes"))
     assert rows == {a.name: (a.parallelism, a.replicas, a.state) for a in mesh_lib.AXES.values()}
+
+
+def test_fsdp_under_shard_map_names_the_driver_and_the_composition(tmp_path):
+    """An fsdp axis at ZeRO-3 under the default shard_map driver is refused before anything compiles, naming the
+    composed layout, the axis's stage and the fix (the jit driver, or a stage that shard_map runs)."""
+    from dtx.run.trainer import train
+
+    config = config_lib.load(os.path.join(REPO, "experiments", "digits_mlp.py"),
+                             ("--config.mesh=((\"data\", 2), (\"fsdp\", 4))", "--config.num_steps=1"))
+    with pytest.raises(config_lib.ConfigError, match=r"composed with the mesh's axes \('fsdp'; an 'fsdp' axis runs "
+                                                     r"ZeRO stage fsdp.zero_stage=3\) runs under driver jit; set "
+                                                     r"--config.driver=jit"):
+        train(config, str(tmp_path))

@@ -172,7 +172,10 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     layout = placement.activations
     if config.driver not in placement.layout.drivers:
         raise config_lib.ConfigError(
-            f"parallel.name={config.parallel.name!r} runs under driver {' or '.join(placement.layout.drivers)}"
+            f"parallel.name={config.parallel.name!r}"
+            + (f" composed with the mesh's axes ({placement.layout.name!r}; an 'fsdp' axis runs ZeRO stage "
+               f"fsdp.zero_stage={config.fsdp.zero_stage})" if placement.layout.name != config.parallel.name else "")
+            + f" runs under driver {' or '.join(placement.layout.drivers)}"
             + (f" (it makes layers {', '.join(sorted(layout.kernels))} model-parallel: XLA places their activation "
                "collectives)" if layout is not None else "")
             + f"; set --config.driver={placement.layout.drivers[0]}")
