@@ -25,6 +25,7 @@ import shlex
 import pytest
 
 from dtx import config as config_lib
+from dtx import parallel
 from dtx.perf import lm_plan
 from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import get_cluster
@@ -117,11 +118,11 @@ def test_the_choice_follows_memory():
     pipelines = [p for p in piped["fitting"] if p.stages > 1]
     assert pipelines and all(p.runnable for p in pipelines) and piped["chosen"].time < min(p.time for p in pipelines)
     config = config_lib.load(GPT2, shlex.split(" ".join(min(pipelines, key=lambda p: p.time).overrides())))
-    assert config.parallel.name == "pipeline" and not config.model.tie_embeddings
+    assert parallel.configured(config).stages and not config.model.tie_embeddings  # the stage axis composes it
     # SP inside split stages (dtx.parallel.stage_positions) is a candidate too, and runs as planned
     split = min((p for p in pipelines if p.sp), key=lambda p: p.time)
     config = config_lib.load(GPT2, shlex.split(" ".join(split.overrides())))
-    assert config.parallel.name == "pipeline" and config.tensor.sequence_parallel and split.tensor > 1
+    assert parallel.configured(config).stages and config.tensor.sequence_parallel and split.tensor > 1
     with pytest.raises(lm_plan.PlanError, match="modelled only"):
         dataclasses.replace(pipelines[0], policy="dots").overrides()
 
@@ -137,7 +138,8 @@ def test_printed_overrides_are_accepted_and_cli_prints_them(capsys):
     for p in plans:
         config = config_lib.load(GPT2, shlex.split(" ".join(p.overrides())))
         assert dict(config.mesh) if isinstance(config.mesh, dict) else tuple(map(tuple, config.mesh)) == (
-            (("data", 16), ("model", 4)) if p.tensor > 1 else (("data", 64),))
+            (("fsdp", 16), ("model", 4)) if p.tensor > 1 else (("fsdp", 64),))  # ZeRO over an fsdp axis
+        assert parallel.configured(config).zero_stage == p.zero
         assert config.remat.policy == p.policy and config.global_batch_size == 512
     assert config_lib.load(GPT2, shlex.split(" ".join(plans[0].overrides()))).tensor.sequence_parallel
 
@@ -233,8 +235,8 @@ def test_a_pipelines_zero1_terms_are_dtxs():
 
 def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
     """The 7B shape at 1024 GPUs on a GPU of 7.5 GiB: the fastest plan that fits is a ZeRO-1 pipeline (6.6 GiB; the
-    same plan without ZeRO needs 9.6, every faster plan over 40); its overrides set ``pipeline.zero_stage=1`` and
-    load with the experiment, and pass dtx's pipeline checks (as ``dtx train`` runs them before compiling). Under
+    same plan without ZeRO needs 9.6, every faster plan over 40); its overrides name an ``fsdp`` axis at
+    ``fsdp.zero_stage=1`` beside ``stage`` and ``model`` (the pipeline composes from them) and load with the experiment, and pass dtx's pipeline checks (as ``dtx train`` runs them before compiling). Under
     LARS/LAMB, which dtx refuses with ZeRO-1 and stages, no such plan is a candidate (``dtx simulate`` reads the
     config's optimizer)."""
     from dtx.step import pipeline_check
@@ -246,7 +248,7 @@ def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
     same = lm_plan.plan(BIG, small, 1024, 1024, tensor=4, stages=8, sp=True, micro=32)
     assert same.memory_bytes > small.device_memory and "fastest that fits" in lm_plan.why(found, small)
     config = config_lib.load(GPT2, shlex.split(" ".join(chosen.overrides())))
-    assert config.pipeline.zero_stage == 1 and config.parallel.name == "pipeline"
+    assert pipeline_check.zero_stage(config) == 1 and parallel.configured(config).stages
     mesh = dict(tuple(map(tuple, config.mesh)))
     block, opt = config.pipeline, config.optimizer  # the embedding, the blocks, the output layer: L + 2 layers
     pipeline_check.check_settings(pipeline_check.PipelineSettings(
@@ -254,8 +256,8 @@ def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
         global_batch_size=config.global_batch_size, microbatches=block.microbatches, driver=config.driver,
         optimizer=opt.name, weight_decay=opt.weight_decay, strategy=config.strategy.name,
         compression=config.compression.name, allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
-        precision=config.precision, zero_stage=block.zero_stage))
-    assert mesh == {"data": 32, "stage": 8, "model": 4} and opt.weight_decay  # AdamW's decay on slices
+        precision=config.precision, zero_stage=pipeline_check.zero_stage(config)))
+    assert mesh == {"fsdp": 32, "stage": 8, "model": 4} and opt.weight_decay  # AdamW's decay on slices
     for optimizer in ("lamb", "lars"):
         row = lm_sim.rows(BIG, small, [1024], 1024, optimizer=optimizer)[0]
         assert not any(p.stages > 1 and p.zero for p in row["fitting"]) and row["chosen"] is not chosen

@@ -48,9 +48,10 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   lock-step schedule's table, not PipeDream-Flush's ``P − s``) and each stage's activations for one micro-batch.
 
 :func:`best` keeps the fastest plan that fits, its modelled memory at most ``1 − MEMORY_HEADROOM`` (90 %)
-of the device's; :func:`why` says why in one sentence. What dtx runs: data
-parallelism with ZeRO (``parallel.name`` data, zero1, zero2, fsdp), tensor parallelism with SP and
-``tensor.zero_stage`` under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
+of the device's; :func:`why` says why in one sentence; :meth:`LMPlan.overrides` prints a plan as the named mesh
+axes it composes (docs/composing.md: ``data`` or, under ZeRO, ``fsdp`` at ``fsdp.zero_stage``; ``stage``;
+``model``). What dtx runs: data parallelism with ZeRO over an ``fsdp`` axis, tensor parallelism with SP and ZeRO
+over that axis under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
 stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages, with or
 without ZeRO-1 over the data axes (``pipeline.zero_stage=1``; not for LARS/LAMB, which dtx refuses there; no
 ZeRO 2–3 or remat policy with stages), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's
@@ -69,7 +70,6 @@ from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 
 POLICIES = ("none", "dots", "full")
-ZERO_LAYOUT = {0: "data", 1: "zero1", 2: "zero2", 3: "fsdp"}  # parallel.name of ZeRO stage z without tensor
 MICRO = (1, 2, 4, 8, 16, 32, 64)  # gradient accumulation steps (or pipeline micro-batches) tried
 # Element-wise FLOPs XLA's cost analysis counts beside the matmuls (LayerNorm, GELU, softmax, residual adds,
 # the loss's softmax, AdamW's update), per token per logit, per token per block and width, per token per block
@@ -198,30 +198,35 @@ class LMPlan:
         extra += [f"M={self.micro}"] if self.micro > 1 else []
         return "x".join(parts) + (" " + ", ".join(extra) if extra else "")
 
+    def axes(self) -> list[tuple[str, int]]:
+        """The plan as named mesh axes (docs/composing.md): the ``D`` data shards a ``data`` axis, or an ``fsdp``
+        axis where ZeRO splits the state over them; ``stage`` for ``P > 1``; ``model`` for ``T > 1``."""
+        axes = [("fsdp" if self.zero else "data", self.data)]
+        return axes + [("stage", self.stages)] * (self.stages > 1) + [("model", self.tensor)] * (self.tensor > 1)
+
     def overrides(self) -> list[str]:
-        """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one)."""
+        """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one): its mesh axes (the
+        parallelisms compose from them: :func:`dtx.parallel.compose`), the ZeRO stage of its ``fsdp`` axis, and
+        the settings of each parallelism it uses."""
         if not self.runnable:
             raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO 2-3 or remat "
                             "policy")
-        out = []
+        mesh = "(" + ", ".join(f'(\"{name}\", {size})' for name, size in self.axes()) + ("," if len(self.axes()) == 1
+                                                                                      else "") + ")"
+        out = [f"--config.mesh='{mesh}'"] + ([f"--config.fsdp.zero_stage={self.zero}"] if self.zero else [])
         if self.stages > 1:  # dtx.perf.lm_pipeline: L/P blocks per stage, the output layer untied
-            axes = [("data", self.data), ("stage", self.stages)] + [("model", self.tensor)] * (self.tensor > 1)
-            mesh = ", ".join(f'(\"{name}\", {size})' for name, size in axes)
             cut = lm_pipeline.boundaries(self.shape.layers, self.stages)
-            return [f"--config.mesh='({mesh})'", "--config.parallel.name=pipeline", "--config.driver=shard_map",
-                    f"--config.pipeline.schedule={lm_pipeline.SCHEDULE}",
-                    f"--config.pipeline.microbatches={self.micro}",
-                    f"--config.pipeline.boundaries='{cut}'",
-                    "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"] + (
-                ["--config.tensor.sequence_parallel=True"] if self.sp else []) + (
-                ["--config.pipeline.zero_stage=1"] if self.zero else [])
+            return out + ["--config.parallel.name=data", "--config.driver=shard_map",
+                          f"--config.pipeline.schedule={lm_pipeline.SCHEDULE}",
+                          f"--config.pipeline.microbatches={self.micro}",
+                          f"--config.pipeline.boundaries='{cut}'",
+                          "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"] + (
+                ["--config.tensor.sequence_parallel=True"] if self.sp else [])
         if self.tensor > 1:
-            out += [f"--config.mesh='((\"data\", {self.data}), (\"model\", {self.tensor}))'",
-                    "--config.parallel.name=tensor", "--config.driver=jit"]
+            out += ["--config.parallel.name=tensor", "--config.driver=jit"]
             out += ["--config.tensor.sequence_parallel=True"] if self.sp else []
-            out += [f"--config.tensor.zero_stage={self.zero}"] if self.zero else []
         else:
-            out += [f"--config.mesh='((\"data\", {self.data}),)'", f"--config.parallel.name={ZERO_LAYOUT[self.zero]}"]
+            out += ["--config.parallel.name=data"]
         out += [f"--config.global_batch_size={self.global_batch}"]
         out += [f"--config.grad_accum_steps={self.micro}"] if self.micro > 1 else []
         out += [f"--config.remat.policy={self.policy}"] if self.policy != "none" else []

@@ -4,7 +4,7 @@ remat (:mod:`dtx.perf.lm_plan`), and ``--verify`` of the printed plans compiled 
 Per node count: the fastest plan that fits the device's memory, why, and the ``dtx train`` overrides that run it
 (pipelines as dtx runs them: :mod:`dtx.perf.lm_pipeline`). ``--verify`` compiles, on 8 emulated CPU devices
 (nothing runs), the plans of 8 nodes it printed and one of
-each kind dtx runs (data, ZeRO, tensor, SP, ``tensor.zero_stage``, each remat policy, a pipeline of ``M = P``
+each kind dtx runs (data, ZeRO over an ``fsdp`` axis, tensor, SP, ZeRO with tensor, each remat policy, a pipeline of ``M = P``
 micro-batches with its stages split over ``model``, without and with SP, and with ZeRO-1), as overrides of the
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
 twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
@@ -33,7 +33,7 @@ VERIFY_NODES = 8
 CPU_TENSOR_ELEMENT = 4
 # One plan of each kind dtx runs, as (tensor, zero, policy, sp, stages), compiled beside the printed ones; a
 # pipeline with M = P micro-batches, its stages split over model (dtx.parallel.tensor_stages), without and with SP
-# (dtx.parallel.stage_positions), and with ZeRO-1 over data (dtx.step.pipeline_zero).
+# (dtx.parallel.stage_positions), and with ZeRO-1 over an fsdp axis (dtx.step.pipeline_zero).
 KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
          (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2),
          (2, 0, "none", True, 2), (2, 1, "none", False, 2))
