@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     )),
     ("workers", (
         ("comm", "the workers' context, the α-β cost model and traffic accountant, allreduce algorithms and "
-                 "their schedules, gossip topologies, what a compiled program sends"),
+                 "their schedules, the compressed allreduce, gossip topologies, what a compiled program sends"),
         ("compress", "gradient compression with error feedback: quantisation, sparsification, low rank"),
         ("strategies", "how workers synchronise: sync, async, SSP, backup workers, local models, "
                        "Streaming DiLoCo, 1-bit Adam/LAMB; the straggler model"),

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dtx.comm import costmodel
+from dtx.comm import compressed as compressed_lib, costmodel
 from dtx.compress import lowrank, quantize, sparsify
 from dtx.comm.context import Capabilities, CommContext, allreduce_traffic, traffic_stats, worker_index
 from dtx.config import (
@@ -260,13 +260,13 @@ def _quantized(name: str, quantizer: quantize.Quantizer, error_feedback: bool) -
             v = [r + x for r, x in zip(jax.tree.leaves(state["residual"]), v)]
         index = worker_index(ctx)
         server = jax.tree.leaves(state["server"]) if error_feedback else None
-        mean, sent, server = quantize.compressed_allreduce(v, server, quantizer, jax.random.fold_in(key, index),
+        mean, sent, server = compressed_lib.compressed_allreduce(v, server, quantizer, jax.random.fold_in(key, index),
                                                            ctx.axes, ctx.size, index)
         new_state = {}
         if error_feedback:
             new_state = {"residual": treedef.unflatten([x - s for x, s in zip(v, sent)]),
                          "server": treedef.unflatten(server)}
-        row = quantize.chunk_bytes([x.shape for x in leaves], ctx.size, quantizer)
+        row = compressed_lib.chunk_bytes([x.shape for x in leaves], ctx.size, quantizer)
         traffic = costmodel.compressed_allreduce_traffic(row, ctx.size)
         mean = treedef.unflatten([m.astype(l.dtype) for m, l in zip(mean, leaves)])
         return mean, new_state, _stats(traffic, ctx.size * row, grads)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dtx.compress.quantize import Layout, uniforms
+from dtx.comm.compressed import Layout, uniforms
 
 
 def dgc_fractions(fraction: float, warmup_steps: int) -> list[float]:
@@ -98,7 +98,7 @@ def randomk_exchange(vs: list[jax.Array], ks: list[int], key: jax.Array, rescale
     (unbiased without error feedback). Returns ``(means, sent masks)``.
     """
     # k distinct indices, uniformly: the k largest of n uniform draws (one pass, no sort of n). Leaf i's draws
-    # come from fold_in(key, i), drawn batched by size class (quantize.uniforms: the same values, fewer kernels).
+    # come from fold_in(key, i), drawn batched by size class (dtx.comm.compressed.uniforms: the same values, fewer kernels).
     draws = uniforms([jax.random.fold_in(key, i) for i in range(len(vs))], [(v.size,) for v in vs])
     chosen = [lax.top_k(u, k)[1] for u, k in zip(draws, ks)]
     values = jnp.concatenate([v[i] * (v.size / k if rescale else 1.0) for v, i, k in zip(vs, chosen, ks)])

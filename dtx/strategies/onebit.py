@@ -8,7 +8,7 @@ training. It runs in two stages:
    (the step's configured allreduce and compressor, ``ctx.reduce``).
 2. **Compression**: ``v`` is frozen at ``v_{T_w}``. Each worker folds its own gradient into the
    shared momentum, ``m_i = β₁m + (1 − β₁)g_i``, and the workers average ``m_i`` by the two-phase
-   compressed allreduce of :func:`dtx.compress.quantize.compressed_allreduce` with the sign quantiser (1 bit
+   compressed allreduce of :func:`dtx.comm.compressed.compressed_allreduce` with the sign quantiser (1 bit
    per entry plus a float32 scale per chunk), with error feedback on both sides as the paper has it:
    each worker keeps what its codes lost (``residual``), and each worker, as the "server" of one
    chunk, what the re-quantised average lost (``server``). Every worker decodes the same ``m`` and
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from dtx.comm import costmodel
+from dtx.comm import compressed as compressed_lib, costmodel
 from dtx.compress import quantize
 from dtx.comm.context import Capabilities, count_scalar, worker_index
 from dtx.optim import DEFAULT_EXCLUDE, path_mask
@@ -98,7 +98,7 @@ def make_onebit(name: str, warmup_steps: int, lamb: bool, b1: float, b2: float, 
             leaves, treedef = jax.tree.flatten(local)
             v = [x + r for x, r in zip(leaves, jax.tree.leaves(mine["residual"]))]
             index = worker_index(ctx.comm)
-            mean, sent, server = quantize.compressed_allreduce(
+            mean, sent, server = compressed_lib.compressed_allreduce(
                 v, jax.tree.leaves(mine["server"]), SIGN, jax.random.fold_in(ctx.key, index), ctx.comm.axes,
                 ctx.comm.size, index)
             mu = treedef.unflatten(mean)
@@ -139,7 +139,7 @@ def traffic(leaves, comm) -> costmodel.Traffic:
     """What one device sends in the compressed stage: the sign-coded two-phase allreduce of every leaf."""
     if not comm.explicit:
         return costmodel.Traffic(0, 0)
-    row = quantize.chunk_bytes([x.shape for x in leaves], comm.size, SIGN)
+    row = compressed_lib.chunk_bytes([x.shape for x in leaves], comm.size, SIGN)
     return costmodel.compressed_allreduce_traffic(row, comm.size)
 
 

@@ -11,7 +11,7 @@ DiLoCo's ``(t + 1) mod H = 0``). Each fragment still meets every ``H`` steps, so
 
 An outer step of fragment ``f``: the fragment's pseudo-gradient ``Δ_f = θ_f − mean_i θ_{i,f}``
 (global minus the workers' mean) is averaged, in float32 or — ``outer_bits = b`` — in ``b``-bit
-codes through :func:`dtx.compress.quantize.compressed_allreduce` (QSGD levels ``2^(b−1) − 1``, buckets of
+codes through :func:`dtx.comm.compressed.compressed_allreduce` (QSGD levels ``2^(b−1) − 1``, buckets of
 :data:`BUCKET`; unbiased, no error feedback; the paper sends 4-bit floats), and DiLoCo's outer
 optimizer (:func:`dtx.strategies.local_models.outer_optimizer`, Nesterov SGD) steps ``θ_f``, one optimizer
 state per fragment.
@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from dtx.comm import costmodel
+from dtx.comm import compressed as compressed_lib, costmodel
 from dtx.compress import quantize
 from dtx.comm.context import allreduce_traffic, count_scalar, worker_index
 from dtx.strategies.local_models import LOCAL, local_params, local_step, with_local, outer_optimizer
@@ -125,7 +125,7 @@ def streaming_diloco(period: int = 1, fragments: int = 1, overlap: int = 0, oute
         if quantizer is None:
             return ctx.comm.allreduce(delta)
         key = jax.random.fold_in(jax.random.fold_in(ctx.key, f), worker_index(ctx.comm))
-        mean, _, _ = quantize.compressed_allreduce([delta], None, quantizer, key, ctx.comm.axes, ctx.comm.size,
+        mean, _, _ = compressed_lib.compressed_allreduce([delta], None, quantizer, key, ctx.comm.axes, ctx.comm.size,
                                                    worker_index(ctx.comm))
         return mean[0]
 
@@ -134,7 +134,7 @@ def streaming_diloco(period: int = 1, fragments: int = 1, overlap: int = 0, oute
             return costmodel.Traffic(0, 0)
         if quantizer is None:
             return allreduce_traffic(jax.ShapeDtypeStruct((n,), jnp.float32), comm)
-        return costmodel.compressed_allreduce_traffic(quantize.chunk_bytes([(n,)], comm.size, quantizer), comm.size)
+        return costmodel.compressed_allreduce_traffic(compressed_lib.chunk_bytes([(n,)], comm.size, quantizer), comm.size)
 
     def apply(state, grads, ctx):
         local, opt_state = local_step(state, grads, ctx)
