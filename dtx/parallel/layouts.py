@@ -74,7 +74,7 @@ class Placement(NamedTuple):
         """Whether each device can hold its own whole, unreduced gradient between micro-batches: whole
         parameters and no split accumulator (data parallelism and ZeRO-1), or FSDP accumulating whole
         gradients (``reduce="once"``)."""
-        return self.layout.kernels == "none" and (self.layout.zero_stage in (0, 1) or self.layout.reduce == "once")
+        return not self.layout.splits_kernels and (self.layout.zero_stage in (0, 1) or self.layout.reduce == "once")
 
     @property
     def shard_accumulator(self) -> bool:
@@ -129,7 +129,7 @@ class Layout:
             raise PartitionError(f"layout {self.name!r}: kernels must be one of {KERNEL_SPLITS} and zero_stage 0-3")
         if self.reduce not in REDUCE:
             raise PartitionError(f"parallel.reduce={self.reduce!r} is unknown; choose one of {', '.join(REDUCE)}")
-        if self.reduce == "once" and (self.zero_stage != 3 or self.kernels != "none" or self.stages):
+        if self.reduce == "once" and (self.zero_stage != 3 or self.splits_kernels or self.stages):
             raise PartitionError(f"parallel.reduce='once' applies to parallel.name=fsdp only, not {self.name!r} "
                                  + ("(ZeRO-2 accumulating whole gradients and reducing once is "
                                     "parallel.name=zero1)" if self.zero_stage == 2 else
@@ -176,7 +176,7 @@ class Layout:
     def replicated(self) -> bool:
         """Whether every device holds the whole state (data parallelism): the one layout whose gradient
         all-reduce strategies and compressors can replace."""
-        return self.kernels == "none" and self.zero_stage == 0 and not self.stages
+        return not self.splits_kernels and self.zero_stage == 0 and not self.stages
 
     def check(self, mesh: Mesh) -> None:
         """Refuse a mesh this layout cannot run on, naming the fix."""
@@ -297,7 +297,7 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3) -> Layout:
     compose is refused, naming the axes and the presets that take them."""
     mesh_lib.check_axes(axes, "--config.mesh")
     if STAGE_AXIS in axes and not layout.stages:
-        if layout.replicated or (layout.kernels == "paired" and not layout.zero_stage):
+        if layout.replicated or (layout.pairs and not layout.zero_stage):
             return LAYOUTS["pipeline"]
         raise PartitionError(f"parallel.name={layout.name!r} does not compose with a {STAGE_AXIS!r} mesh axis: "
                              "pipeline stages take Megatron's split over 'model' and ZeRO over 'fsdp'; use "
@@ -308,9 +308,9 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3) -> Layout:
                                  "or 3 (and parameters)")
         if layout.replicated:
             return _zero(fsdp_stage)
-        if layout.kernels == "paired":
+        if layout.pairs:
             return dataclasses.replace(layout, zero_stage=fsdp_stage)
-        if layout.kernels != "none":
+        if layout.splits_kernels:
             raise PartitionError(f"parallel.name={layout.name!r} does not compose with an 'fsdp' mesh axis (it "
                                  "splits kernels as Das et al.'s model or hybrid parallelism, and its model-axis "
                                  "activations are laid out for replicated parameters); use parallel.name=tensor "

@@ -76,8 +76,9 @@ class Pipeline:
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes that split the batch under a pipeline: all but ``stage`` and ``model`` (:mod:`.tensor_stages`)."""
-    return tuple(name for name in mesh.axis_names if name not in (STAGE_AXIS, MODEL))
+    """The axes that split the batch under a pipeline: the data replicas' (:func:`dtx.mesh.replica_axes`), not
+    ``stage`` nor ``model`` (:mod:`.tensor_stages`)."""
+    return mesh_lib.replica_axes(mesh)
 
 
 def _group(mesh: Mesh) -> tuple[str, ...]:
@@ -220,7 +221,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     axes = data_axes(mesh)
     sliced = bool(pipeline.zero_stage and axes)  # ZeRO: the row's optimizer state and update split over axes
     split_rows = sliced and pipeline.zero_stage == 3  # ZeRO-3: the parameter rows too, gathered once per step
-    zero_axes, replicas = pipeline_zero.zero_axes(mesh), pipeline_zero.replica_axes(mesh)
+    zero_axes, replicas = pipeline_zero.zero_axes(mesh), pipeline_zero.unsplit_axes(mesh)
     data_size = math.prod(mesh.shape[a] for a in axes)
     # ZeRO's reduce-scatter already summed the row in the reduce dtype: the body's reduction then only unscales it
     reduced_policy = dataclasses.replace(policy, reduce=policy.params)

@@ -15,11 +15,13 @@ for another layout.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from dtx import compress, optim, strategies
+from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, base_config, register_check
 from dtx.comm.algorithms import get_algorithm
 from dtx.parallel.layouts import LAYOUTS, configured, fsdp_stage
@@ -122,9 +124,7 @@ def check_settings(settings: PipelineSettings) -> None:
         problems.append(f"precision={precision!r}: the pipeline keeps float32 parameters (its rows); compute in "
                         "bfloat16 or float16 with p=f32, e.g. --config.precision=p=f32,c=bf16")
     if stages:
-        data = 1
-        for name, size in mesh_shape.items():
-            data *= size if name not in (STAGE_AXIS, MODEL_AXIS) else 1
+        data = _replicas(mesh_shape)
         local = global_batch_size // data if global_batch_size % data == 0 else None
         if local is None or microbatches < 1 or local % microbatches:
             problems.append(f"global_batch_size={global_batch_size} must split over the {data} data shards (the "
@@ -136,6 +136,13 @@ def check_settings(settings: PipelineSettings) -> None:
                             f"--config.pipeline.microbatches to at least {devices}")
     if problems:
         raise StepError("parallel.name='pipeline': " + "; ".join(problems))
+
+
+def _replicas(mesh_shape: dict, split: bool = False) -> int:
+    """How many data replicas a mesh of ``mesh_shape`` (axis name -> size) holds, by its axes' declarations
+    (:data:`dtx.mesh.AXES`); ``split``: only those the state is split over (the ``fsdp`` axes)."""
+    return math.prod(size for name, size in mesh_shape.items() if name in mesh_lib.AXES and
+                     mesh_lib.AXES[name].replicas and (not split or mesh_lib.AXES[name].state))
 
 
 def _identity(make, name: str) -> bool:
@@ -168,10 +175,7 @@ def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_deca
         return [f"{key}={zero_stage!r} is unknown: 0 (none), 1 (the optimizer state split over the data axes) or 3 "
                 "(the parameter rows too)"]
     problems = []
-    data = 1
-    for name, size in mesh_shape.items():
-        data *= size if name not in (STAGE_AXIS, MODEL_AXIS) and (FSDP_AXIS not in mesh_shape or
-                                                                   name == FSDP_AXIS) else 1
+    data = _replicas(mesh_shape, split=FSDP_AXIS in mesh_shape)
     if data < 2:
         problems.append(f"{key}={zero_stage} splits the stage rows' state over the data axes, and the mesh "
                         f"{dict(mesh_shape)} has no data replicas to split it over: add a data axis, e.g. "

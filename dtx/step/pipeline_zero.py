@@ -117,19 +117,15 @@ def decay_slice(tables, stage, rank, size: int):
     return flags[jnp.searchsorted(ends, rank * size + jnp.arange(size), side="right")]
 
 
-def _data_axes(mesh) -> tuple[str, ...]:
-    return tuple(name for name in mesh.axis_names if name not in (STAGE_AXIS, MODEL_AXIS))
-
-
 def zero_axes(mesh) -> tuple[str, ...]:
     """The axes a stage row is split over: the ``fsdp`` axes, or every data axis (module docstring)."""
-    return mesh_lib.state_axes(mesh, over=_data_axes(mesh))
+    return mesh_lib.state_axes(mesh, over=mesh_lib.replica_axes(mesh))
 
 
-def replica_axes(mesh) -> tuple[str, ...]:
+def unsplit_axes(mesh) -> tuple[str, ...]:
     """The data axes the row is not split over (hybrid sharding's ``data`` beside ``fsdp``): its slices'
     replicas, averaged over after the reduce-scatter."""
-    return tuple(a for a in _data_axes(mesh) if a not in zero_axes(mesh))
+    return tuple(a for a in mesh_lib.replica_axes(mesh) if a not in zero_axes(mesh))
 
 
 def data_size(mesh) -> int:
