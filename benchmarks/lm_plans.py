@@ -99,7 +99,7 @@ def main() -> int:
                 f"{time.perf_counter() - start:.0f} s. Per shape, cluster and GPU count, the fastest plan of "
                 "dtx.perf.lm_plan that fits a GPU's memory (D data x T tensor x P pipeline, ZeRO stage, remat "
                 "policy, M micro-batches; pipelines as dtx runs them, each stage's forward re-run in its backward "
-                "slot and the output layer untied: dtx.perf.lm_pipeline), its step time and per-device memory; "
+                "slot and the output layer untied: dtx.parallel.pipeline.lm_costs), its step time and per-device memory; "
                 "and why. GPT-2 small: 512 "
                 "sequences of 1024 tokens per step; the 7B shape (32 blocks of 4096, 32 heads): 1024 of 2048. "
                 "`dtx simulate --model experiments/gpt2_small.py --cluster h100_nvlink_ndr` prints the GPT-2 rows "

@@ -2,7 +2,7 @@
 
     python benchmarks/pipeline_plans.py [--update-docs]    # seconds; log in benchmarks/logs/
 
-For each model, cluster and node count, :func:`dtx.perf.pipeline_plan.best` puts the fastest pipeline that fits a
+For each model, cluster and node count, :func:`dtx.parallel.pipeline.plan.best` puts the fastest pipeline that fits a
 node's memory (``P`` stages x ``N/P`` data shards, ``M = k·P`` micro-batches, 1F1B or interleaved with ``V``
 virtual stages per device, the stages balanced by the roofline) beside Das et al.'s plan of the same nodes
 (:func:`dtx.perf.model.make_plan`: per layer data or model parallel) and keeps the faster, saying why. Weak
@@ -13,7 +13,7 @@ transformer). The models:
   memory of Das et al.'s plan by :mod:`dtx.perf.memory` (Adam, without the model's own activation profile).
   dtx runs both as pipelines (VGG-A without dropout: the plan's overrides set ``model.dropout_rate=0``).
 * A GPT-2-small-sized transformer (12 blocks of 768, vocabulary 50257): planned as dtx cuts it, one layer per block
-  (:func:`dtx.perf.pipeline_plan.transformer_layers`, from :mod:`dtx.perf.decoder`, the block costs the LM planner
+  (:func:`dtx.parallel.pipeline.plan.transformer_layers`, from :mod:`dtx.perf.decoder`, the block costs the LM planner
   reads too: attention's products included) between the embedding and the untied head, and Das et al.'s split of
   a block would be tensor parallelism, which is planned elsewhere (``parallel.name=tensor``): its plan here is
   data parallelism, and its memory counts each block's input and output, not attention's activations.
@@ -41,7 +41,7 @@ PER_NODE = {"vgg_a": 16, "speech_dnn": 16, "gpt2_small": 4}
 
 
 def _layers(name: str):
-    from dtx.perf import pipeline_plan
+    from dtx.parallel.pipeline import plan as pipeline_plan
     from dtx.perf.report import model_layers
 
     return pipeline_plan.transformer_layers(12, 768, 1024) if name == "gpt2_small" else model_layers(name)
@@ -56,10 +56,10 @@ def _ms(seconds: float) -> str:
 
 
 def rows() -> list[str]:
+    from dtx.parallel.pipeline import plan as pipeline_plan
     from dtx.perf import clusters
     from dtx.perf import memory as memory_lib
     from dtx.perf import model as perfmodel
-    from dtx.perf import pipeline_plan
     from dtx.precision import parse_policy
 
     out = []

@@ -34,15 +34,14 @@ FLOORS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("data", (
         ("data", "data sets, the loader (batches a function of seed and step), your own data, tasks"),
     )),
-    ("layout", (
-        ("parallel", "where the state and the activations live: data, model, hybrid, FSDP, ZeRO, rules, "
-                     "pipeline stages and their schedules"),
+    ("layout and the step", (
         ("perf", "the performance model: layers, FLOPs, clusters, iteration time and plans, memory, "
-                 "pipelines, the simulated clock"),
-    )),
-    ("the step", (
-        ("step", "the train state, the one per-worker body, the shard_map and jit drivers, the pipeline "
-                 "step, batch norm, pacing"),
+                 "the simulated clock; each parallelism's own terms live in its package"),
+        ("step", "the train state, the one per-worker body, the shard_map and jit drivers, ZeRO's step, "
+                 "batch norm, pacing"),
+        ("parallel", "where the state and the activations live: the mesh axes' layouts (data, model, hybrid, "
+                     "FSDP, ZeRO, rules), one package per parallelism that straddles layout and step "
+                     "(pipeline/, tensor/: its axis, placement, settings, cost terms and runner)"),
     )),
     ("the run", (
         ("ckpt", "checkpoints onto any mesh, their integrity, preemption"),

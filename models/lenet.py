@@ -35,7 +35,7 @@ class LeNet(nn.Module):
     param_dtype: Any = jnp.float32
 
     def pipeline_layers(self) -> list:
-        """The pieces in order, for pipeline stages (:mod:`dtx.parallel.stages`): each convolution with its ReLU and
+        """The pieces in order, for pipeline stages (:mod:`dtx.parallel.pipeline.stages`): each convolution with its ReLU and
         pooling, then the Dense layers (the first flattens its input). Batch norm is refused: a stage sees one
         micro-batch at a time, whose statistics are not the batch's that one device normalises with."""
         if self.use_batch_norm:

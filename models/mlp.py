@@ -25,7 +25,7 @@ class MLP(nn.Module):
     param_dtype: Any = jnp.float32
 
     def pipeline_layers(self) -> list[str]:
-        """The Dense layers in order, for pipeline stages (:mod:`dtx.parallel.stages`)."""
+        """The Dense layers in order, for pipeline stages (:mod:`dtx.parallel.pipeline.stages`)."""
         return [f"Dense_{i}" for i in range(len(self.features) + 1)]
 
     @nn.compact

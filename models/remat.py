@@ -31,7 +31,7 @@ import jax
 POLICIES = ("none", "full", "dots", "offload")
 # A value a layer names so (``jax.ad_checkpoint.checkpoint_name``) is a matmul's output that ``dots`` keeps although
 # no ``dot_general`` makes it where the policy looks: the projections of dtx's Megatron regions, made inside a
-# custom VJP (dtx.parallel.tensor).
+# custom VJP (dtx.parallel.tensor.layout).
 PROJECTION = "dtx_projection"
 
 

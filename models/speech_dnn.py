@@ -40,7 +40,7 @@ class SpeechDNN(nn.Module):
     default_input_shape = (440,)
 
     def pipeline_layers(self) -> list[str]:
-        """The Dense layers in order, for pipeline stages (:mod:`dtx.parallel.stages`)."""
+        """The Dense layers in order, for pipeline stages (:mod:`dtx.parallel.pipeline.stages`)."""
         return [f"fc{i + 1}" for i in range(len(self.hidden) + 1)]
 
     @nn.compact

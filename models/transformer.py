@@ -92,7 +92,7 @@ class Transformer(nn.Module):
         return self.tie_embeddings
 
     def pipeline_layers(self) -> list:
-        """The pieces in order, for pipeline stages (:mod:`dtx.parallel.stages`): the token embedding with the
+        """The pieces in order, for pipeline stages (:mod:`dtx.parallel.pipeline.stages`): the token embedding with the
         learned positions (on the first stage), each block (causal attention inside it), and the final LayerNorm with
         the output layer (on the last stage); every boundary carries the ``(time, d_model)`` residual stream.
         Refused: ``tie_embeddings`` (the first and last stages would share the embedding, and its two gradients

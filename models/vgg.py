@@ -49,7 +49,7 @@ class VGGA(nn.Module):
     default_input_shape = (224, 224, 3)  # per example, HWC (class constant, not a setting)
 
     def pipeline_layers(self) -> list:
-        """The 11 weight layers in order, for pipeline stages (:mod:`dtx.parallel.stages`): each convolution with its
+        """The 11 weight layers in order, for pipeline stages (:mod:`dtx.parallel.pipeline.stages`): each convolution with its
         ReLU and the pooling that closes its block, fc6-fc8 (fc6 flattens its input). Dropout is refused: a stage's
         micro-batches would draw other masks than one device's batch."""
         if self.dropout_rate:

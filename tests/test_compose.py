@@ -26,6 +26,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from numerics import sum_atol
 
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
@@ -33,13 +34,11 @@ from dtx import models, optim, parallel
 from dtx.comm import hlo
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
-from dtx.parallel import tensor_stages
+from dtx.parallel.pipeline import relayout as pipeline_relayout
+from dtx.parallel.pipeline import step as pp
+from dtx.parallel.pipeline import tensor_stages
 from dtx.step import StepSpec, make_train_step
-from dtx.step import pipeline as pp
-from dtx.step import pipeline_relayout
 from dtx.step.state import abstract_train_state, init_train_state
-
-from numerics import sum_atol
 
 STEPS, MICRO, BATCH = 5, 4, 32
 LM = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2, max_len=8, num_classes=32)

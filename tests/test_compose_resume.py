@@ -23,9 +23,9 @@ from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.data import inputs
+from dtx.parallel.pipeline import relayout as pipeline_relayout
 from dtx.run import setup
 from dtx.run.trainer import train
-from dtx.step import pipeline_relayout
 
 TINY_LM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_lm.py")
 RUN = ("--config.model.d_model=32", "--config.model.num_heads=2", "--config.dataset.seq_len=16",

@@ -1,12 +1,13 @@
 """One transformer block's costs (dtx.perf.decoder), the one source the two planners read: the LM planner
-(dtx.perf.lm_plan) and the data x pipeline planner's view of a transformer (dtx.perf.pipeline_plan), held to each
+(dtx.perf.lm_plan) and the data x pipeline planner's view of a transformer (dtx.parallel.pipeline.plan), held to each
 other and to the model's own matrix products (dtx.perf.layers.model_flops) at GPT-2 small's shape."""
 
 import jax.numpy as jnp
 import pytest
-
 from dtx.models import build_model
-from dtx.perf import decoder, lm_plan, pipeline_plan
+
+from dtx.parallel.pipeline import plan as pipeline_plan
+from dtx.perf import decoder, lm_plan
 from dtx.perf.layers import model_flops
 
 L, D, H, S, V = 12, 768, 12, 1024, 50257  # GPT-2 small

@@ -1,4 +1,4 @@
-"""The transformer planner's memory (dtx.perf.lm_plan.memory_terms, dtx.perf.lm_pipeline.memory_terms) against
+"""The transformer planner's memory (dtx.perf.lm_plan.memory_terms, dtx.parallel.pipeline.lm_costs.memory_terms) against
 XLA:CPU's compiled peak, on twins held out from the rules, and the headroom the planner keeps.
 
 The rules were read from the buffer assignments (``--xla_dump_to``: what is live at the peak) of --verify's ten

@@ -26,8 +26,8 @@ import pytest
 
 from dtx import config as config_lib
 from dtx import parallel
+from dtx.parallel.tensor import costs as tensor_model
 from dtx.perf import lm_plan
-from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import get_cluster
 from dtx.tools import lm_sim
 from dtx.tools.simulate import simulate_main
@@ -63,7 +63,7 @@ def test_remat_recomputes_the_forward_docs_remat_states():
 
 
 def test_tensor_bytes_are_megatrons():
-    """Per micro-batch the blocks send :func:`dtx.perf.tensor.block_bytes` each (the collectives' float32); under
+    """Per micro-batch the blocks send :func:`dtx.parallel.tensor.costs.block_bytes` each (the collectives' float32); under
     ``full`` SP adds one reduce-scatter and two all-gathers per block."""
     b, t = 4, 4
     plain, _ = lm_plan._tensor_bytes(SMALL, b, t, True, "none", 4)
@@ -112,14 +112,14 @@ def test_the_choice_follows_memory():
             assert found["chosen"] is found["fitting"][0] and all(
                 p.time >= found["chosen"].time for p in found["fitting"])
             assert "fastest that fits" in lm_plan.why(found, cluster)
-    # dtx's pipeline (each stage's forward re-run, the output layer untied: dtx.perf.lm_pipeline) is planned as it
+    # dtx's pipeline (each stage's forward re-run, the output layer untied: dtx.parallel.pipeline.lm_costs) is planned as it
     # runs and runs as planned; at 64 GPUs it loses to ZeRO-3 (its re-run and its bubble).
     piped = lm_plan.best(BIG, H100, 64, 1024)
     pipelines = [p for p in piped["fitting"] if p.stages > 1]
     assert pipelines and all(p.runnable for p in pipelines) and piped["chosen"].time < min(p.time for p in pipelines)
     config = config_lib.load(GPT2, shlex.split(" ".join(min(pipelines, key=lambda p: p.time).overrides())))
     assert parallel.configured(config).stages and not config.model.tie_embeddings  # the stage axis composes it
-    # SP inside split stages (dtx.parallel.stage_positions) is a candidate too, and runs as planned
+    # SP inside split stages (dtx.parallel.pipeline.positions) is a candidate too, and runs as planned
     split = min((p for p in pipelines if p.sp), key=lambda p: p.time)
     config = config_lib.load(GPT2, shlex.split(" ".join(split.overrides())))
     assert parallel.configured(config).stages and config.tensor.sequence_parallel and split.tensor > 1
@@ -160,7 +160,7 @@ def test_a_printed_kind_compiles_to_the_model():
 
 
 def test_a_split_pipelines_elementwise_terms_hold_on_a_held_out_shape():
-    """dtx.perf.lm_pipeline.STAGE_ELEMENTWISE on the case held out when they were read (chosen before it was
+    """dtx.parallel.pipeline.lm_costs.STAGE_ELEMENTWISE on the case held out when they were read (chosen before it was
     compiled): 2 blocks of width 32, 4 heads, MLP 4·32, 16 positions, vocabulary 64, D1×T4+SP×P2, 2 micro-batches
     of 4 sequences; the last stage's slots compiled over model (--verify's reading, float32), within 2 % of the
     plan's (measured 1.0007; without SP 0.9985). Its MLP is twice as wide per width as the development cases' but
@@ -172,8 +172,8 @@ def test_a_split_pipelines_elementwise_terms_hold_on_a_held_out_shape():
     from dtx import mesh as mesh_lib
     from dtx import models
     from dtx.data import tasks
+    from dtx.parallel.pipeline import step as pp
     from dtx.precision import Policy
-    from dtx.step import pipeline as pp
 
     shape = lm_plan.LMShape(2, 32, 4, 16, vocab=64, mlp_ratio=4)
     p = lm_plan.plan(shape, H100, 8, 8, tensor=4, stages=2, micro=2, sp=True, tensor_element=4)
@@ -190,11 +190,11 @@ def test_a_split_pipelines_elementwise_terms_hold_on_a_held_out_shape():
 
 
 def test_a_pipelines_zero1_terms_are_dtxs():
-    """ZeRO-1 with stages (``pipeline.zero_stage=1``, dtx.step.pipeline_zero) as the planner charges it, against
+    """ZeRO-1 with stages (``pipeline.zero_stage=1``, dtx.parallel.pipeline.zero) as the planner charges it, against
     dtx's own plan of the same transformer (abstract, nothing compiles): the stage row padded to a multiple of ``D``
     as make_pipeline pads it (8723 -> 8724 at D2×T2, 14979 -> 14980 at D4), AdamW's moments and the parameters
     equal to :func:`dtx.perf.memory.estimate_pipeline`'s with and without ZeRO (the optimizer ``1/D``), the
-    gradient row's bytes the reduce-scatter + all-gather :func:`dtx.step.pipeline_zero.traffic` counts (the
+    gradient row's bytes the reduce-scatter + all-gather :func:`dtx.parallel.pipeline.zero.traffic` counts (the
     all-reduce's at float32; test_pipeline_zero holds that to the compiled program), the update on ``1/D``."""
     import jax
     import numpy as np
@@ -203,9 +203,10 @@ def test_a_pipelines_zero1_terms_are_dtxs():
     from dtx import models
     from dtx.comm import costmodel
     from dtx.data import tasks
-    from dtx.perf import lm_pipeline, memory
-    from dtx.step import pipeline as pp
-    from dtx.step import pipeline_zero
+    from dtx.parallel.pipeline import lm_costs as lm_pipeline
+    from dtx.parallel.pipeline import step as pp
+    from dtx.parallel.pipeline import zero as pipeline_zero
+    from dtx.perf import memory
 
     shape = lm_plan.LMShape(2, 32, 4, 4, vocab=67)  # an odd vocabulary: the last stage's row is odd
     model = models.build_model("transformer", num_layers=2, d_model=32, num_heads=4, mlp_ratio=4, max_len=4,
@@ -239,7 +240,7 @@ def test_zero1_pipelines_are_chosen_where_only_they_fit_and_run_as_planned():
     ``fsdp.zero_stage=1`` beside ``stage`` and ``model`` (the pipeline composes from them) and load with the experiment, and pass dtx's pipeline checks (as ``dtx train`` runs them before compiling). Under
     LARS/LAMB, which dtx refuses with ZeRO-1 and stages, no such plan is a candidate (``dtx simulate`` reads the
     config's optimizer)."""
-    from dtx.step import pipeline_check
+    from dtx.parallel.pipeline import check as pipeline_check
 
     small = H100.replace(device_memory=7.5 * 2**30)
     found = lm_plan.best(BIG, small, 1024, 1024)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (dtx.step.pipeline, dtx.parallel.stages, dtx.parallel.pipeline_schedules).
+"""Pipeline parallelism (dtx.parallel.pipeline.step, dtx.parallel.pipeline.stages, dtx.parallel.pipeline.schedules).
 
 GPipe and 1F1B on a ``stage`` axis combined with ``data`` compute what one device computes with the
 same global batch (the MLP with Adam on 4 stages x 2, the speech DNN with SGD on 2 stages x 4, each over
@@ -22,18 +22,18 @@ from dtx import mesh as mesh_lib
 from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, datasets, tasks
-from dtx.parallel.pipeline_schedules import IDLE, ScheduleError, diagram, make_schedule
-from dtx.parallel.stages import PipelineError, balance, make_plan
+from dtx.parallel.pipeline import costs as pipeline_model
+from dtx.parallel.pipeline import step as pp
+from dtx.parallel.pipeline.check import PipelineSettings, check_settings
+from dtx.parallel.pipeline.schedules import IDLE, ScheduleError, diagram, make_schedule
+from dtx.parallel.pipeline.stages import PipelineError, balance, make_plan
 from dtx.perf import clusters
-from dtx.precision import LossScaler, Policy, parse_policy
 from dtx.perf import memory as memory_lib
-from dtx.perf import pipeline as pipeline_model
-from dtx.step import StepError, StepSpec, make_train_step
-from dtx.step import pipeline as pp
-from dtx.step.pipeline_check import PipelineSettings, check_settings
+from dtx.precision import LossScaler, Policy, parse_policy
 from dtx.run import metrics
 from dtx.run.evaluate import export_run
 from dtx.run.trainer import train
+from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step.state import init_train_state
 
 STEPS = 5
@@ -230,7 +230,7 @@ def test_loss_scaling_skips_the_same_steps_as_one_device(f16_runs):
 
 @pytest.mark.parametrize("name", ["lars", "lamb"])
 def test_lars_and_lamb_with_weight_decay_equal_one_device(optimizer_runs, name):
-    """Each stage's update runs on its own tensors (dtx.step.pipeline_optim): LARS's and LAMB's per-tensor trust
+    """Each stage's update runs on its own tensors (dtx.parallel.pipeline.optim): LARS's and LAMB's per-tensor trust
     ratios and the weight decay that skips biases by name, as one device computes them. 5 steps, held to 1e-6."""
     run, one = optimizer_runs[name], optimizer_runs[name, "one"]
     _close(run["params"], one["params"], 1e-6)
@@ -307,7 +307,7 @@ def test_four_stages_send_the_bubble_too(mlp_runs, schedule):
 
 @pytest.mark.parametrize("run", [("mlp", "1f1b"), ("speech", ("gpipe", 8)), ("speech", ("1f1b", 8))])
 def test_the_accountant_counts_what_the_program_sends(mlp_runs, speech_runs, run):
-    """The step's comm_bytes (dtx.step.pipeline.traffic: permutes, the gradient row's all-reduce, the records')
+    """The step's comm_bytes (dtx.parallel.pipeline.step.traffic: permutes, the gradient row's all-reduce, the records')
     equal the compiled program's bytes, trip counts included."""
     runs, key = (mlp_runs if run[0] == "mlp" else speech_runs), run[1]
     assert runs[key]["metrics"]["comm_bytes"] == hlo.total(runs[key]["compiled"]).bytes_sent
@@ -483,10 +483,10 @@ def test_a_pipeline_config_is_refused_before_compiling(tmp_path, overrides, says
     assert len(_COMPILES) == before
 
 
-# ---- the model (dtx.perf.pipeline) against the compiled programs --------------------------------------------
+# ---- the model (dtx.parallel.pipeline.costs) against the compiled programs --------------------------------------------
 
 def test_the_model_predicts_the_compiled_bytes_and_kept_memory(speech_runs, mlp_runs, interleaved_run):
-    """dtx.perf.pipeline from the stages and schedule alone: the point-to-point bytes every compiled program sends,
+    """dtx.parallel.pipeline.costs from the stages and schedule alone: the point-to-point bytes every compiled program sends,
     and what XLA's temporaries grow by from M = 8 to M = 16: the gathered batch, and the kept inputs (GPipe)."""
     plan = speech_runs["gpipe", 8]["plan"]
     for (name, m) in [("gpipe", 8), ("gpipe", 16), ("1f1b", 8), ("1f1b", 16)]:
@@ -572,11 +572,11 @@ def test_memory_limit_refuses_a_pipeline_that_does_not_fit(tmp_path):
     assert len(_COMPILES) == before
 
 
-# ---- the simulated clock (dtx.perf.pipeline.PipelineClock) ----------------------------------------------------
+# ---- the simulated clock (dtx.parallel.pipeline.costs.PipelineClock) ----------------------------------------------------
 
 def _equal_plan(stages, chunks=1, width=64):
     """``stages·chunks`` equal Dense layers of ``width``, one per (virtual) stage."""
-    from dtx.parallel.stages import StagePlan, dense_layer
+    from dtx.parallel.pipeline.stages import StagePlan, dense_layer
 
     layers = tuple(dense_layer(f"fc{i}", width, width, relu=True) for i in range(stages * chunks))
     return StagePlan(layers, tuple(range(stages * chunks + 1)), chunks)

@@ -1,4 +1,4 @@
-"""The data x pipeline planner (dtx.perf.pipeline_plan): its terms against the formulas, its choices, its overrides.
+"""The data x pipeline planner (dtx.parallel.pipeline.plan): its terms against the formulas, its choices, its overrides.
 
 The compiled side (FLOPs and bytes of the printed plans) is tests/test_pipeline_sim.py's.
 """
@@ -8,11 +8,11 @@ import shlex
 
 import pytest
 
-from dtx.parallel.pipeline_schedules import make_schedule
+from dtx.parallel.pipeline import costs as pipeline_estimate
+from dtx.parallel.pipeline import plan as pipeline_plan
+from dtx.parallel.pipeline.schedules import make_schedule
 from dtx.perf import clusters
 from dtx.perf import model as perfmodel
-from dtx.perf import pipeline as pipeline_estimate
-from dtx.perf import pipeline_plan
 from dtx.perf.layers import Layer
 
 
@@ -78,7 +78,7 @@ def test_a_faster_pipeline_wins_and_says_why():
 def test_overrides_are_the_dtx_train_keys():
     """The printed overrides are the pipeline's config keys: they load and pass the pipeline's checks."""
     from dtx import config as config_lib
-    from dtx.step.pipeline_check import PipelineSettings, check_settings
+    from dtx.parallel.pipeline.check import PipelineSettings, check_settings
 
     p = pipeline_plan.plan(STACK, FAST, 8, 64, 4, 8)
     flags = [shlex.split(flag)[0] for flag in p.overrides()]
@@ -130,7 +130,7 @@ def test_the_planner_interleaves_where_the_bubble_costs_most():
     than its best 1F1B plan (and its overrides load and pass the pipeline's checks); where each message costs a
     network round trip, 1F1B's fewer messages win."""
     from dtx import config as config_lib
-    from dtx.step.pipeline_check import PipelineSettings, check_settings
+    from dtx.parallel.pipeline.check import PipelineSettings, check_settings
 
     chosen, fitting = pipeline_plan.best(STACK, FAST, 4, 16, None, das_memory=0.0)
     assert chosen is fitting[0] and chosen.chunks > 1

@@ -1,5 +1,5 @@
-"""Checkpoints restore across layouts: a pipeline's stage rows (``(P, V·row)``, :mod:`dtx.parallel.stages`) and the
-model's own parameter tree are one state, and either resumes as the other (:func:`dtx.step.pipeline_relayout.relayout`).
+"""Checkpoints restore across layouts: a pipeline's stage rows (``(P, V·row)``, :mod:`dtx.parallel.pipeline.stages`) and the
+model's own parameter tree are one state, and either resumes as the other (:func:`dtx.parallel.pipeline.relayout.relayout`).
 
 Three steps of the digits MLP with Adam as a pipeline of 2 stages x 4 data shards, saved, then three more as data x8
 and as one device; and three as data x8, then three as the pipeline: each equals, per step and in its final
@@ -19,12 +19,12 @@ from dtx import mesh as mesh_lib
 from dtx import models
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.data import TrainLoader, datasets
-from dtx.parallel.stages import make_plan
+from dtx.parallel.pipeline import relayout as pp
+from dtx.parallel.pipeline.stages import make_plan
 from dtx.run import metrics, setup
 from dtx.run.evaluate import export_run
 from dtx.run.trainer import train
 from dtx.step import StepSpec, make_train_step
-from dtx.step import pipeline_relayout as pp
 
 DIGITS_MLP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "digits_mlp.py")
 RUN = ("--config.model.features=(32, 16)", "--config.global_batch_size=64", "--config.grad_accum_steps=4",

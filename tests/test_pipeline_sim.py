@@ -27,7 +27,7 @@ def verified(tmp_path_factory):
 def test_the_printed_pipeline_compiles_to_its_predicted_flops_and_bytes(verified):
     """The pipeline the table prints for 4 nodes, compiled on 4 of the 8 emulated devices: the busiest stage's FLOPs
     (its forward and backward slots compiled, times M) and everything a device sends (the compiled step's
-    collectives, loops' trip counts included) within 2 % of dtx.perf.pipeline_plan's."""
+    collectives, loops' trip counts included) within 2 % of dtx.parallel.pipeline.plan's."""
     status, record = verified
     (row,) = record["verify_pipeline"]
     # the exit status: 1 where any check, Das et al.'s plan's or the pipeline's, is outside 2 %
@@ -63,7 +63,8 @@ def test_an_interleaved_plan_compiles_to_its_predicted_flops_and_bytes():
     (V times 1F1B's messages, the two stage rows' all-reduce, the batch's gather) within 2 % of the planner's."""
     import jax
 
-    from dtx.perf import clusters, pipeline_plan
+    from dtx.parallel.pipeline import plan as pipeline_plan
+    from dtx.perf import clusters
     from dtx.perf.report import model_layers
     from dtx.tools import pipeline_sim
 
@@ -86,7 +87,8 @@ def test_every_preset_verifies_its_pipelines_in_the_programs_bytes(preset):
     tables keep the preset's 2 bytes. The batch's gather is float32 inputs and int32 labels on every preset."""
     import jax
 
-    from dtx.perf import clusters, pipeline_plan
+    from dtx.parallel.pipeline import plan as pipeline_plan
+    from dtx.perf import clusters
     from dtx.perf.report import model_layers
     from dtx.tools import pipeline_sim
 
@@ -116,10 +118,10 @@ class _Tiny(nn.Module):
 
 
 def test_memory_names_the_conv_pipelines_it_may_miss(capsys):
-    """--memory's pipeline rows of a conv net count its max pools' backward (dtx.perf.pipeline.conv_slot_bytes) and
+    """--memory's pipeline rows of a conv net count its max pools' backward (dtx.parallel.pipeline.costs.conv_slot_bytes) and
     carry no warning (VGG-A), except where the inputs are over 15 % of the estimate (a network small beside its
-    32x32x3 images: dtx.perf.pipeline.PLANNER_INPUTS, named with its node count); a Dense stack's carry none."""
-    from dtx.perf.pipeline import PLANNER_INPUTS
+    32x32x3 images: dtx.parallel.pipeline.costs.PLANNER_INPUTS, named with its node count); a Dense stack's carry none."""
+    from dtx.parallel.pipeline.costs import PLANNER_INPUTS
 
     warning = "warning: outside the memory model's measured regime"
     assert simulate_main(["--model", "vgg_a", "--cluster", "cloud_10gbe", "--nodes", "4", "--global-batch", "64",

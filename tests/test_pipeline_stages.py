@@ -1,4 +1,4 @@
-"""Pipeline stages of other shapes (dtx.parallel.stages): LeNet's convolutions and a transformer's blocks.
+"""Pipeline stages of other shapes (dtx.parallel.pipeline.stages): LeNet's convolutions and a transformer's blocks.
 
 The conv net and the transformer declare their pieces (``pipeline_layers()``: a convolution with its ReLU and
 pooling, the embedding with the positions, a block, the head); the stages trace each boundary's shape and carry it
@@ -18,12 +18,12 @@ from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, datasets, tasks
 from dtx.data.datasets import Split
-from dtx.parallel.pipeline_schedules import make_schedule
-from dtx.parallel.stages import PipelineError, make_plan
+from dtx.parallel.pipeline import costs as pipeline_model
+from dtx.parallel.pipeline import step as pp
+from dtx.parallel.pipeline.schedules import make_schedule
+from dtx.parallel.pipeline.stages import PipelineError, make_plan
 from dtx.perf import memory as memory_lib
-from dtx.perf import pipeline as pipeline_model
 from dtx.step import StepSpec, make_train_step
-from dtx.step import pipeline as pp
 from dtx.step.state import init_train_state
 
 STEPS = 3  # Adam's and momentum's state is in play from step 2 on
@@ -196,11 +196,12 @@ def test_the_memory_model_predicts_each_stages_compiled_peak(lenet_runs, lm_runs
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_the_planners_memory_predicts_the_same_programs(lenet_runs, schedule):
-    """dtx simulate --memory's and --plan's pipeline rows (dtx.perf.pipeline_plan, from the analysed Dense/Conv layers,
+    """dtx simulate --memory's and --plan's pipeline rows (dtx.parallel.pipeline.plan, from the analysed Dense/Conv layers,
     which describe no pooling) on the same programs: the planner's cut is the one compiled, and its memory is within
     15 % of the compiled peak (measured 0.98, 1.06, 1.03; 1.15, 1.25 and 1.21 without the program's ~4 KiB of scalars
     and tuple tables, pipeline_model.SMALL_BUFFERS)."""
-    from dtx.perf import clusters, pipeline_plan
+    from dtx.parallel.pipeline import plan as pipeline_plan
+    from dtx.perf import clusters
     from dtx.perf.layers import analyze
 
     run, chunks = lenet_runs[schedule], lenet_runs[schedule]["schedule"].chunks
@@ -216,7 +217,8 @@ def test_a_max_pools_backward_is_counted_at_its_input(lenet_runs, lm_runs):
     and ReLU 2 more, and the stage's kernel is sliced (the model's first, never flipped); stage 1's pool (4x4x4) and
     sliced-and-flipped kernel cost less. The same figure as the planner's from the analysed layers. No pool,
     nothing."""
-    from dtx.perf import clusters, pipeline_plan
+    from dtx.parallel.pipeline import plan as pipeline_plan
+    from dtx.perf import clusters
     from dtx.perf.layers import analyze
 
     plan = lenet_runs["gpipe"]["plan"]

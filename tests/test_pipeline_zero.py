@@ -1,4 +1,4 @@
-"""ZeRO-1 over the data axes with pipeline stages (``pipeline.zero_stage=1``, dtx.step.pipeline_zero).
+"""ZeRO-1 over the data axes with pipeline stages (``pipeline.zero_stage=1``, dtx.parallel.pipeline.zero).
 
 Each stage's gradient row is reduce-scattered over the data axes once per step, every data rank updates its 1/D
 slice with its 1/D of the optimizer state, and the updated slices are all-gathered. Checked here on the digits MLP
@@ -26,13 +26,14 @@ from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, datasets, tasks
 from dtx.data.datasets import Split
-from dtx.parallel.stages import PipelineError
+from dtx.parallel.pipeline import relayout as pipeline_relayout
+from dtx.parallel.pipeline import step as pp
+from dtx.parallel.pipeline import zero as pipeline_zero
+from dtx.parallel.pipeline.check import PipelineSettings, check_settings
+from dtx.parallel.pipeline.stages import PipelineError
 from dtx.perf import memory as memory_lib
 from dtx.run.trainer import train
 from dtx.step import StepError, StepSpec, make_train_step
-from dtx.step import pipeline as pp
-from dtx.step import pipeline_relayout, pipeline_zero
-from dtx.step.pipeline_check import PipelineSettings, check_settings
 from dtx.step.state import init_train_state
 
 STEPS, MICRO, BATCH = 3, 4, 32

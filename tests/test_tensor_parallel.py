@@ -1,5 +1,5 @@
 """Megatron tensor and sequence parallelism (``parallel.name=tensor``): equal to one device, and what the compiled
-program does equals Megatron's formulas (:mod:`dtx.parallel.tensor`, :mod:`dtx.perf.tensor`).
+program does equals Megatron's formulas (:mod:`dtx.parallel.tensor.layout`, :mod:`dtx.parallel.tensor.costs`).
 
 Tolerance: a row-split layer sums its partial products over the ``model`` axis in another order than one device,
 so float32 parameters differ in the last bits; after 20 steps of SGD-momentum the measured gap is 1.2e-7; they
@@ -23,7 +23,7 @@ from dtx.comm import hlo
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
 from dtx.parallel import PartitionError, get_layout, make_rules, param_specs
-from dtx.perf import tensor as tensor_model
+from dtx.parallel.tensor import costs as tensor_model
 from dtx.precision import parse_policy
 from dtx.step import StepError, StepSpec, make_train_step
 from dtx.step.state import INIT_COMPILER_OPTIONS, abstract_train_state, init_train_state
@@ -99,7 +99,7 @@ def test_tensor_parallel_trains_like_one_device(runs, run):
 def test_heads_and_mlp_pairs_split_and_a_device_holds_its_share(runs):
     """Megatron's split read from the parameters: Q/K/V by heads, the output projection by its input rows, the
     MLP's up-projection by columns and its down-projection by rows; the rest whole. A device holds ``1/T`` of
-    each split parameter, and in all what :func:`dtx.perf.tensor.param_bytes` says."""
+    each split parameter, and in all what :func:`dtx.parallel.tensor.costs.param_bytes` says."""
     placement, state = runs["tp"]["placement"], runs["tp"]["state"]
     specs = {jax.tree_util.keystr(p, simple=True, separator="/"): s.spec
              for p, s in jax.tree_util.tree_leaves_with_path(placement.state.params)}
@@ -146,7 +146,7 @@ def _collectives(compiled):
 def test_compiled_collectives_equal_megatron(runs, run):
     """Per block: TP 4 all-reduces of B·S·H (2 forward, 2 backward); SP 4 reduce-scatters and 4 all-gathers (the
     same bytes) and 2 gathers again of the column inputs; all over the ``model`` group. Per step: the blocks, the
-    ends and the gradient reductions within 5 % of :func:`dtx.perf.tensor.step_bytes`."""
+    ends and the gradient reductions within 5 % of :func:`dtx.parallel.tensor.costs.step_bytes`."""
     sp = run == "sp"
     examples = BATCH // D
     expected = tensor_model.block_collectives(examples, S, H, T, sp)
@@ -190,9 +190,9 @@ def test_a_tied_embedding_crosses_the_data_axes_once(runs):
 def test_accumulation_reduces_over_the_data_axes_once_per_step(runs):
     """2 micro-batches under SP on ``data 2 × model 4``: the micro-batch loop runs inside one map over the data
     groups (dtx.step.accumulate.manual_gradients), so the only collective over the data axes is one all-reduce
-    after the loop of each device's gradient bytes (:func:`dtx.perf.tensor.data_gradient_bytes`: what it holds,
+    after the loop of each device's gradient bytes (:func:`dtx.parallel.tensor.costs.data_gradient_bytes`: what it holds,
     less the position table's rows it does not reduce); everything inside the loop (twice a step) is over
-    ``model``: the blocks' Megatron collectives each micro-batch, as :func:`dtx.perf.tensor.block_collectives`.
+    ``model``: the blocks' Megatron collectives each micro-batch, as :func:`dtx.parallel.tensor.costs.block_collectives`.
     Broken by hand (``TensorLayout.manual`` False: each micro-batch's gradient reduced): 2 trips, caught."""
     run = runs["sp_accum2"]
     found = _collectives(run["compiled"])
@@ -236,7 +236,7 @@ def test_bf16_compute_moves_bf16_activations(runs):
     collectives carry bfloat16, as Megatron's do. In the program JAX hands XLA each block's 4 reduce-scatters of
     ``B·S·H`` and 6 all-gathers of ``B·S·H/T`` (4 in the layout ``(B, S/T, H)``, 2 gathered again as ``(S/T, B,
     H)``) are bf16, and none of that size is float32. XLA:CPU's compiled program carries them as float32: its
-    collectives upcast bf16, so each reads the float32 bytes of :func:`dtx.perf.tensor.block_collectives` there
+    collectives upcast bf16, so each reads the float32 bytes of :func:`dtx.parallel.tensor.costs.block_collectives` there
     (what dtx.comm.hlo reads on CPU); a GPU's NCCL moves the bf16. 20 steps stay within bf16's tolerance of the
     float32 run (losses rtol 1e-2). Broken by hand (SP's reduce-scatter in float32): caught."""
     run, b, t = runs["sp_bf16"], BATCH // D, S // T
@@ -268,7 +268,7 @@ def _activation_slope(text, run, batch):
 
 def test_sequence_parallel_keeps_a_tth_of_the_activations(runs, text):
     """Per device and example of its data shard: SP keeps ``≈ 1/T`` of what the unsplit run keeps (measured 1.12/T),
-    TP the stream whole and the rest ``1/T``; :func:`dtx.perf.tensor.activation_bytes` predicts both ratios within
+    TP the stream whole and the rest ``1/T``; :func:`dtx.parallel.tensor.costs.activation_bytes` predicts both ratios within
     15 %."""
     # One end of each slope is the fixture's compiled step (three programs fewer): 16 examples a shard on one
     # device, 8 on data 2; the other end 8 and 16.
@@ -323,8 +323,9 @@ def test_bad_input_is_refused_before_compiling(text):
     # The shard_map driver is refused by the layout's declaration.
     with pytest.raises(StepError, match="runs under driver jit"):
         make_train_step(model, TX, mesh, StepSpec(driver="shard_map", placement=placement))
-    # The per-layer memory model of the other layouts says it does not model the pairs (dtx.perf.tensor does).
-    from dtx.perf import layers as layers_lib, memory
+    # The per-layer memory model of the other layouts says it does not model the pairs (dtx.parallel.tensor.costs does).
+    from dtx.perf import layers as layers_lib
+    from dtx.perf import memory
     with pytest.raises(memory.MemoryModelError, match="does not model Megatron's pairs"):
         memory.estimate(layers_lib.analyze(models.build_model("mlp", features=(8,)), (4,)), "tensor", nodes=8,
                         global_batch=8)

@@ -1,4 +1,4 @@
-"""Pipeline stages split over the ``model`` axis (dtx.parallel.tensor_stages): Megatron inside each stage.
+"""Pipeline stages split over the ``model`` axis (dtx.parallel.pipeline.tensor_stages): Megatron inside each stage.
 
 The tiny transformer (embedding + block 0 | block 1 + head) on ``data 2 × stage 2 × model 2``: each stage's
 attention split by heads and its MLP by columns then rows, the boundary buffer replicated over ``model``. Checked
@@ -6,10 +6,10 @@ here: GPipe and 1F1B equal one device after 3 steps (the pipeline tests' convent
 ``1/T`` of each split kernel, the compiled collective-permutes carry the pipeline formula's bytes, the all-reduces
 over ``model`` are Megatron's per block and micro-batch (forward and backward slot, the backward slot's re-run of
 the forward included), the step's accountant counts what the program sends, the settings it cannot run are
-refused by key before compiling, and dtx simulate's model of such a pipeline (dtx.perf.lm_pipeline, written before
+refused by key before compiling, and dtx simulate's model of such a pipeline (dtx.parallel.pipeline.lm_costs, written before
 any was compiled; its stage element-wise terms since read from slots of this file's shape among others) predicts
 this program's FLOPs and bytes within --verify's 2 %, with and without SP. With tensor.sequence_parallel=True
-(dtx.parallel.stage_positions): GPipe and 1F1B equal one device, the collectives over model inside the blocks are
+(dtx.parallel.pipeline.positions): GPipe and 1F1B equal one device, the collectives over model inside the blocks are
 Korthikanti et al.'s reduce-scatters and all-gathers with the TP run's bytes (no all-reduce), the boundary sends
 half the TP pipeline's bytes, the temporaries are smaller, and a sequence T does not split is refused.
 
@@ -24,7 +24,7 @@ values stay equal); the boundary buffer sent unsplit (the whole stream's width) 
 the replicated gradients not summed over model -> every SP test (values, the all-reduce, comm_bytes); the last
 stage's loss not divided by T -> ``test_sequence_parallel_stages_equal_one_device``; ``f``'s backward keeping its own
 positions' gradient instead of reduce-scattering -> every SP test; the positions check skipped ->
-``test_what_split_stages_cannot_run_is_refused_by_key``. The planner (dtx.perf.lm_pipeline; FLOPs, bytes measured
+``test_what_split_stages_cannot_run_is_refused_by_key``. The planner (dtx.parallel.pipeline.lm_costs; FLOPs, bytes measured
 0.9993, 1.0002 without SP and 0.9995, 1.0005 with it): the residual stream's element-wise work split by T without
 SP -> ``test_the_planner_predicts_...[1f1b]``; that work, or the output layer and loss, whole under SP, the boundary
 messages whole under SP, or the replicated entries' all-reduce over model left out -> ``...[sp-1f1b]``.
@@ -42,12 +42,13 @@ from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
-from dtx.parallel import stage_positions, tensor_stages
-from dtx.parallel.stages import PipelineError, StagePlan
-from dtx.perf import pipeline as pipeline_model
-from dtx.perf import tensor as tensor_model
+from dtx.parallel.pipeline import costs as pipeline_model
+from dtx.parallel.pipeline import positions as stage_positions
+from dtx.parallel.pipeline import step as pp
+from dtx.parallel.pipeline import tensor_stages
+from dtx.parallel.pipeline.stages import PipelineError, StagePlan
+from dtx.parallel.tensor import costs as tensor_model
 from dtx.step import StepSpec, make_train_step
-from dtx.step import pipeline as pp
 from dtx.step.spec import StepError
 from dtx.step.state import init_train_state
 
@@ -177,7 +178,7 @@ def _model_all_reduces(collectives):
 def test_all_reduces_are_megatrons_per_block_and_micro_batch(runs, schedule):
     """Every device's program holds every stage's code, each slot's inside its phases' loops: a stage's
     all-reduces over model, their trips summed and divided by the slot's ticks, are per micro-batch Megatron's per
-    block (dtx.perf.tensor.block_collectives: 2 forward, g; 2 backward, f) and the backward slot's re-run of the
+    block (dtx.parallel.tensor.costs.block_collectives: 2 forward, g; 2 backward, f) and the backward slot's re-run of the
     forward (2, less the stage output's g on a stage that is not the last: nothing in the backward slot reads it,
     and XLA drops it). Each carries one micro-batch's (time, d_model) stream; the accountant counts M times them."""
     run = runs[schedule]
@@ -199,7 +200,7 @@ def test_all_reduces_are_megatrons_per_block_and_micro_batch(runs, schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_messages_are_the_pipeline_formulas(runs, schedule):
     """The collective-permutes, trip counts included, carry the pipeline's 2(M + P - 2) = 2M messages of one
-    micro-batch's stream per device (dtx.perf.pipeline.estimate), as without the model axis (the buffer is replicated
+    micro-batch's stream per device (dtx.parallel.pipeline.costs.estimate), as without the model axis (the buffer is replicated
     over model: each device sends its copy), and the gradient all-reduce over data carries the device's local row
     once; the step's comm_bytes are the program's, the model all-reduces counted as the busiest stage runs them
     (M x 6)."""
@@ -209,7 +210,7 @@ def test_messages_are_the_pipeline_formulas(runs, schedule):
     assert message == 4 * SEQ * WIDTH * 4  # 4 sequences per micro-batch
     collectives = _collectives(run)
     permutes = sum(c.bytes_sent * c.trips for c in collectives if c.kind == "collective-permute")
-    e = pipeline_model.estimate(plan, schedule_, micro=BATCH // 2 // MICRO, data=2)  # dtx.perf.pipeline's formulas
+    e = pipeline_model.estimate(plan, schedule_, micro=BATCH // 2 // MICRO, data=2)  # dtx.parallel.pipeline.costs's formulas
     assert permutes == e.p2p_bytes == schedule_.messages * message == 2 * MICRO * message
     grad = [c for c in collectives
             if c.kind == "all-reduce" and c.context == "entry" and c.operand_bytes >= plan.row * 4]
@@ -228,7 +229,7 @@ def test_what_split_stages_cannot_run_is_refused_by_key():
     with parallel.name=pipeline (naming the one tensor.* key a pipeline takes), sequence parallelism without a model
     axis, and under it a sequence the model axis does not split (naming the lengths that split)."""
     from dtx import config as config_lib
-    from dtx.step import pipeline_check
+    from dtx.parallel.pipeline import check as pipeline_check
 
     with pytest.raises(StepError, match="optimizer.name='lamb'"):
         pipeline_check.check_settings(pipeline_check.PipelineSettings(
@@ -262,7 +263,7 @@ def test_a_model_without_pairs_is_refused():
 
 @pytest.mark.parametrize("name", ["1f1b", "sp-1f1b"])
 def test_the_planner_predicts_the_compiled_split_pipeline(runs, name):
-    """dtx simulate's T x P plans (dtx.perf.lm_pipeline, --verify's reading: dtx.tools.lm_sim) against this file's
+    """dtx simulate's T x P plans (dtx.parallel.pipeline.lm_costs, --verify's reading: dtx.tools.lm_sim) against this file's
     compiled 1F1B programs, without and with SP: the bytes a device of the last stage sends per step and its slots'
     FLOPs times M, each within --verify's 2 %."""
     from types import SimpleNamespace
@@ -320,10 +321,10 @@ def test_sequence_parallel_stages_equal_one_device(runs, schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_sequence_parallel_collectives_are_korthikantis(runs, schedule):
     """Inside the blocks SP runs reduce-scatters of one micro-batch's whole (time, d_model) stream and all-gathers of
-    a device's 1/T of it (dtx.perf.tensor.block_collectives(sequence_parallel=True)'s operands), no all-reduce:
+    a device's 1/T of it (dtx.parallel.tensor.costs.block_collectives(sequence_parallel=True)'s operands), no all-reduce:
     per block and micro-batch 2 + 2 in the forward slot, 2 + 2 in the backward slot's re-run (less the stage output's
     dead reduce-scatter on stage 0) and 2 + 2 in its backward (tensor_stages.stage_collectives). Forward and backward
-    send Megatron's all-reduce bytes (dtx.perf.tensor.block_bytes of TP), slot by slot the TP run's, but for the
+    send Megatron's all-reduce bytes (dtx.parallel.tensor.costs.block_bytes of TP), slot by slot the TP run's, but for the
     re-run on stage 0: TP's dead g is an all-reduce, SP's a reduce-scatter, so SP sends one all-gather's bytes more
     there. Outside the blocks one all-reduce over model: the replicated entries of the gradient row, once a step
     (each device's embedding, positions, LayerNorms, biases and head gradients are its own positions')."""
@@ -356,7 +357,7 @@ def test_sequence_parallel_collectives_are_korthikantis(runs, schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_sequence_parallel_sends_and_keeps_a_tth_at_the_boundary(runs, schedule):
     """The boundary buffer carries a device's 1/T of the positions: the collective-permutes send half the TP
-    pipeline's bytes (dtx.perf.pipeline.estimate's p2p bytes of the SP plan's message); the step's comm_bytes are
+    pipeline's bytes (dtx.parallel.pipeline.costs.estimate's p2p bytes of the SP plan's message); the step's comm_bytes are
     the program's as the busiest stage sends them (tensor_stages.step_bytes); and a device's temporaries (the kept
     stage inputs among them) are smaller than the TP pipeline's (memory_analysis)."""
     sp, tp = runs["sp-" + schedule], runs[schedule]

@@ -1,4 +1,4 @@
-"""Checkpoints of pipeline stages split over ``model`` restore across layouts (dtx.step.pipeline_relayout.relayout).
+"""Checkpoints of pipeline stages split over ``model`` restore across layouts (dtx.parallel.pipeline.relayout.relayout).
 
 The tiny transformer of tests/test_tensor_stages.py, SGD with momentum as there (for the attention key bias's sake;
 its traces are the optimizer leaves shaped like the parameters). Three steps on ``data 2 x stage 2 x model 2`` saved
@@ -25,10 +25,10 @@ from dtx import models, optim
 from dtx.ckpt import checkpoint as checkpoint_lib
 from dtx.data import TrainLoader, tasks
 from dtx.data.datasets import Split
-from dtx.parallel.stages import PipelineError, StagePlan, make_plan
+from dtx.parallel.pipeline import relayout as relayout_lib
+from dtx.parallel.pipeline import step as pp
+from dtx.parallel.pipeline.stages import PipelineError, StagePlan, make_plan
 from dtx.step import StepSpec, make_train_step
-from dtx.step import pipeline as pp
-from dtx.step import pipeline_relayout as relayout_lib
 from dtx.step.state import abstract_train_state, init_train_state
 
 SAVED, STEPS, MICRO, BATCH = 3, 6, 4, 32

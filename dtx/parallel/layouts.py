@@ -26,11 +26,11 @@ the layout and never compare its name. A new layout is one declaration and one l
   :mod:`dtx.perf.model`.
 * ``pipeline`` — pipeline parallelism (GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021): the
   model's layer stack cut into stages along the ``stage`` axis, each stage's parameters one row
-  (:mod:`dtx.parallel.stages`), run by :mod:`dtx.step.pipeline` with the ``pipeline.*`` settings
-  (``pipeline.microbatches``, ``pipeline.schedule``, ...; :mod:`dtx.step.pipeline_check`).
+  (:mod:`dtx.parallel.pipeline.stages`), run by :mod:`dtx.parallel.pipeline.step` with the ``pipeline.*`` settings
+  (``pipeline.microbatches``, ``pipeline.schedule``, ...; :mod:`dtx.parallel.pipeline.check`).
 * ``tensor`` — Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053): attention heads and
   the MLP split over the ``model`` axis, a column-split layer paired with a row-split one, and with
-  ``tensor.sequence_parallel`` Korthikanti et al.'s sequence parallelism (:mod:`dtx.parallel.tensor`).
+  ``tensor.sequence_parallel`` Korthikanti et al.'s sequence parallelism (:mod:`dtx.parallel.tensor.layout`).
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, check_block, register_check
 from dtx.parallel import fc_pairs as fc_pairs_lib
-from dtx.parallel import megatron
 from dtx.parallel import rules as rules_lib
-from dtx.parallel import tensor as tensor_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
+from dtx.parallel.pipeline.stages import STAGE_AXIS, row_spec
 from dtx.parallel.rules import PartitionError
-from dtx.parallel.stages import STAGE_AXIS, row_spec
+from dtx.parallel.tensor import layout as tensor_lib
+from dtx.parallel.tensor import megatron
 
 mesh_lib.declare_axis(mesh_lib.Axis(
     mesh_lib.MODEL_AXIS, "model", replicas=False,
@@ -67,7 +67,7 @@ class Placement(NamedTuple):
     state: Any  # a NamedSharding per leaf of the TrainState
     gradients: Any  # ZeRO 1/2: where the reduced gradients live (split like the optimizer state), else None
     activations: ActivationLayout | None  # where model-parallel layers' activations live, else None
-    pipeline: Any = None  # a staged layout's stages and schedule (dtx.step.pipeline.Pipeline), else None
+    pipeline: Any = None  # a staged layout's stages and schedule (dtx.parallel.pipeline.step.Pipeline), else None
 
     @property
     def whole_gradients(self) -> bool:
@@ -91,7 +91,7 @@ class Layout:
       kernels: which Dense/Conv kernels are split over the ``model`` axis by their output
         features — ``none``, ``all`` (model parallelism), ``dense`` (Das et al.'s hybrid) or
         ``explicit`` (the user's ``parallel.rules``), or ``paired``: Megatron's column/row pairs
-        (:func:`dtx.parallel.megatron.megatron_rules`).
+        (:func:`dtx.parallel.tensor.megatron.megatron_rules`).
       zero_stage: what is split over every device along the batch axes: 0 nothing, 1 the
         optimizer state, 2 also the gradients while accumulated, 3 also the parameters (FSDP).
       drivers: the step drivers that run it (:mod:`dtx.step.drivers`).
@@ -99,7 +99,7 @@ class Layout:
         when a run does not fit).
       settings: the ``parallel.*`` keys it takes besides ``name``.
       stages: whether it cuts the model into pipeline stages along the ``stage`` axis: the state is the
-        stages' parameter rows (:mod:`dtx.parallel.stages`), placed by :meth:`place` from an abstract state
+        stages' parameter rows (:mod:`dtx.parallel.pipeline.stages`), placed by :meth:`place` from an abstract state
         already in rows.
       block: the config block of its own settings (``tensor``), passed to :meth:`place` as keywords.
       reduce: FSDP under gradient accumulation (``parallel.reduce``): ``per_microbatch`` reduce-scatters every
@@ -109,7 +109,7 @@ class Layout:
       fc_pairs: ``model``/``hybrid`` (``parallel.fc_pairs``): consecutive Dense layers as column/row pairs
         (:mod:`dtx.parallel.fc_pairs`).
       borrows: keys of another layout's block it takes too (``pipeline``: ``tensor.sequence_parallel``, its stages
-        split over ``model``: :mod:`dtx.parallel.tensor_stages`).
+        split over ``model``: :mod:`dtx.parallel.pipeline.tensor_stages`).
     """
 
     name: str
@@ -147,8 +147,8 @@ class Layout:
 
     @property
     def pairs(self) -> bool:
-        """Whether its kernels are Megatron's column/row pairs and attention heads (:mod:`dtx.parallel.tensor`),
-        which :mod:`dtx.perf.tensor` models, not the Das et al. layer model."""
+        """Whether its kernels are Megatron's column/row pairs and attention heads (:mod:`dtx.parallel.tensor.layout`),
+        which :mod:`dtx.parallel.tensor.costs` models, not the Das et al. layer model."""
         return self.kernels == "paired"
 
     @property
@@ -291,7 +291,7 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3) -> Layout:
     """``layout`` (a ``parallel.name`` preset) with the parallelisms the mesh's ``axes`` declare.
 
     A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
-    stage, an ``fsdp`` axis ZeRO over each stage's row: :mod:`dtx.step.pipeline_zero`); an ``fsdp`` axis makes a
+    stage, an ``fsdp`` axis ZeRO over each stage's row: :mod:`dtx.parallel.pipeline.zero`); an ``fsdp`` axis makes a
     replicated preset ZeRO at ``fsdp_stage`` and gives a Megatron preset that stage over it. Presets that already
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
     compose is refused, naming the axes and the presets that take them."""

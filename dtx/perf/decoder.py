@@ -15,7 +15,7 @@ A pre-LayerNorm GPT-2 block (``models/transformer.py``; Radford et al. 2019) of 
   parallelism, ``/T`` of the whole under sequence parallelism; selective recomputation (``dots``) drops the
   ``5aS/d`` scores, ``full`` keeps the block's input ``2d`` only.
 
-:mod:`dtx.perf.lm_plan` (the transformer planner) and :func:`dtx.perf.pipeline_plan.transformer_layers` (the data ×
+:mod:`dtx.perf.lm_plan` (the transformer planner) and :func:`dtx.parallel.pipeline.plan.transformer_layers` (the data ×
 pipeline planner's view of a transformer) read these; ``tests/test_decoder.py`` holds them to each other and to
 :func:`dtx.perf.layers.model_flops` of the model itself.
 """
@@ -27,7 +27,7 @@ import dataclasses
 # Bytes per parameter of a transformer's bf16 compute copy, per backend whose memory a plan models: XLA:CPU rounds
 # each weight through bf16 and keeps the result in float32 (read from the LM planner's --verify twins' buffer
 # assignments, dtx.perf.lm_plan); and the factor on Korthikanti et al.'s 16-bit activations (XLA:CPU keeps them in
-# float32). Shared by the one-stage planner (dtx.perf.lm_plan) and the pipeline's (dtx.perf.lm_pipeline).
+# float32). Shared by the one-stage planner (dtx.perf.lm_plan) and the pipeline's (dtx.parallel.pipeline.lm_costs).
 COMPUTE = 2
 COMPUTE_COPY = dict(gpu=COMPUTE, xla_cpu=4)
 ACTIVATION_WIDENING = dict(gpu=1, xla_cpu=2)

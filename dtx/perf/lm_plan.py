@@ -2,7 +2,7 @@
 
 A GPT-shaped decoder (:class:`LMShape`: ``L`` blocks of width ``d``, ``a`` heads, ``S`` positions, vocabulary
 ``V``, MLP ``f = 4d``, the output layer tied to the embedding as GPT-2's) on ``N = D·T·P`` GPUs: ``D`` data
-shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; within one NVLink node, ``T ≤``
+shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor.layout`; within one NVLink node, ``T ≤``
 ``Cluster.local_size``), ``P`` pipeline stages of ``L/P`` blocks (1F1B, ``M`` micro-batches), ZeRO stage
 ``z`` over the data axis and a remat policy (:mod:`dtx.models.remat`). Per step and device:
 
@@ -11,10 +11,10 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   ``full`` ``L·(2·(4d² + fd) + 4Sd)``, ``dots`` ``L·4Sd``) and the element-wise work XLA counts
   (:data:`ELEMENTWISE`), on ``1/N`` of the tokens (TP splits the blocks by ``T`` and runs the head split by
   examples over every device), at ``efficiency["dense"]`` of the roofline's peak; a pipeline's ticks carry
-  the bubble ``(M + P − 1)/M`` (:mod:`dtx.perf.pipeline_plan`'s schedule);
-* **tensor collectives**: :func:`dtx.perf.tensor.block_bytes` per block and micro-batch in the compute dtype on
+  the bubble ``(M + P − 1)/M`` (:mod:`dtx.parallel.pipeline.plan`'s schedule);
+* **tensor collectives**: :func:`dtx.parallel.tensor.costs.block_bytes` per block and micro-batch in the compute dtype on
   the node's NVLink (α-β), the forward ones once more under ``full`` (the block's recomputation re-runs them);
-* **pipeline messages**: :mod:`dtx.perf.pipeline_plan`'s ``2(M + P − 2)`` boundary messages of ``b·S·d``;
+* **pipeline messages**: :mod:`dtx.parallel.pipeline.plan`'s ``2(M + P − 2)`` boundary messages of ``b·S·d``;
 * **gradients**: each device's parameter bytes in the reduce dtype, all-reduced over ``D`` (ring, hierarchical
   on the cluster); under ZeRO (every stage, 1 to 3) the step also all-gathers the updated parameter slices, so
   it sends ``3(D−1)/D`` of the bytes, 1.5 times an all-reduce's ``2(D−1)/D``: XLA:CPU all-reduces the gradient
@@ -44,7 +44,7 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor`; wit
   forward pass; the accumulator) or the update (every gradient whole, 4 B: XLA:CPU all-reduces whole and slices
   under ZeRO 2–3 too, and the all-reduce's out-of-place result, 4 B more). At --verify's twins (vocabulary 50257,
   width 256) the head's backward is the peak. A pipeline (``P > 1``) is costed by
-  :mod:`dtx.perf.lm_pipeline` as dtx runs it: its 1F1B keeps ``min(2P − 1, M)`` stage inputs in flight (the
+  :mod:`dtx.parallel.pipeline.lm_costs` as dtx runs it: its 1F1B keeps ``min(2P − 1, M)`` stage inputs in flight (the
   lock-step schedule's table, not PipeDream-Flush's ``P − s``) and each stage's activations for one micro-batch.
 
 :func:`best` keeps the fastest plan that fits, its modelled memory at most ``1 − MEMORY_HEADROOM`` (90 %)
@@ -54,7 +54,7 @@ axes it composes (docs/composing.md: ``data`` or, under ZeRO, ``fsdp`` at ``fsdp
 over that axis under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
 stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages, with or
 without ZeRO-1 over the data axes (``pipeline.zero_stage=1``; not for LARS/LAMB, which dtx refuses there; no
-ZeRO 2–3 or remat policy with stages), planned as dtx runs it (:mod:`dtx.perf.lm_pipeline`: an untied output layer, each stage's
+ZeRO 2–3 or remat policy with stages), planned as dtx runs it (:mod:`dtx.parallel.pipeline.lm_costs`: an untied output layer, each stage's
 forward re-run in its backward slot, its own element-wise terms).
 ``offload`` is not planned: its host transfers are not modelled.
 """
@@ -64,10 +64,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dtx.perf import decoder, lm_pipeline
-from dtx.perf.decoder import ACTIVATION_WIDENING, COMPUTE, COMPUTE_COPY
-from dtx.perf import tensor as tensor_model
+from dtx.parallel.pipeline import lm_costs as lm_pipeline
+from dtx.parallel.tensor import costs as tensor_model
+from dtx.perf import decoder
 from dtx.perf.clusters import Cluster
+from dtx.perf.decoder import ACTIVATION_WIDENING, COMPUTE, COMPUTE_COPY
 
 POLICIES = ("none", "dots", "full")
 MICRO = (1, 2, 4, 8, 16, 32, 64)  # gradient accumulation steps (or pipeline micro-batches) tried
@@ -214,7 +215,7 @@ class LMPlan:
         mesh = "(" + ", ".join(f'(\"{name}\", {size})' for name, size in self.axes()) + ("," if len(self.axes()) == 1
                                                                                       else "") + ")"
         out = [f"--config.mesh='{mesh}'"] + ([f"--config.fsdp.zero_stage={self.zero}"] if self.zero else [])
-        if self.stages > 1:  # dtx.perf.lm_pipeline: L/P blocks per stage, the output layer untied
+        if self.stages > 1:  # dtx.parallel.pipeline.lm_costs: L/P blocks per stage, the output layer untied
             cut = lm_pipeline.boundaries(self.shape.layers, self.stages)
             return out + ["--config.parallel.name=data", "--config.driver=shard_map",
                           f"--config.pipeline.schedule={lm_pipeline.SCHEDULE}",
@@ -249,7 +250,7 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     data = nodes // (tensor * stages)
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
-    if stages > 1:  # dtx's pipeline as it runs (dtx.perf.lm_pipeline)
+    if stages > 1:  # dtx's pipeline as it runs (dtx.parallel.pipeline.lm_costs)
         if zero > 1 or (zero and data == 1) or policy != "none":
             raise PlanError(f"the planned pipeline takes ZeRO-1 over data shards (D = {data} here) and no remat "
                             f"policy (zero={zero}, policy={policy})")
@@ -405,8 +406,8 @@ def recomputes(policy: str, tensor: int) -> str:
 
 def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x: int) -> tuple[float, int]:
     """Bytes one device sends over ``model`` per micro-batch, and how many collectives: the blocks'
-    (:func:`dtx.perf.tensor.block_bytes`; under ``full`` the forward ones again) and the ends' (the token ids and
-    the head's input gradient: :mod:`dtx.perf.tensor`'s docstring)."""
+    (:func:`dtx.parallel.tensor.costs.block_bytes`; under ``full`` the forward ones again) and the ends' (the token ids and
+    the head's input gradient: :mod:`dtx.parallel.tensor.costs`'s docstring)."""
     if tensor == 1:
         return 0.0, 0
     s, d, send = shape.seq, shape.width, tensor_model.bytes_sent

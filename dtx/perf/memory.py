@@ -74,9 +74,14 @@ import numpy as np
 
 from dtx.optim import DECLARED
 from dtx.parallel.layouts import LAYOUTS, Layout, get_layout
-from dtx.perf.model import Plan
 from dtx.perf.layers import INPUT, Join, Layer, analyze, join_members, joins
-from dtx.perf.memory_profile import POOL_INDEX_ARRAYS, Stash, activation_profile, model_terms  # noqa: F401
+from dtx.perf.memory_profile import (  # noqa: F401
+    POOL_INDEX_ARRAYS,
+    Stash,
+    activation_profile,
+    model_terms,
+)
+from dtx.perf.model import Plan
 from dtx.precision import Policy
 
 SLOTS = {name: optimizer.slots for name, optimizer in DECLARED.items()}  # dtx.optim's declarations
@@ -241,7 +246,7 @@ def estimate(layers: Sequence[Layer], layout: str | Layout, *, nodes: int, globa
         raise MemoryModelError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}") from None
     if lay.pairs:
         raise MemoryModelError(f"dtx.perf.memory does not model Megatron's pairs (parallel.name={lay.name!r}); "
-                               "dtx.perf.tensor gives their parameter bytes and activation ratios")
+                               "dtx.parallel.tensor.costs gives their parameter bytes and activation ratios")
     state_split_everywhere = lay.zero_stage >= 1  # the optimizer state split 1/N (ZeRO 1, 2, FSDP)
     params_split = lay.zero_stage == 3  # FSDP stores 1/N of every parameter
     if optimizer not in SLOTS:
@@ -401,11 +406,11 @@ def estimate_plan(plan: Plan, **kwargs) -> MemoryEstimate:
 
 def estimate_pipeline(stage_plan, schedule, *, micro: int, data: int, optimizer: str = "adam",
                       example_bytes: int = 0, zero_stage: int = 0) -> MemoryEstimate:
-    """A pipeline step's memory (:mod:`dtx.perf.pipeline`'s model of :mod:`dtx.step.pipeline`; within 15 % of the
+    """A pipeline step's memory (:mod:`dtx.parallel.pipeline.costs`'s model of :mod:`dtx.parallel.pipeline.step`; within 15 % of the
     compiled peak per schedule, ``tests/test_pipeline_parallel.py``), in this module's categories: the stage row as
     params, its accumulator as grads, the kept inputs and the batch as activations, the other working rows as
     buffers; ``zero_stage=1``: ZeRO-1's optimizer state, ``1/data`` of it (``tests/test_pipeline_zero.py``)."""
-    from dtx.perf import pipeline as pipeline_model
+    from dtx.parallel.pipeline import costs as pipeline_model
 
     e = pipeline_model.estimate(stage_plan, schedule, micro, data, optimizer, example_bytes=example_bytes,
                                 zero_stage=zero_stage)

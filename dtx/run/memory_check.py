@@ -2,7 +2,7 @@
 
 The estimate is :mod:`dtx.perf.memory`'s (Das et al. 2016 size a layout by its parameters, gradients, optimizer
 state and activations per device; the terms and the cases they were measured on are in docs/memory.md), a
-pipeline's :mod:`dtx.perf.pipeline`'s through :func:`dtx.step.pipeline_check.check_memory`. The refusal names the
+pipeline's :mod:`dtx.parallel.pipeline.costs`'s through :func:`dtx.parallel.pipeline.check.check_memory`. The refusal names the
 biggest terms and the cheapest layout that would fit; an estimate outside the measured regime is said, fit or not.
 
 ``host_memory_check``: on the CPU backend every emulated device is a slice of the one host's memory, which reports
@@ -28,12 +28,11 @@ from ml_collections import ConfigDict
 from dtx import config as config_lib
 from dtx import mesh as mesh_lib
 from dtx import parallel
-from dtx.parallel.stages import STAGE_AXIS
+from dtx.parallel.pipeline import check as pipeline_check
+from dtx.parallel.pipeline.check import micro_batches
+from dtx.parallel.pipeline.stages import STAGE_AXIS
 from dtx.run import preflight
 from dtx.step import get_driver
-from dtx.step import pipeline_check
-from dtx.step.pipeline_check import micro_batches
-
 
 # What the process needs beyond the devices' buffers the estimate counts and what it held at the check (the host's
 # available memory is read then, so the imports and the loaded data are already out of it): XLA compiling the train
@@ -63,7 +62,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     if not capacity and host is None:
         return
     chosen = parallel.configured(config)
-    if chosen.stages:  # a pipeline's own model (dtx.perf.pipeline, through dtx.perf.memory)
+    if chosen.stages:  # a pipeline's own model (dtx.parallel.pipeline.costs, through dtx.perf.memory)
         try:
             if capacity:
                 pipeline_check.check_memory(pipeline, mesh, config.global_batch_size, example, config.optimizer.name,
@@ -77,7 +76,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
                 return
             check_host(config, mine, mesh, host)
         return
-    if chosen.pairs:  # Megatron's pairs: dtx.perf.tensor models them, not dtx.perf.memory
+    if chosen.pairs:  # Megatron's pairs: dtx.parallel.tensor.costs models them, not dtx.perf.memory
         return  # (docs/memory.md: neither memory_limit nor the host's memory is checked for parallel.name=tensor)
     sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
@@ -242,7 +241,7 @@ def _twin_command(config: ConfigDict) -> str:
 
 def _pipeline_estimate(pipeline, mesh, global_batch_size: int, example, optimizer: str):
     """A pipeline's per-device estimate (:func:`dtx.perf.memory.estimate_pipeline`), read from the built stages as
-    :func:`dtx.step.pipeline_check.check_memory` reads it."""
+    :func:`dtx.parallel.pipeline.check.check_memory` reads it."""
     import numpy as np
 
     from dtx.perf import memory

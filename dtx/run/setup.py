@@ -16,30 +16,34 @@ import numpy as np
 import optax
 from ml_collections import ConfigDict
 
+from dtx import compress, models, optim, parallel, precision, strategies
 from dtx import config as config_lib
-from dtx.data import datasets
 from dtx import mesh as mesh_lib
-from dtx.data import tasks as tasks_lib
-from dtx.data import inputs, userdata
-from dtx import compress
 from dtx.ckpt import checkpoint as checkpoint_lib
-from dtx.perf import clusters, flops, model as perfmodel, row_split, simclock
-from dtx.perf import layers as layers_lib
 from dtx.comm import hlo
-from dtx import models, optim, precision
-from dtx import parallel
-from dtx import strategies
+from dtx.data import datasets, inputs, userdata
+from dtx.data import tasks as tasks_lib
 from dtx.data.loader import TrainLoader
-from dtx.run.memory_check import check_memory
+from dtx.parallel.pipeline import check as pipeline_check
+from dtx.parallel.pipeline import relayout as pipeline_relayout
+from dtx.parallel.pipeline import stages as stages_lib
+from dtx.parallel.pipeline import step as step_pipeline
+from dtx.parallel.pipeline.check import micro_batches
+from dtx.parallel.pipeline.stages import STAGE_AXIS
 from dtx.paths import named_leaves
-from dtx.strategies.stragglers import Stragglers
+from dtx.perf import clusters, flops, row_split, simclock
+from dtx.perf import layers as layers_lib
+from dtx.perf import model as perfmodel
+from dtx.run.memory_check import check_memory
+from dtx.step import (
+    StepSpec,
+    check_accumulation,
+    check_combination,
+    make_eval_step,
+    make_train_step,
+)
 from dtx.step.state import TrainState, abstract_train_state, init_train_state
-from dtx.step import StepSpec, check_accumulation, check_combination, make_eval_step, make_train_step
-from dtx.parallel.stages import STAGE_AXIS
-from dtx.step import pipeline as step_pipeline
-from dtx.step import pipeline_check, pipeline_relayout
-from dtx.step.pipeline_check import micro_batches
-from dtx.parallel import stages as stages_lib
+from dtx.strategies.stragglers import Stragglers
 
 
 def make_mesh(config: ConfigDict):
@@ -186,7 +190,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
 
 
 def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params, mesh):
-    """``parallel.name=pipeline``: every setting it cannot take refused by key (:mod:`dtx.step.pipeline_check`),
+    """``parallel.name=pipeline``: every setting it cannot take refused by key (:mod:`dtx.parallel.pipeline.check`),
     then the stages, the schedule and the abstract state in rows."""
     try:
         layers = stages_lib.model_layers(model, abstract_params, example)
@@ -239,10 +243,10 @@ def stragglers(config: ConfigDict) -> Stragglers:
 def clock_recorder(config: ConfigDict, parts: Parts, saved: dict | None = None) -> simclock.Recorder | None:
     """The run's simulated clock (``None`` without ``config.cluster``): the example's own dtype (a token model
     takes integer ids; the clock only traces shapes), the strategy's capabilities (who waits for whom). A pipeline's
-    clock times its schedule tick by tick (:func:`dtx.perf.pipeline.clock_model`)."""
+    clock times its schedule tick by tick (:func:`dtx.parallel.pipeline.costs.clock_model`)."""
     pipeline, spec = parts.placement.pipeline, cluster_spec(config)
     if pipeline is not None and spec is not None:
-        from dtx.perf import pipeline as pipeline_model
+        from dtx.parallel.pipeline import costs as pipeline_model
 
         data = parts.workers // pipeline.plan.devices
         micro = config.global_batch_size // data // pipeline.schedule.micro
@@ -283,7 +287,7 @@ def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
 
 
 def relayout(parts: Parts, mesh):
-    """How this run restores a checkpoint saved in the other layout (:func:`dtx.step.pipeline_relayout.relayout`): a
+    """How this run restores a checkpoint saved in the other layout (:func:`dtx.parallel.pipeline.relayout.relayout`): a
     pipeline's stage rows into the model's tree, or the tree into this pipeline's rows."""
     tree_state = abstract_train_state(parts.model, parts.tx, parts.example, parts.loss_scaler, parts.strategy,
                                       parts.compressor, parts.workers)

@@ -7,7 +7,7 @@ data-parallel SGD of Das et al. (arXiv 1602.06709, §2) and the Hitchhiker's Gui
 §3.1), average the workers' gradients, then every replica applies the same update. Every message is
 the plug-ins' own, so every byte is counted while tracing (:mod:`dtx.comm.costmodel`'s accountant).
 Under ZeRO 1/2 the reduce-scatter and all-gather are :mod:`dtx.parallel.zero`'s
-(:mod:`dtx.step.zero_step`); a pipeline's stages run :mod:`dtx.step.pipeline`'s step.
+(:mod:`dtx.step.zero_step`); a pipeline's stages run :mod:`dtx.parallel.pipeline.step`'s step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from dtx import mesh as mesh_lib
 from dtx.comm import collectives
 from dtx.comm import context as comm_lib
 from dtx.comm.algorithms import get_algorithm
-from dtx.step import batchnorm, body, pipeline, zero_step
+from dtx.parallel.pipeline import step as pipeline
+from dtx.step import batchnorm, body, zero_step
 from dtx.step.spec import StepError, StepSpec
 from dtx.step.state import TrainState
 

@@ -2,7 +2,7 @@
 remat (:mod:`dtx.perf.lm_plan`), and ``--verify`` of the printed plans compiled at 8 devices.
 
 Per node count: the fastest plan that fits the device's memory, why, and the ``dtx train`` overrides that run it
-(pipelines as dtx runs them: :mod:`dtx.perf.lm_pipeline`). ``--verify`` compiles, on 8 emulated CPU devices
+(pipelines as dtx runs them: :mod:`dtx.parallel.pipeline.lm_costs`). ``--verify`` compiles, on 8 emulated CPU devices
 (nothing runs), the plans of 8 nodes it printed and one of
 each kind dtx runs (data, ZeRO over an ``fsdp`` axis, tensor, SP, ZeRO with tensor, each remat policy, a pipeline of ``M = P``
 micro-batches with its stages split over ``model``, without and with SP, and with ZeRO-1), as overrides of the
@@ -32,8 +32,8 @@ VERIFY_NODES = 8
 # (tests/test_tensor_parallel.py reads them), move as float32 in what it compiles, so --verify charges 4 bytes.
 CPU_TENSOR_ELEMENT = 4
 # One plan of each kind dtx runs, as (tensor, zero, policy, sp, stages), compiled beside the printed ones; a
-# pipeline with M = P micro-batches, its stages split over model (dtx.parallel.tensor_stages), without and with SP
-# (dtx.parallel.stage_positions), and with ZeRO-1 over an fsdp axis (dtx.step.pipeline_zero).
+# pipeline with M = P micro-batches, its stages split over model (dtx.parallel.pipeline.tensor_stages), without and with SP
+# (dtx.parallel.pipeline.positions), and with ZeRO-1 over an fsdp axis (dtx.parallel.pipeline.zero).
 KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
          (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2),
          (2, 0, "none", True, 2), (2, 1, "none", False, 2))
@@ -64,8 +64,9 @@ def load_shape(path: str) -> tuple[lm_plan.LMShape, object]:
 
 
 def reduce_bytes(config) -> int:
-    from dtx.precision import parse_policy
     import numpy as np
+
+    from dtx.precision import parse_policy
 
     return np.dtype(parse_policy(config.precision).reduce).itemsize
 
@@ -215,9 +216,9 @@ def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, 
     """A pipeline plan's ``(FLOPs, bytes sent)`` per device of the last (busiest) stage: its forward and backward
     slots (the step's own functions, over the ``model`` axis) compiled on one micro-batch, times ``M``, plus the
     planner's update (the whole step's cost analysis counts each loop's body once, whichever stage a device is);
-    the bytes as that stage sends them (:func:`dtx.parallel.tensor_stages.step_bytes`)."""
+    the bytes as that stage sends them (:func:`dtx.parallel.pipeline.tensor_stages.step_bytes`)."""
     from dtx.comm import hlo
-    from dtx.parallel import tensor_stages
+    from dtx.parallel.pipeline import tensor_stages
 
     pipeline = parts.placement.pipeline
     slots = slot_flops(pipeline.plan, parts.task, parts.policy, mesh, p)
@@ -227,14 +228,14 @@ def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, 
 
 def slot_flops(plan, task, policy, mesh, p: lm_plan.LMPlan) -> float:
     """XLA's FLOPs of one micro-batch's forward and backward slots of the pipeline's last stage (its ``plan``, a
-    :class:`dtx.parallel.stages.StagePlan`), compiled over the ``model`` axis of ``p``'s tensor group."""
+    :class:`dtx.parallel.pipeline.stages.StagePlan`), compiled over the ``model`` axis of ``p``'s tensor group."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec
 
     from dtx import mesh as mesh_lib
+    from dtx.parallel.pipeline import step as pp
     from dtx.perf import flops as flops_lib
-    from dtx.step import pipeline as pp
 
     forward, backward = pp.slot_functions(plan, task, p.micro, policy)
     b, last = p.global_batch // (p.data * p.micro), plan.num_stages - 1

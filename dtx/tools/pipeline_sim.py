@@ -1,9 +1,9 @@
 """``dtx simulate --plan auto``'s data × pipeline table, its ``--memory`` rows and its ``--verify`` of pipelines.
 
-Per node count, :func:`dtx.perf.pipeline_plan.best` sets the fastest pipeline that fits the node's memory
+Per node count, :func:`dtx.parallel.pipeline.plan.best` sets the fastest pipeline that fits the node's memory
 (``P`` stages × ``N/P`` data shards, ``M`` micro-batches, 1F1B or interleaved) beside Das et al.'s plan of the
 same nodes (:mod:`dtx.perf.model`), keeps the faster, says why, and prints the ``dtx train`` overrides that run it.
-``--verify`` compiles each printed pipeline of 2 to 8 nodes on emulated CPU devices (nothing runs): the step :mod:`dtx.step.pipeline` builds, whose bytes (the HLO's collectives, loop trip counts
+``--verify`` compiles each printed pipeline of 2 to 8 nodes on emulated CPU devices (nothing runs): the step :mod:`dtx.parallel.pipeline.step` builds, whose bytes (the HLO's collectives, loop trip counts
 included: :mod:`dtx.comm.hlo`) are held to the planner's; and each stage's forward and backward slot (the
 forward re-run and the vector-Jacobian product the step runs) on one micro-batch, whose FLOPs (XLA's cost
 analysis) times ``M`` are held to the planner's busiest stage — the whole step's cost analysis counts each
@@ -15,20 +15,21 @@ from __future__ import annotations
 import math
 import time
 
+from dtx.parallel.pipeline import costs as pipeline_estimate
+from dtx.parallel.pipeline import plan as pipeline_plan
 from dtx.perf import memory as memory_lib
 from dtx.perf import model as perfmodel
-from dtx.perf import pipeline as pipeline_estimate
-from dtx.perf import pipeline_plan
 from dtx.perf.clusters import Cluster
 from dtx.tools.plancheck import VERIFY_TOLERANCE
 
-
-FIXES = {"dropout_rate": 0.0}  # model settings a pipeline refuses (dtx.parallel.stages), set by a plan's overrides
+FIXES = {"dropout_rate": 0.0}  # model settings a pipeline refuses (dtx.parallel.pipeline.stages), set by a plan's overrides
 
 
 def pipeline_model(model_name: str):
     """``(model, fixes)``: ``model_name`` as a pipeline runs it (dropout off) and the overrides that say so."""
-    from dtx.models import build_model  # the model zoo imports flax modules: only when simulating
+    from dtx.models import (
+        build_model,  # the model zoo imports flax modules: only when simulating
+    )
 
     model = build_model(model_name)
     changed = {key: value for key, value in FIXES.items() if getattr(model, key, value) != value}
@@ -70,7 +71,7 @@ def _ms(seconds: float) -> str:
 
 
 def print_rows(table: list[dict], cluster: Cluster) -> None:
-    print(f"\ndata x pipeline (dtx.perf.pipeline_plan; 1F1B or interleaved, stages balanced by the roofline; "
+    print(f"\ndata x pipeline (dtx.parallel.pipeline.plan; 1F1B or interleaved, stages balanced by the roofline; "
           f"{cluster.name}, "
           f"node memory {'unknown' if math.isinf(cluster.device_memory) else f'{cluster.device_memory / 2**30:.1f} GiB'}):")
     print(f"{'nodes':>6} {'Das plan':<28} {'time':>10} {'best pipeline':<24} {'bubble':>7} {'time':>10} "
@@ -91,7 +92,7 @@ def print_rows(table: list[dict], cluster: Cluster) -> None:
 
 
 def memory_rows(table: list[dict]) -> list[dict]:
-    """``--memory``'s rows for the pipelines of ``table`` (dtx.perf.pipeline's model, by category)."""
+    """``--memory``'s rows for the pipelines of ``table`` (dtx.parallel.pipeline.costs's model, by category)."""
     out = []
     for row in table:
         p = row["pipeline"]
@@ -142,7 +143,7 @@ def compiled_bytes_sent(p: pipeline_plan.PipelinePlan, cluster: Cluster) -> floa
 def print_verified(verified: list[dict]) -> None:
     print("\nverify pipelines: each printed pipeline compiled on emulated CPU devices (nothing runs); per device per "
           "step: the busiest stage's FLOPs (its slots compiled, times M) and the bytes the step sends (HLO "
-          "collectives, loop trip counts included), predicted by dtx.perf.pipeline_plan")
+          "collectives, loop trip counts included), predicted by dtx.parallel.pipeline.plan")
     if not verified:
         print("  no runnable pipeline of 2..8 nodes was printed (dtx runs pipelines of models that declare "
               "pipeline_layers())")
@@ -181,10 +182,10 @@ def compile_pipeline_step(model, shape, p: pipeline_plan.PipelinePlan, *, optimi
 
     from dtx import mesh as mesh_lib
     from dtx import optim
+    from dtx.parallel.pipeline import step as pp
+    from dtx.parallel.pipeline.schedules import make_schedule
+    from dtx.parallel.pipeline.stages import make_plan
     from dtx.perf import flops as flops_lib
-    from dtx.parallel.pipeline_schedules import make_schedule
-    from dtx.parallel.stages import make_plan
-    from dtx.step import pipeline as pp
 
     shape = tuple(shape)
     example = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
@@ -218,7 +219,7 @@ def compiled_figures(model_name: str, input_shape, p: pipeline_plan.PipelinePlan
 
     from dtx.comm import hlo
     from dtx.data import tasks
-    from dtx.step import pipeline as pp
+    from dtx.parallel.pipeline import step as pp
 
     model, _ = pipeline_model(model_name)
     compiled, plan = compile_pipeline_step(model, input_shape or type(model).default_input_shape, p, devices=devices)

@@ -2,7 +2,7 @@
 
 The model of pipeline parallelism (GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021, PipeDream-Flush;
 interleaved: Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters using
-Megatron-LM", §2.2) as :mod:`dtx.step.pipeline` runs it, each term one the compiled program shows
+Megatron-LM", §2.2) as :mod:`dtx.parallel.pipeline.step` runs it, each term one the compiled program shows
 (``tests/test_pipeline_parallel.py`` holds them to it):
 
 * **bubble** — ``(P - 1) / (VM + P - 1)`` of each slot's ticks (the schedule's tables);
@@ -42,8 +42,8 @@ import numpy as np
 
 from dtx.comm import costmodel
 from dtx.optim import DECLARED
-from dtx.parallel.pipeline_schedules import IDLE, Schedule
-from dtx.parallel.stages import StagePlan
+from dtx.parallel.pipeline.schedules import IDLE, Schedule
+from dtx.parallel.pipeline.stages import StagePlan
 from dtx.perf.clusters import Cluster
 
 OPTIMIZER_SLOTS = {name: optimizer.slots for name, optimizer in DECLARED.items()}  # dtx.optim's declarations
@@ -68,7 +68,7 @@ def conv_slot_bytes(layers, bounds, micro: int, itemsize: int = 4) -> int:
 
     A convolution whose next layer takes fewer elements than it gives is pooled, the pool's input its output
     (``out_elements``, of the kernel's rank: a 2-d convolution's ``(H, W, C)`` map, rank 4 with the batch). Read
-    from XLA:CPU's buffer assignments of LeNet and VGG-A stages (dtx.step.pipeline's slot, one micro-batch):
+    from XLA:CPU's buffer assignments of LeNet and VGG-A stages (dtx.parallel.pipeline.step's slot, one micro-batch):
 
     * each max pool's backward (select-and-scatter, expanded) needs one int32 index array per dimension of its
       input and the zeros its scatter fills; XLA makes them for *every* pool of the stage when the slot starts, so
@@ -129,7 +129,7 @@ PLANNER_INPUTS = ("a pipeline of convolutions whose inputs (the data shard's bat
 
 
 def planner_outside(plan) -> str:
-    """Why the planner's memory of ``plan`` (a :class:`dtx.perf.pipeline_plan.PipelinePlan`) may miss by more than
+    """Why the planner's memory of ``plan`` (a :class:`dtx.parallel.pipeline.plan.PipelinePlan`) may miss by more than
     15 % (:data:`PLANNER_INPUTS` where a pipeline of convolutions holds inputs over :data:`INPUT_SHARE` of it), or
     ``""``."""
     return PLANNER_INPUTS if plan.conv_bytes and plan.batch_bytes > INPUT_SHARE * plan.memory_bytes else ""
@@ -197,7 +197,7 @@ def estimate(plan: StagePlan, schedule: Schedule, micro: int, data: int, optimiz
              cluster: Cluster | None = None, itemsize: int = 4, example_bytes: int = 0,
              zero_stage: int = 0) -> PipelineEstimate:
     """The estimate for ``micro`` examples per micro-batch on ``data`` data shards (module docstring);
-    ``example_bytes``: one example's inputs and labels; ``zero_stage=1``: ZeRO-1 (:mod:`dtx.step.pipeline_zero`),
+    ``example_bytes``: one example's inputs and labels; ``zero_stage=1``: ZeRO-1 (:mod:`dtx.parallel.pipeline.zero`),
     the optimizer state ``1/D`` of the (padded) row per device, the bytes unchanged (reduce-scatter + all-gather)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"the pipeline model knows the optimizers {sorted(OPTIMIZER_SLOTS)}, not {optimizer!r}")
@@ -273,7 +273,9 @@ class PipelineClock:
         return useful / dataclasses.replace(self, stragglers=None).compute(0)
 
     def comm(self, comm_bytes: float, comm_rounds: float):
-        from dtx.perf.simclock import CommTime  # the clock's own accounting of a step's bytes
+        from dtx.perf.simclock import (
+            CommTime,  # the clock's own accounting of a step's bytes
+        )
 
         return CommTime(self.latency * comm_rounds, comm_bytes / self.bandwidth, comm_bytes * self.reduce_s_per_byte)
 

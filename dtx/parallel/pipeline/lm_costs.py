@@ -1,9 +1,9 @@
 """A transformer pipeline as dtx runs it: the ``D × T × P`` plans of :mod:`dtx.perf.lm_plan` with ``P > 1``.
 
-dtx's pipeline (:mod:`dtx.step.pipeline`, 1F1B here) cuts the decoder into the embedding with ``L/P`` blocks on
+dtx's pipeline (:mod:`dtx.parallel.pipeline.step`, 1F1B here) cuts the decoder into the embedding with ``L/P`` blocks on
 the first stage, ``L/P`` blocks on each further stage, and the final LayerNorm with the output layer on the last
 (``pipeline.boundaries``: block ``k·L/P`` starts stage ``k``). A ``model`` axis of ``T`` splits each stage's blocks
-Megatron's way (:mod:`dtx.parallel.tensor_stages`). What that costs per device and step, ``b`` sequences per
+Megatron's way (:mod:`dtx.parallel.pipeline.tensor_stages`). What that costs per device and step, ``b`` sequences per
 micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busiest (its output layer):
 
 * **the output layer is the model's own** (``model.tie_embeddings=False``: the embedding lives on the first
@@ -15,9 +15,9 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   LayerNorms and adds whole on each device of a tensor group, the rest of a block's ``/T``); on a stage but
   the last the re-run skips the last block's MLP down-projection (only the stage's output reads it);
 * **messages**: the schedule's ``2(M + P − 2)`` boundary messages of ``t·d`` activation elements
-  (:mod:`dtx.parallel.pipeline_schedules`);
+  (:mod:`dtx.parallel.pipeline.schedules`);
 * **tensor**: per block and micro-batch 6 all-reduces of ``t·d`` elements over ``model`` (Megatron's 2 forward
-  and 2 backward, the re-run's 2: :func:`dtx.parallel.tensor_stages.stage_all_reduces`);
+  and 2 backward, the re-run's 2: :func:`dtx.parallel.pipeline.tensor_stages.stage_all_reduces`);
 * **gradients**: the device's stage row (the largest stage's parameters a device holds: its ``1/T`` of the split
   kernels, the rest whole) all-reduced over the ``D`` data shards, once per step;
 * **the batch**: each device's ``1/(P·T)`` of its data shard's tokens and labels (int32) all-gathered over the
@@ -27,14 +27,14 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   activations of the stage's blocks (Korthikanti et al.'s bytes under ``T``) and its logits; on XLA:CPU
   (``backend="xla_cpu"``) as its buffer assignment holds them at the peak, the head's backward: one gradient row,
   the copy, inputs and activations in float32, 14 B per logit;
-* **sequence parallelism** (``sp``, :mod:`dtx.parallel.stage_positions`): the messages and kept inputs carry
+* **sequence parallelism** (``sp``, :mod:`dtx.parallel.pipeline.positions`): the messages and kept inputs carry
   ``t·d/T``; the residual stream's element-wise work, the final LayerNorm, the output layer and the loss run on
   ``t/T`` tokens; each all-reduce's place is taken by a
   reduce-scatter and an all-gather of the same bytes (the last stage, which the plan models, has no dead one), twice
   the collectives' latency; the row's replicated entries (``6d`` per block, and the first stage's embedding and
   positions or the last's LayerNorm and output layer, the larger) all-reduced over ``model`` once per step in
   float32; the blocks' activations Korthikanti et al.'s under SP, the logits ``1/T``;
-* **ZeRO-1 over the data axes** (``zero=1``, ``pipeline.zero_stage=1``: :mod:`dtx.step.pipeline_zero`, Rajbhandari
+* **ZeRO-1 over the data axes** (``zero=1``, ``pipeline.zero_stage=1``: :mod:`dtx.parallel.pipeline.zero`, Rajbhandari
   et al. 2020's P_os): the row padded to a multiple of ``D``, reduce-scattered over the data shards in the reduce
   dtype and its updated float32 slices all-gathered — the ring all-reduce's bytes and rounds (its two halves, now
   two collectives) when the gradients reduce in float32; each device updates, and keeps AdamW's moments of, ``1/D``
@@ -47,9 +47,9 @@ once) and remat policies (a stage re-runs its forward anyway): the candidates le
 
 from __future__ import annotations
 
-from dtx.parallel.pipeline_schedules import make_schedule
+from dtx.parallel.pipeline.schedules import make_schedule
+from dtx.parallel.tensor import costs as tensor_model
 from dtx.perf import decoder
-from dtx.perf import tensor as tensor_model
 from dtx.perf.clusters import Cluster
 
 SCHEDULE = "1f1b"
@@ -79,7 +79,7 @@ def boundaries(layers: int, stages: int) -> tuple[int, ...]:
 def stage_row(shape, tensor: int, stages: int, multiple: int = 1) -> int:
     """Parameters in a device's stage row: the largest stage's (the first: the embedding and positions; the last:
     the final LayerNorm and the output layer), each block's split kernels ``/T`` and the rest whole; padded to a
-    multiple of ``multiple`` (ZeRO-1's ``D``: :attr:`dtx.parallel.stages.StagePlan.row_multiple`)."""
+    multiple of ``multiple`` (ZeRO-1's ``D``: :attr:`dtx.parallel.pipeline.stages.StagePlan.row_multiple`)."""
     d, f = shape.width, shape.mlp_ratio * shape.width
     split, whole = 4 * d * d + 3 * d + 2 * f * d + f, 6 * d
     blocks = shape.layers // stages * (split // tensor + whole)
@@ -126,7 +126,7 @@ def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, s
     batch = global_batch // (data * stages * tensor) * s * 4  # a device's tokens (and as many labels), int32
     per_machine = max(1, cluster.local_size // (tensor * stages))  # data shards on one machine
     if zero:  # the ring all-reduce's two halves as collectives of their own: the gradient row reduce-scattered
-        # (reduce dtype), the updated float32 slices all-gathered (dtx.step.pipeline_zero.traffic)
+        # (reduce dtype), the updated float32 slices all-gathered (dtx.parallel.pipeline.zero.traffic)
         grad_bytes = (tensor_model.bytes_sent("reduce-scatter", row * reduce_bytes, data)
                       + tensor_model.bytes_sent("all-gather", row // data * 4, data))
         grad_s = (cluster.allreduce_time(row * reduce_bytes, data, per_machine)

@@ -18,7 +18,7 @@ gathered input of a column layer is not kept for its weight gradient: it is gath
 backward pass (the paper's choice; one more all-gather per pair), so every activation of a block is
 ``1/T``.
 
-Which layers pair is read from the parameters, never from edits to the model (:func:`dtx.parallel.megatron.megatron_rules`):
+Which layers pair is read from the parameters, never from edits to the model (:func:`dtx.parallel.tensor.megatron.megatron_rules`):
 a module with ``query``/``key``/``value``/``out`` kernels of rank 3 (flax's
 ``MultiHeadDotProductAttention``: ``(in, heads, head_dim)`` and ``(heads, head_dim, out)``) is split by
 heads; two consecutive ``Dense`` layers of one module whose widths chain ``d → f → d`` are a column/row
@@ -42,16 +42,17 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, register_check
 from dtx.models.remat import PROJECTION
 from dtx.parallel import nested
-from dtx.paths import named_leaves
-from dtx.parallel import megatron
-from dtx.parallel.megatron import _ATTENTION
 from dtx.parallel.rules import PartitionError
+from dtx.parallel.tensor import megatron
+from dtx.parallel.tensor.megatron import _ATTENTION
+from dtx.paths import named_leaves
 
 MODEL = mesh_lib.MODEL_AXIS
 BLOCK, SETTINGS = "tensor", ("sequence_parallel", "zero_stage")  # the config block of its settings, and its keys
@@ -207,7 +208,7 @@ class TensorLayout:
 
     @property
     def _pair(self) -> megatron.Pair:
-        """Megatron's ``f`` and ``g`` inside this layout's regions (:mod:`dtx.parallel.megatron`'s kernels run
+        """Megatron's ``f`` and ``g`` inside this layout's regions (:mod:`dtx.parallel.tensor.megatron`'s kernels run
         with them): the input gathered (SP; again in the backward pass) or taken as it is (TP), its gradient
         reduced; the partial sums all-reduced or reduce-scattered."""
         return megatron.Pair(self._projections, self._reduce)
@@ -255,7 +256,7 @@ class TensorLayout:
         return y + params["bias"].astype(y.dtype) if "bias" in params else y
 
     def _attention(self, module, path, args, kwargs):
-        """Self-attention with ``h/T`` heads per device (:func:`dtx.parallel.megatron.attention` in a region): Q, K,
+        """Self-attention with ``h/T`` heads per device (:func:`dtx.parallel.tensor.megatron.attention` in a region): Q, K,
         V of its heads, attention, its rows of the output projection; the partial outputs reduced once, the
         output bias added after."""
         x = args[0]
@@ -288,7 +289,7 @@ class TensorLayout:
 
 
 def tensor_layout(specs: Any, mesh: Mesh, sequence_parallel: bool = False) -> TensorLayout:
-    """The activation layout implied by Megatron's parameter specs (:func:`dtx.parallel.megatron.megatron_rules`)."""
+    """The activation layout implied by Megatron's parameter specs (:func:`dtx.parallel.tensor.megatron.megatron_rules`)."""
     kernels, attention, columns, rows = {}, set(), set(), set()
     for path, spec in named_leaves(specs, is_leaf=lambda x: isinstance(x, P)):
         if not path.endswith("/kernel") or MODEL not in tuple(spec):

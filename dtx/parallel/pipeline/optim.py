@@ -1,14 +1,14 @@
 """Any optax optimizer on a pipeline's stage rows: each stage updated as its own parameter tree.
 
-A pipeline device holds its stage's parameters as one flat row (:mod:`dtx.parallel.stages`), but an optimizer may
+A pipeline device holds its stage's parameters as one flat row (:mod:`dtx.parallel.pipeline.stages`), but an optimizer may
 need the tensors: LARS (You et al. 2017, arXiv 1708.03888) and LAMB (You et al. 2019, arXiv 1904.00962) scale
 each tensor by its own trust ratio, and weight decay skips biases by name (``optimizer.exclude``). So the update
 runs, on each device, the optimizer on its stage's tree — the row's static slices, one ``lax.switch`` branch per
 (virtual) stage — and the results go back into rows. The optimizer state is kept the same way: every subtree of
 a stage's optax state shaped like the stage's parameters is flattened into that stage's row (laid out as the
 parameters: ``(P, V·row)``, split over ``stage``); scalars (Adam's count) are shared. A checkpoint's tree and rows
-convert as the parameters do (:func:`dtx.step.pipeline_relayout.to_rows`). The step takes this path only for the
-optimizers that need it (:func:`dtx.step.pipeline_check.per_tensor`): an element-wise one updates the rows
+convert as the parameters do (:func:`dtx.parallel.pipeline.relayout.to_rows`). The step takes this path only for the
+optimizers that need it (:func:`dtx.parallel.pipeline.check.per_tensor`): an element-wise one updates the rows
 directly, with fewer temporaries, from the same state (:func:`init` lays it out for both).
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from dtx.parallel.stages import StagePlan
+from dtx.parallel.pipeline.stages import StagePlan
 
 
 def _stage_like(plan: StagePlan, stage: int):
@@ -46,7 +46,7 @@ def from_row_state(plan: StagePlan, stage: int, rows, reference):
 def init(tx: optax.GradientTransformation, plan: StagePlan, params) -> optax.OptState:
     """The optimizer state of the model's parameter tree ``params`` in rows: each stage's ``tx.init`` on its tree,
     row-shaped leaves stacked as :meth:`StagePlan.pack` stacks the parameters, the rest (counts) from stage 0. Stages
-    split over ``model`` (:mod:`dtx.parallel.tensor_stages`): each ``model`` index's slices laid out so, side by side
+    split over ``model`` (:mod:`dtx.parallel.pipeline.tensor_stages`): each ``model`` index's slices laid out so, side by side
     as the plan packs the parameters."""
     if getattr(plan, "tensor", 1) > 1:
         split = [_init(tx, plan, plan.local(params, t)) for t in range(plan.tensor)]

@@ -5,8 +5,8 @@ input rows; of two consecutive ``Dense`` layers of one module whose widths chain
 split by columns and the second by rows; everything else is replicated. :func:`megatron_rules` turns that reading
 into ``(regex, PartitionSpec)`` rules over the ``model`` axis (and, for FSDP over the data axes, the rest split
 over them too), refusing a width the axis does not divide with the sizes that would work. Used by the ``tensor``
-layout (:mod:`dtx.parallel.tensor`) and by pipeline stages split over ``model``
-(:mod:`dtx.parallel.tensor_stages`).
+layout (:mod:`dtx.parallel.tensor.layout`) and by pipeline stages split over ``model``
+(:mod:`dtx.parallel.pipeline.tensor_stages`).
 
 And what one device runs of each split layer, written once for both (:func:`attention`, :func:`column`,
 :func:`row`): a region on this device's ``1/T`` of the heads or units, parameterised by Megatron's pair
@@ -30,12 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from dtx import mesh as mesh_lib
 from dtx.models.remat import PROJECTION
-from dtx.paths import named_leaves
 from dtx.parallel.rules import PartitionError
+from dtx.paths import named_leaves
 
 MODEL = mesh_lib.MODEL_AXIS
 _ATTENTION = ("query", "key", "value", "out")

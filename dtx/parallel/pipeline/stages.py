@@ -3,7 +3,7 @@
 Pipeline parallelism (GPipe: Huang et al. 2019, arXiv 1811.06965; 1F1B / PipeDream-Flush: Narayanan et
 al. 2021, arXiv 2006.09503) gives each device of the ``stage`` mesh axis a contiguous run of the model's
 layers; activations go forward and their gradients back between neighbouring stages
-(:mod:`dtx.step.pipeline`). This module decides the cut and lays the parameters out:
+(:mod:`dtx.parallel.pipeline.step`). This module decides the cut and lays the parameters out:
 
 * **The cut.** ``pipeline.boundaries`` (the layer indices where stages 1.. start), or balanced: the
   contiguous split whose costliest stage is cheapest, by each layer's forward FLOPs per example
@@ -49,7 +49,7 @@ mesh_lib.declare_axis(mesh_lib.Axis(STAGE_AXIS, "pipeline", replicas=False,
 
 def row_spec(mesh) -> PartitionSpec:
     """Where the parameter rows live: split over ``stage``, and over ``model`` where the mesh has one (each device
-    its slices of a tensor-parallel stage: :mod:`dtx.parallel.tensor_stages`)."""
+    its slices of a tensor-parallel stage: :mod:`dtx.parallel.pipeline.tensor_stages`)."""
     return PartitionSpec(STAGE_AXIS, MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else PartitionSpec(STAGE_AXIS)
 
 
@@ -140,7 +140,7 @@ def model_layers(model, abstract_params, example=None) -> tuple[Layer, ...]:
         raise PipelineError(
             f"parallel.name='pipeline' cuts a sequential model into stages, and model {type(model).__name__} declares "
             "no pieces: use model.name=mlp, speech_dnn, lenet, vgg_a or transformer, or give your module a "
-            "pipeline_layers() method (dtx.parallel.stages: Dense layer names, or (keys, fn) pairs, in order)")
+            "pipeline_layers() method (dtx.parallel.pipeline.stages: Dense layer names, or (keys, fn) pairs, in order)")
     try:
         pieces = list(declare())
     except ValueError as error:  # a setting of the model the pipeline cannot run, named by the model
@@ -205,7 +205,7 @@ class StagePlan:
       chunks: ``V``, the stages each device holds (the interleaved schedule's virtual stages): device ``s``
         holds stages ``c·P + s``, its row the ``V`` stage rows side by side; 1: one stage per device.
       row_multiple: the row's length is padded to a multiple of it (ZeRO-1 splits each row over the ``D`` data
-        ranks: :mod:`dtx.step.pipeline_zero`); 1: the largest stage's parameters exactly.
+        ranks: :mod:`dtx.parallel.pipeline.zero`); 1: the largest stage's parameters exactly.
     """
 
     layers: tuple[Layer, ...]
@@ -228,7 +228,7 @@ class StagePlan:
 
     @property
     def stage_sizes(self) -> tuple[int, ...]:
-        """Parameters per stage (a device's: its slices of a split stage's, :mod:`dtx.parallel.tensor_stages`)."""
+        """Parameters per stage (a device's: its slices of a split stage's, :mod:`dtx.parallel.pipeline.tensor_stages`)."""
         return tuple(sum(math.prod(self.leaf_shape(path, shape)) for layer in self.stage_layers(s)
                          for path, shape in layer.leaves) for s in range(self.num_stages))
 

@@ -2,7 +2,7 @@
 
 ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: memory optimizations toward training trillion parameter models",
 arXiv 1910.02054, §5.1, P_os) partitions the optimizer state over the ``D`` data-parallel ranks: each rank keeps and
-updates ``1/D`` of it. A pipeline device holds its stages' parameters as one flat row (:mod:`dtx.parallel.stages`),
+updates ``1/D`` of it. A pipeline device holds its stages' parameters as one flat row (:mod:`dtx.parallel.pipeline.stages`),
 so the partition is a slice of that row, as Megatron-LM's distributed optimizer slices its contiguous gradient
 buffer:
 
@@ -14,7 +14,7 @@ buffer:
 
 A reduce-scatter and an all-gather of the row send what the ring all-reduce sends (``2(D−1)/D`` of the row), so the
 step's bytes do not change; the optimizer state per device falls by ``D``. The row is padded to a multiple of ``D``
-(:attr:`dtx.parallel.stages.StagePlan.row_multiple`) so the slices are equal.
+(:attr:`dtx.parallel.pipeline.stages.StagePlan.row_multiple`) so the slices are equal.
 
 **Stage 3 (FSDP) keeps the parameter rows split too** (``pipeline.zero_stage=3``, or an ``fsdp`` mesh axis at
 ``fsdp.zero_stage=3``): between steps a device holds ``1/D`` of its row, its optimizer state's ``1/D`` beside it.
@@ -27,7 +27,7 @@ step's end to its start); what falls is the state a device keeps (and checkpoint
 
 Stage 2 is refused: the gradient is accumulated whole across the micro-batches of a step (the backward slots add
 into it until the last tick) and reduced once, so partitioning it would save nothing beyond 1 — DeepSpeed and
-Megatron allow only ZeRO-1 with pipelines for the same reason (:func:`dtx.step.pipeline_check.check_settings`).
+Megatron allow only ZeRO-1 with pipelines for the same reason (:func:`dtx.parallel.pipeline.check.check_settings`).
 
 **Which axes.** The row is split over the mesh's ``fsdp`` axes where it has any (:func:`dtx.mesh.state_axes`),
 else over every data axis (``pipeline.zero_stage``); with both an ``fsdp`` and a ``data`` axis (hybrid sharding) the
@@ -42,10 +42,10 @@ excluded leaves and padding), cut like the row. The optimizer's own mask sees th
 it (:func:`decay_tables` checks that it does), and optax's ``add_decayed_weights`` adds ``λ·(m⊙p) = m⊙(λ·p)``: each
 rank decays exactly its slice's decayed entries, the rest updated as the tree's excluded leaves are (``u + 0``).
 This holds because these optimizers read ``params`` only in the decay term; the mask is built by the plan's own
-:meth:`~dtx.parallel.stages.StagePlan.flatten` of the per-leaf mask, kept as its runs (a few integers per stage, not
+:meth:`~dtx.parallel.pipeline.stages.StagePlan.flatten` of the per-leaf mask, kept as its runs (a few integers per stage, not
 a row) and expanded per step on the slice (:func:`decay_slice`). LARS's and LAMB's trust ratios (You et al. 2017,
 arXiv 1708.03888; 2019, arXiv 1904.00962) read each tensor's whole norm from ``params``, which a slice does not
-hold, so they stay refused (:func:`dtx.step.pipeline_check.zero_problems`).
+hold, so they stay refused (:func:`dtx.parallel.pipeline.check.zero_problems`).
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dtx import mesh as mesh_lib
 from dtx.comm import costmodel
 from dtx.mesh import MODEL_AXIS
-from dtx.parallel.stages import STAGE_AXIS, PipelineError
+from dtx.parallel.pipeline.stages import STAGE_AXIS, PipelineError
 
 STAGES = (0, 1, 3)  # the pipeline.zero_stage values this module runs
 
 
 def check(zero_stage: int, per_tensor: bool) -> None:
-    """Refuse what :func:`dtx.step.pipeline.make_pipeline` cannot build (the config's keys are refused by name
-    earlier, :func:`dtx.step.pipeline_check.zero_problems`): a stage but 0 and 1, and ZeRO-1 with an optimizer
+    """Refuse what :func:`dtx.parallel.pipeline.step.make_pipeline` cannot build (the config's keys are refused by name
+    earlier, :func:`dtx.parallel.pipeline.check.zero_problems`): a stage but 0 and 1, and ZeRO-1 with an optimizer
     that updates each stage's tensors."""
     if zero_stage not in STAGES:
         raise PipelineError(f"zero_stage={zero_stage!r}: a pipeline takes ZeRO stage 0, 1 or 3 (its gradient row is "
@@ -135,7 +135,7 @@ def data_size(mesh) -> int:
 
 def optimizer_spec(mesh) -> PartitionSpec:
     """Where ZeRO-1's optimizer rows live: over ``stage``, and the row over ``model`` (where the mesh has one: each
-    index its own slices, :mod:`dtx.parallel.tensor_stages`) then the data axes, so device ``(s, t, d)`` holds slice
+    index its own slices, :mod:`dtx.parallel.pipeline.tensor_stages`) then the data axes, so device ``(s, t, d)`` holds slice
     ``d`` of its own row — the order :func:`reduce_scatter`, :func:`local_slice` and :func:`update` number the data
     ranks in."""
     within = tuple(a for a in (MODEL_AXIS,) if a in mesh.axis_names) + zero_axes(mesh)

@@ -7,27 +7,27 @@ global batch ``B`` in ``M`` micro-batches of ``b = B/(D·M)`` examples costs (on
 
 * **compute with its bubble** — every tick costs the slowest stage's forward and backward of one
   micro-batch (the roofline of :func:`dtx.perf.model.compute_time`, times 4/3: dtx's step re-runs a stage's
-  forward in its backward slot, :mod:`dtx.step.pipeline`), and a step has ``M + P − 1`` such ticks: the
+  forward in its backward slot, :mod:`dtx.parallel.pipeline.step`), and a step has ``M + P − 1`` such ticks: the
   useful work times the bubble factor ``(M + P − 1)/M``. **Interleaved** (Narayanan et al. 2021, arXiv
   2104.04473, §2.2.2), ``V`` virtual stages per device: the layers are cut into ``P·V`` stages, a tick costs
   the slowest of them (about ``1/V`` of a device's work) and a step has ``V·M + P − 1`` ticks, so the busy
   share is ``V·M/(V·M + P − 1)``;
 * **point-to-point** — the boundary activations forward and their gradients back: ``2·M`` messages of
   ``b × width × e`` per stage with neighbours on both sides (dtx's lock-step program sends ``2(M + P − 2)``,
-  its bubble ticks included, of one buffer as wide as the widest boundary: :mod:`dtx.perf.pipeline`, the
+  its bubble ticks included, of one buffer as wide as the widest boundary: :mod:`dtx.parallel.pipeline.costs`, the
   count the compiled program shows; interleaved, ``V`` times as many: the schedule's count), each
   ``α + n/β`` on the cluster's local link when the ``stage`` axis fits one machine, else on the network;
 * **the batch** — dtx places every batch split over all devices, so a data shard's ``P`` stages gather its
   ``B/D`` examples once per step (a ring all-gather of ``example_bytes`` each);
 * **gradient all-reduce** — the device's row, ``V`` times the largest (virtual) stage's ``W·e``, over its ``D``
   data replicas (ring, α-β);
-* **memory** — :mod:`dtx.perf.pipeline`'s per-device model (the stage's parameter row, optimizer state,
+* **memory** — :mod:`dtx.parallel.pipeline.costs`'s per-device model (the stage's parameter row, optimizer state,
   working rows, the schedule's kept inputs, the batch), against ``Cluster.device_memory``; for a pipeline of
   convolutions, the costliest stage's backward slot (its pools' index arrays, the largest pool's convolution output,
-  the stage's kernels sliced and flipped: :func:`dtx.perf.pipeline.conv_slot_bytes`) in place of the row-sized
+  the stage's kernels sliced and flipped: :func:`dtx.parallel.pipeline.costs.conv_slot_bytes`) in place of the row-sized
   temporaries where larger, and the program's small buffers.
 
-The stages are cut to balance the roofline costs (:func:`dtx.parallel.stages.balance`) and the schedule is
+The stages are cut to balance the roofline costs (:func:`dtx.parallel.pipeline.stages.balance`) and the schedule is
 ``1f1b`` (GPipe's time, fewer kept inputs) or, with ``V`` in :data:`CHUNKS` above 1, ``interleaved`` (dtx runs
 it in GPipe's order: it keeps ``V·M`` inputs, the memory term that limits it). :func:`best` puts the fastest
 pipeline that fits beside Das et al.'s plan of the same nodes and keeps the faster. Tensor (Megatron)
@@ -45,14 +45,20 @@ import dataclasses
 from collections.abc import Sequence
 
 from dtx.comm import costmodel
-from dtx.parallel.pipeline_schedules import make_schedule
-from dtx.parallel.stages import balance
+from dtx.parallel.pipeline.costs import (
+    OPTIMIZER_SLOTS,
+    SMALL_BUFFERS,
+    WORK_MESSAGES,
+    WORK_ROWS,
+    WORK_STAGE_ROWS,
+    conv_slot_bytes,
+)
+from dtx.parallel.pipeline.schedules import make_schedule
+from dtx.parallel.pipeline.stages import balance
 from dtx.perf import decoder
 from dtx.perf import model as perfmodel
 from dtx.perf.clusters import Cluster
 from dtx.perf.layers import Layer
-from dtx.perf.pipeline import (OPTIMIZER_SLOTS, SMALL_BUFFERS, WORK_MESSAGES, WORK_ROWS, WORK_STAGE_ROWS,
-                               conv_slot_bytes)
 
 SCHEDULE = "1f1b"
 CHUNKS = (1, 2, 4)  # V candidates: 1 plans 1F1B, more the interleaved schedule
@@ -89,7 +95,7 @@ class PipelinePlan:
     runnable: bool = True
     chunks: int = 1  # V: virtual stages per device (the interleaved schedule when > 1)
     fixes: tuple[str, ...] = ()  # overrides the model needs to run as a pipeline (VGG-A: no dropout)
-    conv_bytes: float = 0.0  # a convolutional stage's backward slot (dtx.perf.pipeline.conv_slot_bytes)
+    conv_bytes: float = 0.0  # a convolutional stage's backward slot (dtx.parallel.pipeline.costs.conv_slot_bytes)
     order: str = SCHEDULE  # the schedule with V = 1 (the planner plans 1F1B; gpipe for the memory model's checks)
 
     @property
@@ -98,9 +104,9 @@ class PipelinePlan:
 
     @property
     def memory(self) -> dict[str, float]:
-        """Per-device bytes by :mod:`dtx.perf.memory`'s categories (:mod:`dtx.perf.pipeline`'s model): the row as
+        """Per-device bytes by :mod:`dtx.perf.memory`'s categories (:mod:`dtx.parallel.pipeline.costs`'s model): the row as
         params, its accumulator as grads, the other working rows as buffers, kept inputs and batch as activations.
-        A pipeline of convolutions (``conv_bytes``: :func:`dtx.perf.pipeline.conv_slot_bytes`) runs its costliest
+        A pipeline of convolutions (``conv_bytes``: :func:`dtx.parallel.pipeline.costs.conv_slot_bytes`) runs its costliest
         slot's pools and kernel copies where the row-sized buffers are not live (the larger of the two counts) and
         holds the program's small buffers (read from XLA:CPU's buffer assignments, docs/pipeline.md)."""
         conv = self.conv_bytes > 0

@@ -3,14 +3,14 @@
 A mesh with both a ``stage`` and a ``model`` axis under ``parallel.name=pipeline`` runs each stage's blocks
 tensor-parallel (Narayanan et al. 2021, *Efficient large-scale language model training on GPU clusters using
 Megatron-LM*, arXiv 2104.04473, §2.3: pipeline stages of tensor-parallel groups; the split itself is Shoeybi
-et al.'s, arXiv 1909.08053, §3, as :mod:`dtx.parallel.tensor` reads it from the parameters): attention by
+et al.'s, arXiv 1909.08053, §3, as :mod:`dtx.parallel.tensor.layout` reads it from the parameters): attention by
 heads, the MLP's up-projection by columns and its down-projection by rows, so each device of a stage holds
 ``1/T`` of those kernels and one all-reduce over ``model`` closes each pair — in the forward pass after the
 row layer (Megatron's ``g``), in the backward pass at the column layer's input (its ``f``).
 
-The pipeline step is one ``shard_map`` manual over every axis (:mod:`dtx.step.pipeline`), so the regions here
+The pipeline step is one ``shard_map`` manual over every axis (:mod:`dtx.parallel.pipeline.step`), so the regions here
 are the per-device computation itself, not ``shard_map`` regions: each split module is intercepted
-(``nn.intercept_methods``) and run by Megatron's per-device kernels (:func:`dtx.parallel.megatron.attention`,
+(``nn.intercept_methods``) and run by Megatron's per-device kernels (:func:`dtx.parallel.tensor.megatron.attention`,
 ``column``, ``row``: the ones the ``tensor`` layout runs inside its regions, masks and dropout included) on its
 ``1/T`` of the heads or units, with this module's ``f`` and ``g`` written out as custom VJPs (identity one way,
 ``psum`` over ``model`` the other), so the gradients do not depend on how JAX types a value's replication. The
@@ -33,7 +33,7 @@ What lives where:
   all-reduced over the data axes only.
 
 **Sequence parallelism** (``tensor.sequence_parallel=True``): the stream between the regions, the boundary buffer
-and the ends split over ``model`` by positions too (:mod:`dtx.parallel.stage_positions`).
+and the ends split over ``model`` by positions too (:mod:`dtx.parallel.pipeline.positions`).
 """
 
 from __future__ import annotations
@@ -48,11 +48,16 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from dtx import mesh as mesh_lib
-from dtx.parallel.stage_positions import (check_positions, gather_from_model, own_positions, replicated_size,
-                                          scatter_to_model)
-from dtx.parallel import megatron
-from dtx.parallel.stages import STAGE_AXIS, PipelineError, StagePlan
-from dtx.parallel.megatron import megatron_rules
+from dtx.parallel.pipeline.positions import (
+    check_positions,
+    gather_from_model,
+    own_positions,
+    replicated_size,
+    scatter_to_model,
+)
+from dtx.parallel.pipeline.stages import STAGE_AXIS, PipelineError, StagePlan
+from dtx.parallel.tensor import megatron
+from dtx.parallel.tensor.megatron import megatron_rules
 from dtx.paths import named_leaves
 
 MODEL = mesh_lib.MODEL_AXIS
@@ -83,7 +88,7 @@ PAIRS = {False: megatron.Pair(megatron.after(copy_to_model), reduce_from_model),
 
 
 def _attention(module, args, kwargs, pair, layer):
-    """Self-attention on this device's heads (:func:`dtx.parallel.megatron.attention`), the output bias added once
+    """Self-attention on this device's heads (:func:`dtx.parallel.tensor.megatron.attention`), the output bias added once
     after the reduction."""
     megatron.check_self_attention(module, args, kwargs, layer, "a pipeline stage split over 'model'")
     deterministic, rng = megatron.dropout_of(module, kwargs)
@@ -97,12 +102,12 @@ def _attention(module, args, kwargs, pair, layer):
 
 
 def _column(module, args, kwargs, pair, layer):
-    """The MLP's up-projection (:func:`dtx.parallel.megatron.column`)."""
+    """The MLP's up-projection (:func:`dtx.parallel.tensor.megatron.column`)."""
     return megatron.column(module, module.variables["params"], args[0], pair)
 
 
 def _row(module, args, kwargs, pair, layer):
-    """The MLP's down-projection (:func:`dtx.parallel.megatron.row`), the bias added once after the reduction."""
+    """The MLP's down-projection (:func:`dtx.parallel.tensor.megatron.row`), the bias added once after the reduction."""
     params = module.variables["params"]
     y = megatron.row(module, params["kernel"], args[0], pair)
     return y + params["bias"].astype(y.dtype) if "bias" in params else y
@@ -265,7 +270,7 @@ def split_plan(plan: StagePlan, abstract_params, mesh: Mesh, example=None,
 
 def split_over(plan: StagePlan, abstract_params, tensor: int, example=None) -> TensorStagePlan:
     """:func:`split_plan` over ``tensor`` devices of ``model`` without a mesh of devices: the layout of a run saved
-    on another mesh (:func:`dtx.step.pipeline_relayout.relayout`)."""
+    on another mesh (:func:`dtx.parallel.pipeline.relayout.relayout`)."""
     return split_plan(plan, abstract_params, AbstractMesh((tensor,), (MODEL,)), example)
 
 
@@ -307,7 +312,7 @@ def stage_all_reduces(plan: TensorStagePlan, stage: int) -> int:
     """All-reduces over ``model`` one device of (virtual) stage ``stage`` runs per micro-batch: each region's ``g``
     in the forward slot, and in the backward slot the forward's ``g`` again (the slot re-runs the stage from its
     kept input, GPipe's re-materialisation) and each region's ``f`` (Megatron's 2 forward and 2 backward per block,
-    :func:`dtx.perf.tensor.block_collectives`, plus the re-run's 2). On a stage but the last, the re-run's closing
+    :func:`dtx.parallel.tensor.costs.block_collectives`, plus the re-run's 2). On a stage but the last, the re-run's closing
     ``g`` (the stage's last layer's row layer, whose sum only the stage's output reads) is dead code in the backward
     slot, which reads the output's gradient, not the output: XLA drops it."""
     total = 0

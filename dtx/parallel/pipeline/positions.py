@@ -1,4 +1,4 @@
-"""Sequence parallelism inside pipeline stages split over ``model`` (:mod:`dtx.parallel.tensor_stages`).
+"""Sequence parallelism inside pipeline stages split over ``model`` (:mod:`dtx.parallel.pipeline.tensor_stages`).
 
 ``tensor.sequence_parallel=True`` with ``parallel.name=pipeline`` (Korthikanti et al. 2022, *Reducing Activation
 Recomputation in Large Transformer Models*, arXiv 2205.05198, §4.2.2): the residual stream between the regions
@@ -11,7 +11,7 @@ onto them (its gradient all-gathered): the same bytes as the all-reduces they re
 * **the ends**: the model's first piece (the embedding, a lookup) runs on the whole sequence and each device keeps
   its own positions (as Megatron scatters the embedding's output); the last stage scores its own positions
   against their labels and adds ``1/T`` of their mean, the loss and metrics summed over ``model``
-  (:mod:`dtx.step.pipeline`);
+  (:mod:`dtx.parallel.pipeline.step`);
 * **replicated parameters' gradients** come from each device's own positions: the row's replicated entries are
   all-reduced over ``model`` once per step (:func:`sum_replicated`), before the row's all-reduce over data.
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dtx import mesh as mesh_lib
-from dtx.parallel.stages import STAGE_AXIS, PipelineError, StagePlan
+from dtx.parallel.pipeline.stages import STAGE_AXIS, PipelineError, StagePlan
 
 MODEL = mesh_lib.MODEL_AXIS
 

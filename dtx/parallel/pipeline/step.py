@@ -3,11 +3,11 @@
 Pipeline parallelism (GPipe: Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDream-Flush, Narayanan et al.
 2021, arXiv 2006.09503, and Narayanan et al. 2021, "Efficient large-scale language model training on GPU
 clusters using Megatron-LM", arXiv 2104.04473). Each device of the ``stage`` axis holds its stages' parameter
-row (one stage, or ``V`` under the interleaved schedule: :mod:`dtx.parallel.stages`) and its optimizer
+row (one stage, or ``V`` under the interleaved schedule: :mod:`dtx.parallel.pipeline.stages`) and its optimizer
 state; the other mesh axes split the batch
 as data parallelism does. A batch arrives split over every axis, as dtx places batches; a step first
 gathers each data shard's rows over ``stage`` (one all-gather), splits them into ``M`` micro-batches and
-runs a schedule's ticks (:mod:`dtx.parallel.pipeline_schedules`):
+runs a schedule's ticks (:mod:`dtx.parallel.pipeline.schedules`):
 
 * forward slot: stage 0 reads its micro-batch, the others the activation received in the previous tick's
   forward slot, which they also keep (GPipe §2.3's re-materialisation: a stage stores only its *input*,
@@ -50,13 +50,20 @@ from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
-from dtx.parallel.pipeline_schedules import Schedule, make_schedule
-from dtx.parallel.stages import STAGE_AXIS, StagePlan, make_plan, row_spec
-from dtx.parallel.stage_positions import arriving_shape, own_positions, positions_split, sum_replicated
-from dtx.parallel.tensor_stages import MODEL, split_plan, tensor_traffic
-from dtx.step import body, pipeline_optim, pipeline_zero
-from dtx.step.spec import StepError
+from dtx.parallel.pipeline import optim as pipeline_optim
+from dtx.parallel.pipeline import zero as pipeline_zero
+from dtx.parallel.pipeline.positions import (
+    arriving_shape,
+    own_positions,
+    positions_split,
+    sum_replicated,
+)
+from dtx.parallel.pipeline.schedules import Schedule, make_schedule
+from dtx.parallel.pipeline.stages import STAGE_AXIS, StagePlan, make_plan, row_spec
+from dtx.parallel.pipeline.tensor_stages import MODEL, split_plan, tensor_traffic
 from dtx.precision import LossScaler, Policy, all_finite
+from dtx.step import body
+from dtx.step.spec import StepError
 from dtx.step.state import TrainState, run_init
 
 
@@ -69,7 +76,7 @@ class Pipeline:
     schedule: Schedule
     task: task_lib.Task | None = None
     policy: Policy = Policy()  # compute (and the activation buffer) in policy.compute, the all-reduce in .reduce
-    per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.step.pipeline_optim), not the row
+    per_tensor: bool = False  # the optimizer needs each stage's tensors (dtx.parallel.pipeline.optim), not the row
     loss_scaler: LossScaler = LossScaler()  # dynamic loss scaling (float16 compute): scaled seeds, skipped steps
     zero_stage: int = 0  # 1: the optimizer state and update split over the data axes; 3: the rows too (pipeline_zero)
     decay: tuple | None = dataclasses.field(default=None, compare=False)  # ZeRO-1's weight-decay row mask, as runs
@@ -98,7 +105,7 @@ def check_mesh(mesh: Mesh, pipeline: Pipeline) -> None:
 def state_shardings(abstract_state: TrainState, mesh: Mesh, plan: StagePlan, zero_stage: int = 0) -> TrainState:
     """Every leaf shaped like the parameter rows split over ``stage`` (and ``model``); the rest replicated. ZeRO-1:
     the optimizer's rows split over the data (or ``fsdp``) axes too, ZeRO-3 the parameter rows as well
-    (:func:`dtx.step.pipeline_zero.state_shardings`)."""
+    (:func:`dtx.parallel.pipeline.zero.state_shardings`)."""
     rows = plan.rows_shape
     split, whole = NamedSharding(mesh, row_spec(mesh)), NamedSharding(mesh, PartitionSpec())
     if zero_stage:
@@ -252,7 +259,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         inputs, labels = (lax.all_gather(batch[k], _group(mesh), tiled=True) for k in ("inputs", "labels"))
         if inputs.shape[0] % m_count:
             raise StepError(f"the per-device batch {inputs.shape[0]} does not split into {m_count} micro-batches "
-                            "(pipeline.microbatches); see dtx.step.pipeline_check")
+                            "(pipeline.microbatches); see dtx.parallel.pipeline.check")
         micro = inputs.shape[0] // m_count
         # Shaped as the first piece takes them (a Dense stack: flattened); token ids stay integers.
         x0s = inputs.reshape((m_count, micro) + plan.layers[0].in_shape)
@@ -371,16 +378,16 @@ class StageOptions:
     what the run's optimizer and mesh ask of it).
 
     Attributes:
-      schedule: the schedule's name (:data:`dtx.parallel.pipeline_schedules.SCHEDULES`: GPipe, 1F1B, interleaved).
-      boundaries: the first layer of stages 1.. (:func:`dtx.parallel.stages.make_plan`); ``()``: balanced by FLOPs.
+      schedule: the schedule's name (:data:`dtx.parallel.pipeline.schedules.SCHEDULES`: GPipe, 1F1B, interleaved).
+      boundaries: the first layer of stages 1.. (:func:`dtx.parallel.pipeline.stages.make_plan`); ``()``: balanced by FLOPs.
       micro: ``M``, the micro-batches of a step (the schedule's ``micro``).
       chunks: the (virtual) stages per device, ``V`` (2 or more: the interleaved schedule).
       per_tensor: the optimizer updates each stage's tensors, not its row
-        (:func:`dtx.step.pipeline_check.per_tensor`).
+        (:func:`dtx.parallel.pipeline.check.per_tensor`).
       zero_stage: ``1``: ZeRO-1 over the data axes (or the ``fsdp`` axes), ``3``: the parameter rows split too
-        (:mod:`dtx.step.pipeline_zero`; the rows padded to split over them).
+        (:mod:`dtx.parallel.pipeline.zero`; the rows padded to split over them).
       sequence_parallel: with a ``model`` axis, each stage's stream split over it by positions too
-        (``tensor.sequence_parallel``, :mod:`dtx.parallel.tensor_stages`).
+        (``tensor.sequence_parallel``, :mod:`dtx.parallel.pipeline.tensor_stages`).
       decay_mask: the optimizer's weight-decay mask function (:func:`dtx.optim.path_mask`), which ZeRO-1 lays out
         as a row; a function, so left out of comparisons.
     """
@@ -401,7 +408,7 @@ def make_pipeline(model, abstract_params, mesh: Mesh, options: StageOptions = St
     balanced) into ``options.chunks`` stages per device, and the schedule ``options.schedule`` of ``options.micro``
     micro-batches (:class:`StageOptions`: per-tensor updates, ZeRO, sequence parallelism, the decay mask);
     ``task``: the loss and metrics (default classification); ``example``: the inputs' shape and dtype
-    (:func:`dtx.parallel.stages.make_plan`)."""
+    (:func:`dtx.parallel.pipeline.stages.make_plan`)."""
     pipeline_zero.check(options.zero_stage, options.per_tensor)
     stages = mesh.shape.get(STAGE_AXIS, 0)
     if not stages:
@@ -421,7 +428,7 @@ def make_pipeline(model, abstract_params, mesh: Mesh, options: StageOptions = St
 
 def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline, spec):
     """The pipeline step a driver builds for a :class:`~dtx.step.spec.StepSpec` whose placement carries a
-    pipeline; the spec's settings the pipeline does not take are refused (:mod:`dtx.step.pipeline_check` refuses
+    pipeline; the spec's settings the pipeline does not take are refused (:mod:`dtx.parallel.pipeline.check` refuses
     them by config key before this)."""
     problems = [what for what, bad in (
         (f"accum_steps={spec.accum_steps} must be the schedule's {pipeline.schedule.micro} micro-batches",

@@ -1,10 +1,10 @@
 """What a pipeline-parallel run refuses, before anything is compiled, each refusal naming the key and the fix.
 
-The pipeline step (:mod:`dtx.step.pipeline`; GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021)
+The pipeline step (:mod:`dtx.parallel.pipeline.step`; GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2021)
 places its own collectives — ``ppermute`` between stages, one gradient all-reduce over the data axes —
-and keeps each stage's parameters as one flattened row (:mod:`dtx.parallel.stages`). So it runs under
+and keeps each stage's parameters as one flattened row (:mod:`dtx.parallel.pipeline.stages`). So it runs under
 the ``shard_map`` driver only, with synchronous SGD and no compression or custom allreduce. Every optimizer
-runs (each stage is updated as its own parameter tree: :mod:`dtx.step.pipeline_optim`).
+runs (each stage is updated as its own parameter tree: :mod:`dtx.parallel.pipeline.optim`).
 
 Its ``pipeline.microbatches`` ``M`` *are* the run's gradient accumulation — each data shard's batch splits into
 ``M`` micro-batches whose gradients are summed before the one all-reduce — so ``grad_accum_steps`` is left at 1
@@ -22,13 +22,13 @@ import numpy as np
 
 from dtx import compress, optim, strategies
 from dtx import mesh as mesh_lib
-from dtx.config import ConfigError, base_config, register_check
 from dtx.comm.algorithms import get_algorithm
-from dtx.parallel.layouts import LAYOUTS, configured, fsdp_stage
-from dtx.parallel.pipeline_schedules import CHUNKED, SCHEDULES
+from dtx.config import ConfigError, base_config, register_check
 from dtx.mesh import FSDP_AXIS, MODEL_AXIS
+from dtx.parallel.layouts import LAYOUTS, configured, fsdp_stage
+from dtx.parallel.pipeline.schedules import CHUNKED, SCHEDULES
+from dtx.parallel.pipeline.stages import STAGE_AXIS
 from dtx.precision import parse_policy
-from dtx.parallel.stages import STAGE_AXIS
 from dtx.step.drivers import get_driver
 from dtx.step.spec import StepError
 
@@ -42,7 +42,7 @@ class PipelineSettings:
       mesh_shape: axis name -> size (``mesh``).
       schedule: ``pipeline.schedule``.
       boundaries: ``pipeline.boundaries``, the first layer of stages 1..; ``()``: balanced by FLOPs.
-      num_layers: the model's layers to cut (:func:`dtx.parallel.stages.model_layers`).
+      num_layers: the model's layers to cut (:func:`dtx.parallel.pipeline.stages.model_layers`).
       virtual_stages: ``pipeline.virtual_stages``, the chunks per device.
       global_batch_size: ``global_batch_size``.
       microbatches: ``M`` (:func:`micro_batches` of the config).
@@ -117,7 +117,7 @@ def check_settings(settings: PipelineSettings) -> None:
                             f"data axes: set --config.{key}={plain}")
     if MODEL_AXIS in mesh_shape and optim.declared(optimizer).whole_tensors:
         problems.append(f"optimizer.name={optimizer!r}: a {MODEL_AXIS!r} mesh axis splits each stage's attention and "
-                        "MLP kernels (dtx.parallel.tensor_stages), and LARS's and LAMB's trust ratios need each "
+                        "MLP kernels (dtx.parallel.pipeline.tensor_stages), and LARS's and LAMB's trust ratios need each "
                         "tensor's whole norm: use adam, adamw, momentum or sgd, or drop the model axis")
     problems += zero_problems(zero_stage, mesh_shape, optimizer, weight_decay)
     if precision and np.dtype(parse_policy(precision).params) != np.float32:
@@ -161,7 +161,7 @@ PER_TENSOR_OPTIMIZERS = tuple(n for n, o in optim.DECLARED.items() if o.whole_te
 
 
 def zero_problems(zero_stage: int, mesh_shape: dict, optimizer: str, weight_decay: float) -> list[str]:
-    """What ``pipeline.zero_stage`` cannot take (:mod:`dtx.step.pipeline_zero`): stages 2 and 3, a mesh without
+    """What ``pipeline.zero_stage`` cannot take (:mod:`dtx.parallel.pipeline.zero`): stages 2 and 3, a mesh without
     data axes to split over, LARS and LAMB (their trust ratios need each tensor whole; weight decay runs)."""
     if not zero_stage:
         return []
@@ -194,7 +194,7 @@ def per_tensor(optimizer: str, weight_decay: float, zero_stage: int = 0) -> bool
     ratios are per tensor, and weight decay skips biases by name (``optimizer.exclude``); SGD, momentum, Nesterov
     and Adam without it act entry by entry, so the pipeline updates its flat rows directly (less memory). Under
     ``pipeline.zero_stage=1`` weight decay runs on the row's slices through a row-shaped mask
-    (:mod:`dtx.step.pipeline_zero`), so only LARS and LAMB would."""
+    (:mod:`dtx.parallel.pipeline.zero`), so only LARS and LAMB would."""
     declared = optim.declared(optimizer)
     if zero_stage:
         return declared.whole_tensors

@@ -1,6 +1,6 @@
 """Megatron tensor and sequence parallelism by formula: collectives per block and step, parameters, activations.
 
-What :mod:`dtx.parallel.tensor` runs, as Megatron-LM (Shoeybi et al., arXiv 1909.08053, §3) and Korthikanti
+What :mod:`dtx.parallel.tensor.layout` runs, as Megatron-LM (Shoeybi et al., arXiv 1909.08053, §3) and Korthikanti
 et al. (arXiv 2205.05198, §4.2.2) count it, ``B`` the examples of one data shard, ``S`` positions, ``H`` the
 width, ``T`` the ``model`` axis, ``e`` bytes per compute element, ``n = B·S·H·e``:
 
@@ -74,7 +74,7 @@ def step_bytes(abstract_params: Any, specs: Any, mesh_shape: dict, *, examples: 
                layers: int, sequence_parallel: bool, itemsize: int = 4) -> dict[str, int]:
     """Bytes one device sends per step: ``blocks`` (over ``model``, :func:`block_bytes` each), ``ends`` (the
     token ids and the head, over ``model``) and ``gradients`` (module docstring). ``specs``: the parameters'
-    PartitionSpecs (:func:`dtx.parallel.megatron.megatron_rules`); the head is the replicated rank-2 kernel
+    PartitionSpecs (:func:`dtx.parallel.tensor.megatron.megatron_rules`); the head is the replicated rank-2 kernel
     (and its bias) whose output is not the width; ``examples``: of one data shard."""
     from dtx.paths import named_leaves
 

@@ -1,10 +1,10 @@
 """A pipeline's state as the model's own parameter tree and back: checkpoints restore across layouts.
 
-A pipeline run (:mod:`dtx.step.pipeline`) keeps its parameters, and every optimizer subtree shaped like them, packed
+A pipeline run (:mod:`dtx.parallel.pipeline.step`) keeps its parameters, and every optimizer subtree shaped like them, packed
 into its plan's ``(P, V·row)`` rows; any other run keeps the model's tree. Resuming one as the other (pipeline
 2×4 -> data ×8 -> 1 device, and back; another cut or chunk count) unpacks the saved rows by the saved run's plan and
 packs them by this run's (:func:`relayout`, called by :meth:`dtx.ckpt.checkpoint.Checkpointer.resume`). Stages split
-over a ``model`` axis (:mod:`dtx.parallel.tensor_stages`, rows ``(P, T·V·row)``) convert the same way, by the saved
+over a ``model`` axis (:mod:`dtx.parallel.pipeline.tensor_stages`, rows ``(P, T·V·row)``) convert the same way, by the saved
 run's ``T``: a layout change moves bytes, it computes nothing.
 """
 
@@ -15,11 +15,11 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dtx.mesh import MODEL_AXIS
 from dtx import mesh as mesh_lib
-from dtx.parallel.stages import PipelineError, StagePlan, make_plan
-from dtx.parallel.tensor_stages import split_over
-from dtx.step.pipeline import abstract_state
+from dtx.mesh import MODEL_AXIS
+from dtx.parallel.pipeline.stages import PipelineError, StagePlan, make_plan
+from dtx.parallel.pipeline.step import abstract_state
+from dtx.parallel.pipeline.tensor_stages import split_over
 from dtx.step.state import TrainState
 
 
@@ -48,7 +48,7 @@ def to_tree(state: TrainState, plan: StagePlan) -> TrainState:
 
 def _split(plan: StagePlan, params, example, mesh, shape) -> StagePlan:
     """The saved run's plan with its stages split over its mesh's ``model`` axis, if it had one
-    (:mod:`dtx.parallel.tensor_stages`): ``T`` read from its ``mesh``, or, where that said -1 (the devices left), the
+    (:mod:`dtx.parallel.pipeline.tensor_stages`): ``T`` read from its ``mesh``, or, where that said -1 (the devices left), the
     ``T`` (up to 256) whose rows are the saved ``shape`` (each of the ``T`` holds the unsplit parameters whole, so the
     rows widen with ``T`` and at most one matches)."""
     sizes = [int(size) for name, size in (mesh or ()) if name == MODEL_AXIS]
@@ -68,7 +68,7 @@ def _split(plan: StagePlan, params, example, mesh, shape) -> StagePlan:
 
 def _padded(saved: StagePlan, shape, plan: StagePlan | None) -> StagePlan:
     """The saved run's plan with its rows padded as its ZeRO-1 padded them (``pipeline.zero_stage=1``: to a multiple of
-    its data ranks, :mod:`dtx.step.pipeline_zero`): this run's multiple where that lays them out as saved (the same
+    its data ranks, :mod:`dtx.parallel.pipeline.zero`): this run's multiple where that lays them out as saved (the same
     data ranks), else the saved row's own length (a multiple of the saved ranks, whose count the config may leave
     to -1)."""
     width = getattr(saved, "tensor", 1) * saved.chunks
