@@ -601,3 +601,27 @@ def _execute(spec_path: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(_parse_benchmarks(sys.argv[2]) if sys.argv[1] == "--parse-benchmarks" else _execute(sys.argv[1]))
+
+
+def test_the_extension_guides_tables_name_every_field_of_the_declarations():
+    """docs/extending.md's family table lists every field of the layout, optimizer and mesh-axis declarations
+    (a field added to the code and not to the guide fails here), and names no field the code lacks."""
+    import dataclasses
+
+    from dtx import mesh as mesh_lib
+    from dtx import optim, parallel
+
+    page = open(os.path.join(REPO, "docs", "extending.md")).read()
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in page.splitlines() if line.startswith("| ")}
+    for family, declaration in (("layout", parallel.Layout), ("optimizer", optim.Optimizer),
+                                ("mesh axis", mesh_lib.Axis)):
+        cell = rows[family]
+        fields = {field.name for field in dataclasses.fields(declaration)} - {"name"}
+        named = set(re.findall(r"`(\w+)`", cell))
+        assert fields <= named, f"docs/extending.md's {family} row leaves out {sorted(fields - named)}"
+        listed = cell
+        while re.search(r"\([^()]*\)", listed):  # what a field's parenthesis says is not a field
+            listed = re.sub(r"\([^()]*\)", "", listed)
+        listed = listed.split(";")[0]  # after it: what the declaration's methods return
+        stray = set(re.findall(r"`(\w+)`", listed)) - fields
+        assert not stray, f"docs/extending.md's {family} row names {sorted(stray)}, which the code does not have"
