@@ -53,8 +53,8 @@ axes it composes (docs/composing.md: ``data`` or, under ZeRO, ``fsdp`` at ``fsdp
 ``model``). What dtx runs: data parallelism with ZeRO over an ``fsdp`` axis, tensor parallelism with SP and ZeRO
 over that axis under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
 stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages, with or
-without ZeRO-1 over the data axes (``pipeline.zero_stage=1``; not for LARS/LAMB, which dtx refuses there; no
-ZeRO 2–3 or remat policy with stages), planned as dtx runs it (:mod:`dtx.parallel.pipeline.lm_costs`: an untied output layer, each stage's
+without ZeRO-1 or ZeRO-3 over an ``fsdp`` axis (``fsdp.zero_stage`` 1 or 3: :mod:`dtx.parallel.pipeline.zero`;
+not for LARS/LAMB, which dtx refuses there; no ZeRO-2 or remat policy with stages), planned as dtx runs it (:mod:`dtx.parallel.pipeline.lm_costs`: an untied output layer, each stage's
 forward re-run in its backward slot, its own element-wise terms).
 ``offload`` is not planned: its host transfers are not modelled.
 """
@@ -71,6 +71,9 @@ from dtx.perf.clusters import Cluster
 from dtx.perf.decoder import ACTIVATION_WIDENING, COMPUTE, COMPUTE_COPY
 
 POLICIES = ("none", "dots", "full")
+# The ZeRO stages dtx's pipeline runs over an fsdp axis (dtx.parallel.pipeline.zero; stage 2 is refused there: a
+# pipeline accumulates its gradient row whole over the micro-batches and reduces it once, which is stage 1's).
+PIPELINE_ZERO = (0, 1, 3)
 MICRO = (1, 2, 4, 8, 16, 32, 64)  # gradient accumulation steps (or pipeline micro-batches) tried
 # Element-wise FLOPs XLA's cost analysis counts beside the matmuls (LayerNorm, GELU, softmax, residual adds,
 # the loss's softmax, AdamW's update), per token per logit, per token per block and width, per token per block
@@ -189,7 +192,7 @@ class LMPlan:
     @property
     def runnable(self) -> bool:
         """Whether ``dtx train`` takes it (module docstring)."""
-        return self.stages == 1 or (self.zero <= 1 and self.policy == "none")
+        return self.stages == 1 or (self.zero in PIPELINE_ZERO and self.policy == "none")
 
     def text(self) -> str:
         parts = [f"D{self.data}"] + ([f"T{self.tensor}" + ("+SP" if self.sp else "")] if self.tensor > 1 else [])
@@ -210,8 +213,8 @@ class LMPlan:
         parallelisms compose from them: :func:`dtx.parallel.compose`), the ZeRO stage of its ``fsdp`` axis, and
         the settings of each parallelism it uses."""
         if not self.runnable:
-            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes no ZeRO 2-3 or remat "
-                            "policy")
+            raise PlanError(f"{self.text()} is modelled only: the planned pipeline takes ZeRO "
+                            f"{' or '.join(map(str, PIPELINE_ZERO[1:]))} and no remat policy")
         mesh = "(" + ", ".join(f'(\"{name}\", {size})' for name, size in self.axes()) + ("," if len(self.axes()) == 1
                                                                                       else "") + ")"
         out = [f"--config.mesh='{mesh}'"] + ([f"--config.fsdp.zero_stage={self.zero}"] if self.zero else [])
@@ -251,9 +254,9 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
     if stages > 1:  # dtx's pipeline as it runs (dtx.parallel.pipeline.lm_costs)
-        if zero > 1 or (zero and data == 1) or policy != "none":
-            raise PlanError(f"the planned pipeline takes ZeRO-1 over data shards (D = {data} here) and no remat "
-                            f"policy (zero={zero}, policy={policy})")
+        if zero not in PIPELINE_ZERO or (zero and data == 1) or policy != "none":
+            raise PlanError(f"the planned pipeline takes ZeRO {' or '.join(map(str, PIPELINE_ZERO[1:]))} over data "
+                            f"shards (D = {data} here) and no remat policy (zero={zero}, policy={policy})")
         figures = lm_pipeline.costs(shape, cluster, nodes, global_batch, tensor, stages, micro, ELEMENTWISE,
                                     reduce_bytes=reduce_bytes, element=tensor_element, sp=sp, zero=zero,
                                     backend=backend)
@@ -313,10 +316,10 @@ def memory_terms(shape: LMShape, b: int, data: int, tensor: int, zero: int, poli
 def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, reduce_bytes: int = 4,
                policies: Sequence[str] = POLICIES, pipeline_zero: bool = True) -> list[LMPlan]:
     """Every plan of ``nodes`` GPUs: ``T`` a power of two up to the node (dividing the heads), ``P`` dividing the
-    blocks, ZeRO 0–3 (a pipeline's 0–1; only 0 when not ``pipeline_zero``: dtx refuses ZeRO-1 with stages for
+    blocks, ZeRO 0–3 (a pipeline's :data:`PIPELINE_ZERO`; only 0 when not ``pipeline_zero``: dtx refuses ZeRO with stages for
     LARS/LAMB, whose trust ratios need each tensor whole, ``dtx.optim.Optimizer.whole_tensors``), each
     policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline)."""
-    stage_zero = (0, 1) if pipeline_zero else (0,)
+    stage_zero = PIPELINE_ZERO if pipeline_zero else (0,)
     out = []
     tensors = [t for t in (1, 2, 4, 8, 16) if t <= cluster.local_size and shape.heads % t == 0 and nodes % t == 0]
     for t in tensors:
@@ -327,7 +330,7 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                     continue
                 for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
                     if p > 1 and zero not in stage_zero:
-                        continue  # dtx runs pipeline.zero_stage 0 and 1 only (1 not for LARS/LAMB)
+                        continue  # dtx's pipeline takes fsdp.zero_stage 1 and 3 (neither for LARS/LAMB)
                     for policy in (policies if p == 1 else ("none",)):  # a pipeline re-runs each stage anyway
                         for sp in ((False, True) if t > 1 else (False,)):
                             if sp and shape.seq % t:

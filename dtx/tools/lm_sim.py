@@ -50,6 +50,8 @@ HELD_OUT = (
     (dict(layers=2, width=128, heads=4, seq=256), 8, (4, 0, "full", True, 1), 1),
     (dict(layers=4, width=256, heads=4, seq=64), 32, (2, 0, "none", True, 2), 4),
     (dict(layers=2, width=192, heads=6, seq=128), 32, (1, 0, "dots", False, 1), 2),
+    # Added with the ZeRO-3 pipeline's rows (dtx.parallel.pipeline.lm_costs), committed before its first compile.
+    (dict(layers=4, width=192, heads=6, seq=64), 16, (2, 3, "none", False, 2), 2),
 )
 
 

@@ -39,10 +39,16 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   dtype and its updated float32 slices all-gathered — the ring all-reduce's bytes and rounds (its two halves, now
   two collectives) when the gradients reduce in float32; each device updates, and keeps AdamW's moments of, ``1/D``
   of the row (as :func:`dtx.perf.memory.estimate_pipeline` with ``zero_stage=1``: the optimizer ``/D``, the rest
-  unchanged).
+  unchanged);
+* **ZeRO-3 over the data axes** (``zero=3``, ``fsdp.zero_stage=3``): the same collectives, the all-gather moved
+  from after the update to before the first tick (each device stores ``1/D`` of its row between steps and gathers
+  the whole row once per step, :func:`dtx.parallel.pipeline.zero.gather_row`), so the same bytes and time; its
+  memory holds the stored slice beside the gathered row all step, ``4·row/D`` more than ZeRO-1 at the peak (it
+  saves memory only between steps, where a checkpoint or another job could use it): the planner never prefers it
+  to ZeRO-1 on time or peak memory, and lists it among the candidates.
 
-What is not planned: ZeRO 2 and 3 with stages (dtx refuses them: the gradient is accumulated whole and reduced
-once) and remat policies (a stage re-runs its forward anyway): the candidates leave them out.
+What is not planned: ZeRO-2 with stages (dtx refuses it: the gradient is accumulated whole and reduced once) and
+remat policies (a stage re-runs its forward anyway): the candidates leave them out.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, s
           backend: str = "gpu") -> dict:
     """The plan's figures (module docstring) as :class:`dtx.perf.lm_plan.LMPlan`'s fields; ``element``: bytes of an
     activation element in the messages and the tensor collectives (bf16 on a GPU; XLA:CPU moves float32); ``sp``:
-    sequence parallelism inside the stages; ``zero=1``: ZeRO-1 over the data axes (module docstring); ``backend``:
+    sequence parallelism inside the stages; ``zero``: ZeRO-1 or ZeRO-3 over the data axes (module docstring); ``backend``:
     whose memory, ``"gpu"`` or ``"xla_cpu"`` (:func:`memory_terms`)."""
     data = nodes // (tensor * stages)
     d, s, v = shape.width, shape.seq, shape.vocab
@@ -111,7 +117,7 @@ def costs(shape, cluster: Cluster, nodes: int, global_batch: int, tensor: int, s
     head = (8 * d * v + e["logit"] * v + e["head_width"] * d) / split
     slots = micro * tokens * (inner + stream + head)
     row = stage_row(shape, tensor, stages, data if zero else 1)
-    update = elementwise["update"] * row / (data if zero else 1)  # ZeRO-1: each data rank updates its slice
+    update = elementwise["update"] * row / (data if zero else 1)  # ZeRO-1/3: each data rank updates its slice
     rate = cluster.node_flops * cluster.efficiency["dense"]
     compute_s = (slots + update) / rate * (micro + stages - 1) / micro
     schedule = make_schedule(SCHEDULE, stages, micro)
@@ -167,7 +173,8 @@ def memory_terms(shape, row: int, data: int, tensor: int, stages: int, micro: in
     element = 4 if cpu else decoder.COMPUTE
     kept = min(2 * stages - 1, micro) * tokens * d * element // split
     act = shape.layers // stages * tokens * shape.block.activation_bytes(tensor, sp, "none")
-    return dict(params=4 * row, grads=(4 if cpu else 8) * row, optimizer=8 * row // (data if zero else 1),
+    stored = 4 * row // data if zero == 3 else 0  # ZeRO-3: the slice kept between steps, beside the gathered row
+    return dict(params=4 * row + stored, grads=(4 if cpu else 8) * row, optimizer=8 * row // (data if zero else 1),
                 compute_copy=decoder.COMPUTE_COPY[backend] * row,
                 activations=kept + decoder.ACTIVATION_WIDENING[backend] * act,
                 logits=tokens * v * LOGIT_BYTES[backend] / split)
