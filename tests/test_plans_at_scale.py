@@ -140,3 +140,22 @@ def test_a_started_backend_cannot_switch_its_count(capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "cannot switch to 16" in err and "fresh process" in err
+
+
+def test_the_transformer_planners_64_gpu_plan_compiles_on_64_devices():
+    """``dtx simulate --model experiments/gpt2_small.py --nodes 64 --verify --devices 64`` (dtx.tools.lm_sim): the
+    printed 64-GPU plan compiled on 64 emulated devices at the width-scaled twin, its batch ``64/8`` times the twin's
+    (measured D64: FLOPs 0.9983, bytes 1.0000, memory 0.992); without 8-node rows nothing else compiles."""
+    child = subprocess.run([sys.executable, "-m", "dtx.tools.cli", "simulate", "--model", "experiments/gpt2_small.py",
+                            "--cluster", "h100_nvlink_ndr", "--nodes", "64", "--verify", "--devices", "64", "--json"],
+                           capture_output=True, text=True, timeout=300,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert child.returncode == 0, child.stderr[-3000:]
+    out = json.loads(child.stdout)
+    printed = out["plans"][0]["runnable"]
+    (row,) = out["verify"]
+    assert row["nodes"] == 64 and row["role"] == "twin" and "128 sequences" in row["shape"]
+    assert printed["data"] * printed["tensor"] * printed["stages"] == 64
+    assert row["plan"].startswith(f"D{printed['data']}")
+    for ratio in ("flops_ratio", "bytes_ratio"):
+        assert abs(row[ratio] - 1) <= plancheck.VERIFY_TOLERANCE, row

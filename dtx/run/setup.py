@@ -46,9 +46,10 @@ from dtx.step.state import TrainState, abstract_train_state, init_train_state
 from dtx.strategies.stragglers import Stragglers
 
 
-def make_mesh(config: ConfigDict):
-    """The run's device mesh (``config.mesh``), refusing batch sizes that do not split over it."""
-    mesh = mesh_lib.make_mesh(config.mesh)
+def make_mesh(config: ConfigDict, devices=None):
+    """The run's device mesh (``config.mesh``; over the first of ``devices`` it needs, all when ``None``), refusing
+    batch sizes that do not split over it."""
+    mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     mesh_lib.check_batch_size(config.global_batch_size, mesh)
     mesh_lib.check_batch_size(config.eval_batch_size, mesh, what="eval_batch_size")
     return mesh

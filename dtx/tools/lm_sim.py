@@ -1,9 +1,10 @@
 """``dtx simulate --model EXPERIMENT.py``: a transformer experiment planned over data × tensor × pipeline × ZeRO ×
-remat (:mod:`dtx.perf.lm_plan`), and ``--verify`` of the printed plans compiled at 8 devices.
+remat (:mod:`dtx.perf.lm_plan`), and ``--verify`` of the printed plans compiled on up to ``--devices`` (8, or 64 …).
 
 Per node count: the fastest plan that fits the device's memory, why, and the ``dtx train`` overrides that run it
-(pipelines as dtx runs them: :mod:`dtx.parallel.pipeline.lm_costs`). ``--verify`` compiles, on 8 emulated CPU devices
-(nothing runs), the plans of 8 nodes it printed and one of
+(pipelines as dtx runs them: :mod:`dtx.parallel.pipeline.lm_costs`). ``--verify`` compiles, on emulated CPU devices
+(nothing runs), every plan it printed of 2 up to ``--devices`` nodes (8 unless given: ``--devices 64`` compiles the
+64-node plans on 64, their twin's batch scaled by ``N/8``) and, on 8, one of
 each kind dtx runs (data, ZeRO over an ``fsdp`` axis, tensor, SP, ZeRO with tensor, each remat policy, a pipeline of ``M = P``
 micro-batches with its stages split over ``model``, without and with SP, and with ZeRO-1), as overrides of the
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
@@ -121,40 +122,51 @@ def as_json(table: list[dict]) -> list[dict]:
             for r in table]
 
 
-def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4, held_out: bool = True) -> list[dict]:
-    """Compile the printed runnable plans of 8 nodes and :data:`KINDS` at the twin's shape, then (``held_out``) the
-    :data:`HELD_OUT` rows at theirs (module docstring); each row says whether its kind was ``fitted`` at the twin
-    (the planner's constants were read from it) or is ``held_out``."""
+def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4, held_out: bool = True,
+                 devices: int = VERIFY_NODES) -> list[dict]:
+    """Compile the printed runnable plans of 2 to ``devices`` nodes at the twin's shape (its batch
+    :func:`twin_batch`); where the table has 8-node rows, :data:`KINDS` at 8 nodes beside them, then (``held_out``)
+    the :data:`HELD_OUT` rows at theirs (module
+    docstring); each row says whether its kind was ``fitted`` at the twin (the planner's constants were read from
+    it), is the ``twin`` of a printed plan, or is ``held_out``."""
     base = load_shape(path)[0]
     twin = dataclasses.replace(base, **TWIN)
-    wanted = []
+    wanted = []  # (nodes, kind)
     for row in table:
-        if row["nodes"] == VERIFY_NODES and row["runnable"] is not None:
+        if 2 <= row["nodes"] <= devices and row["runnable"] is not None:
             p = row["runnable"]
-            wanted.append((p.tensor, p.zero, p.policy, p.sp, p.stages))
-    wanted += [k for k in KINDS if k not in wanted]
-    cases = [(twin, TWIN_BATCH, kind, kind[4], "fitted" if kind in FITTED else "twin") for kind in wanted
+            wanted.append((row["nodes"], (p.tensor, p.zero, p.policy, p.sp, p.stages)))
+    beside = devices >= VERIFY_NODES and any(row["nodes"] == VERIFY_NODES for row in table)  # the 8-node rows'
+    wanted += [(VERIFY_NODES, k) for k in KINDS if (VERIFY_NODES, k) not in wanted and beside]
+    cases = [(twin, twin_batch(nodes), kind, kind[4], "fitted" if kind in FITTED and nodes == VERIFY_NODES
+              else "twin", nodes) for nodes, kind in wanted
              if twin.layers % kind[4] == 0]  # the twin's 2 blocks: pipelines of 2 stages
-    if held_out:
-        cases += [(dataclasses.replace(base, **shape), batch, kind, micro, "held out")
+    if held_out and beside:
+        cases += [(dataclasses.replace(base, **shape), batch, kind, micro, "held out", VERIFY_NODES)
                   for shape, batch, kind, micro in HELD_OUT]
-    return [verify_one(path, cluster, shape, batch, kind, micro, reduce, role) for shape, batch, kind, micro, role
-            in cases]
+    return [verify_one(path, cluster, shape, batch, kind, micro, reduce, role, nodes)
+            for shape, batch, kind, micro, role, nodes in cases]
+
+
+def twin_batch(nodes: int) -> int:
+    """The twin's sequences per step at ``nodes``: :data:`TWIN_BATCH` up to 8 nodes, ``nodes/8`` times it above
+    (every data shard keeps a whole number of micro-batches)."""
+    return TWIN_BATCH * max(1, nodes // VERIFY_NODES)
 
 
 def verify_one(path: str, cluster: Cluster, shape: lm_plan.LMShape, batch: int, kind: tuple, micro: int,
-               reduce: int = 4, role: str = "held out") -> dict:
-    """One ``--verify`` row: the plan ``kind`` = ``(tensor, zero, policy, sp, stages)`` of ``shape`` at
-    :data:`VERIFY_NODES` with ``batch`` sequences in ``micro`` micro-batches, compiled and held to the model."""
+               reduce: int = 4, role: str = "held out", nodes: int = VERIFY_NODES) -> dict:
+    """One ``--verify`` row: the plan ``kind`` = ``(tensor, zero, policy, sp, stages)`` of ``shape`` at ``nodes``
+    (emulated devices) with ``batch`` sequences in ``micro`` micro-batches, compiled and held to the model."""
     tensor, zero, policy, sp, stages = kind
-    p = lm_plan.plan(shape, cluster, VERIFY_NODES, batch, tensor=tensor, zero=zero, policy=policy, sp=sp,
+    p = lm_plan.plan(shape, cluster, nodes, batch, tensor=tensor, zero=zero, policy=policy, sp=sp,
                      stages=stages, micro=micro, reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT,
                      backend="xla_cpu")  # the program compiled here is XLA:CPU's: its memory terms (lm_plan)
     start = time.perf_counter()
     flops, sent, peak = compiled_figures(path, p)
     predicted = read_flops(p)
     ratios = (flops / predicted, sent / p.bytes_sent if p.bytes_sent else (1.0 if sent == 0 else math.inf))
-    return dict(plan=p.text(), shape=shape_text(shape, batch), role=role, predicted_flops=predicted,
+    return dict(plan=p.text(), nodes=nodes, shape=shape_text(shape, batch), role=role, predicted_flops=predicted,
                 compiled_flops=flops, flops_ratio=ratios[0], predicted_bytes=p.bytes_sent, compiled_bytes=sent,
                 bytes_ratio=ratios[1], predicted_memory=p.memory_bytes, compiled_memory=peak,
                 memory_ratio=p.memory_bytes / peak, within=all(abs(r - 1) <= VERIFY_TOLERANCE for r in ratios),
@@ -180,7 +192,8 @@ def twin_overrides(p: lm_plan.LMPlan) -> list[str]:
     s = p.shape
     return [f"--config.model.num_layers={s.layers}", f"--config.model.d_model={s.width}",
             f"--config.model.num_heads={s.heads}", f"--config.model.max_len={s.seq}",
-            f"--config.dataset.seq_len={s.seq}"] + [o.replace("'", "") for o in p.overrides()]
+            f"--config.dataset.seq_len={s.seq}", f"--config.eval_batch_size={p.global_batch}",  # splits as the step's
+            ] + [o.replace("'", "") for o in p.overrides()]
 
 
 def compiled_figures(path: str, p: lm_plan.LMPlan) -> tuple[float, float, float]:
@@ -206,7 +219,7 @@ def compile_plan(path: str, p: lm_plan.LMPlan):
     from dtx.run import setup
 
     config = config_lib.load(path, twin_overrides(p))
-    mesh = setup.make_mesh(config)
+    mesh = setup.make_mesh(config, devices=jax.devices()[:p.nodes])  # --devices may emulate more
     inputs = setup.load_data(config, mesh)
     parts = setup.build_parts(config, mesh, inputs.dataset, inputs.loader.steps_per_epoch, inputs.num_steps)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), parts.abstract_state,
@@ -257,14 +270,14 @@ def slot_flops(plan, task, policy, mesh, p: lm_plan.LMPlan) -> float:
 
 
 def print_verified(verified: list[dict]) -> None:
-    print(f"\nverify: each plan compiled at {VERIFY_NODES} emulated CPU devices (nothing runs) at the width-scaled "
-          f"twin ({TWIN}, {TWIN_BATCH} sequences); per device per step, XLA's FLOPs and the HLO's bytes sent against "
-          "dtx.perf.lm_plan")
+    print(f"\nverify: each plan compiled on as many emulated CPU devices as it has GPUs (nothing runs), at the "
+          f"width-scaled twin ({TWIN}, {TWIN_BATCH} sequences up to {VERIFY_NODES} devices, N/{VERIFY_NODES} times "
+          "that on N above); per device per step, XLA's FLOPs and the HLO's bytes sent against dtx.perf.lm_plan")
     print("  (fitted: a kind the planner's constants were read from, at the twin; held out: chosen and committed "
           "before it was first compiled, at another shape)")
     for row in verified:
         flag = "" if row["within"] else f"  outside {VERIFY_TOLERANCE:.0%}"
-        print(f"  [{row['role']}: {row['shape']}]")
+        print(f"  [{row['role']}: {row['shape']}, {row['nodes']} devices]")
         print(f"  {row['plan']:<30} GFLOP model {row['predicted_flops'] / 1e9:.4f} XLA "
               f"{row['compiled_flops'] / 1e9:.4f}"
               f" ratio {row['flops_ratio']:.4f}; MB model {row['predicted_bytes'] / 1e6:.3f} XLA "
@@ -282,7 +295,8 @@ def main(args, cluster: Cluster) -> int:
     for n in args.nodes:
         batch = args.global_batch if args.per_node_batch is None else args.per_node_batch * n
         table += rows(shape, cluster, [n], batch, reduce, config.optimizer.name)
-    verified = verify_plans(args.model, cluster, table, reduce) if args.verify else []
+    devices = args.devices or VERIFY_NODES  # dtx.tools.plancheck.start_devices emulated them
+    verified = verify_plans(args.model, cluster, table, reduce, devices=devices) if args.verify else []
     if args.json:
         print(json.dumps(dict(model=args.model, cluster=cluster.name, plans=as_json(table),
                               **({"verify": verified} if args.verify else {})), indent=1, default=float))
