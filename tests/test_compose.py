@@ -21,6 +21,7 @@ Hand-breaks (each fails the tests named): ``pipeline_zero.gather_row`` gathering
 replica axes -> ``test_hybrid_sharding_equals_one_device[zero1]`` (refused by shard_map's replication check).
 """
 
+import dataclasses
 import os
 
 import jax
@@ -192,6 +193,16 @@ def test_undeclared_axes_are_refused():
     (dict(mesh=(("fsdp", 4), ("stage", 2)), pipeline=dict(zero_stage=1)), r"pipeline.zero_stage=1 with an 'fsdp' "
                                                                          r"mesh axis.*fsdp.zero_stage"),
     (dict(mesh=(("data", 4), ("stage", 2)), parallel=dict(name="fsdp")), r"'fsdp' does not compose with a 'stage'"),
+    (dict(mesh=(("data", 8),), model_axis=dict(split="megatron")), r"model_axis.split='megatron' sets how kernels "
+                                                                  r"split over a 'model' mesh axis.*add one"),
+    (dict(mesh=(("data", 2), ("model", 4)), model_axis=dict(split="rows")), r"model_axis.split='rows': choose one "
+                                                                           r"of megatron, all, dense"),
+    (dict(mesh=(("data", 2), ("model", 4)), parallel=dict(name="tensor"), model_axis=dict(split="all")),
+     r"model_axis.split='all' and parallel.name='tensor' disagree"),
+    (dict(mesh=(("data", 2), ("stage", 2), ("model", 2)), model_axis=dict(split="dense")),
+     r"'hybrid' does not compose with a 'stage' mesh axis"),
+    (dict(mesh=(("data", 2), ("model", 4)), model_axis=dict(split="all"), tensor=dict(sequence_parallel=True)),
+     r"tensor.sequence_parallel=True applies to parallel.name=tensor"),
 ])
 def test_what_does_not_compose_is_refused_by_key(changes, match):
     config = config_lib.base_config().unlock()
@@ -216,6 +227,24 @@ def test_presets_expand_to_the_axes():
     for name, layout in parallel.LAYOUTS.items():
         if not layout.stages:
             assert compose(layout, ["data", "model"]) == layout
+
+
+def test_the_model_axis_setting_chooses_the_kernel_split():
+    """model_axis.split is the setting of the 'model' axis, as fsdp.zero_stage is the fsdp axis's: with
+    parallel.name=data it chooses Megatron's pairs (the tensor layout), Das et al.'s model or hybrid split; it
+    composes with fsdp and stage as those layouts do; the config's tensor block then belongs to the composed layout."""
+    compose, data = parallel.compose, parallel.get_layout("data")
+    assert {split: compose(data, ["data", "model"], 3, split).name for split in ("megatron", "all", "dense")} == \
+        {"megatron": "tensor", "all": "model", "dense": "hybrid"}
+    assert compose(data, ["fsdp", "model"], 2, "megatron") == dataclasses.replace(parallel.LAYOUTS["tensor"],
+                                                                                  zero_stage=2)
+    assert compose(data, ["fsdp", "stage", "model"], 3, "megatron").name == "pipeline"
+    assert compose(parallel.get_layout("tensor"), ["data", "model"], 3, "megatron").name == "tensor"
+    config = config_lib.base_config().unlock()
+    config.mesh, config.driver = (("data", 2), ("model", 4)), "jit"
+    config.model_axis.split, config.tensor.sequence_parallel = "megatron", True
+    config_lib.validate(config)
+    assert parallel.configured(config) == parallel.LAYOUTS["tensor"]
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def _config(layout):
 
 def _tree(state, parts):
     """The state as the model's tree (a pipeline's rows unpacked by its plan), on the host."""
-    pipeline = parts.placement.pipeline
+    pipeline = parts.placement.runner
     state = state if pipeline is None else _to_tree(state, pipeline.plan)
     return jax.device_get((state.params, state.opt_state))
 

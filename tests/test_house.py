@@ -273,3 +273,13 @@ def test_no_layout_kind_is_compared_outside_its_registry():
                     isinstance(node.slice, ast.Constant):
                 found.append(f"{name} line {node.lineno}: {ast.unparse(node)}")
     assert not found, "layout kinds or names asked outside the registry:\n" + "\n".join(found)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists every package folder of dtx (setuptools installs only the listed ones: a sub-package left
+    out works from a checkout and is missing from a wheel)."""
+    import tomllib
+
+    listed = set(tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.endswith("__init__.py")}
+    assert found <= listed, f"pyproject.toml's [tool.setuptools] packages leave out {sorted(found - listed)}"

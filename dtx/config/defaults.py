@@ -117,6 +117,11 @@ def base_config() -> ConfigDict:
     # sharding, HSDP): which ZeRO stage it runs. With parallel.name=data (or tensor, or a "stage" axis) it composes.
     c.fsdp = ConfigDict()
     c.fsdp.zero_stage = 3  # 1 the optimizer state, 2 and the gradients, 3 and the parameters (FSDP)
+    # A "model" mesh axis: how kernels split over it (dtx.parallel.compose), with parallel.name=data: "megatron"
+    # (Megatron's column/row pairs, parallel.name=tensor's), "all" (every Dense/Conv: Das et al.'s model
+    # parallelism) or "dense" (the fully connected layers: their hybrid); "" leaves it to the parallel.name preset.
+    c.model_axis = ConfigDict()
+    c.model_axis.split = ""
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

@@ -67,7 +67,12 @@ class Placement(NamedTuple):
     state: Any  # a NamedSharding per leaf of the TrainState
     gradients: Any  # ZeRO 1/2: where the reduced gradients live (split like the optimizer state), else None
     activations: ActivationLayout | None  # where model-parallel layers' activations live, else None
-    pipeline: Any = None  # a staged layout's stages and schedule (dtx.parallel.pipeline.step.Pipeline), else None
+    # A parallelism that runs its own step (the pipeline's schedule runner, dtx.parallel.pipeline.step.Pipeline),
+    # else None. The drivers and the run ask it, never which layout it is: ``train_step(tx, mesh, spec)``,
+    # ``eval_step(evaluate)`` (a data-parallel eval step over the model's own tree, wrapped), ``init_state(model, tx,
+    # example, seed, mesh, shardings, loss_scaler)``, ``model_params(params)`` (the state's parameters as the model's
+    # own tree) and ``clock(workers, global_batch, cluster, stragglers)`` (its simulated clock's model).
+    runner: Any = None
 
     @property
     def whole_gradients(self) -> bool:
@@ -278,7 +283,17 @@ def configured(config) -> Layout:
     own = {key: config.parallel[key] for key in chosen.settings if key in config.parallel
            and key in {field.name for field in dataclasses.fields(Layout)}}
     chosen = dataclasses.replace(chosen, **own) if own else chosen
-    return compose(chosen, tuple(name for name, _ in config.mesh), config.fsdp.zero_stage)
+    return compose(chosen, tuple(name for name, _ in config.mesh), config.fsdp.zero_stage, config.model_axis.split)
+
+
+# How kernels split over a 'model' mesh axis (model_axis.split): the Layout.kernels each choice is.
+MODEL_SPLITS = {"megatron": "paired", "all": "all", "dense": "dense"}
+
+
+def _split(kernels: str) -> Layout:
+    """The layout that splits kernels over ``model`` as ``kernels`` says and does nothing else."""
+    return next(layout for layout in LAYOUTS.values() if layout.kernels == kernels and not layout.stages
+                and not layout.zero_stage)
 
 
 def _zero(stage: int) -> Layout:
@@ -287,15 +302,33 @@ def _zero(stage: int) -> Layout:
                 and layout.zero_stage == stage)
 
 
-def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3) -> Layout:
+def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_split: str = "") -> Layout:
     """``layout`` (a ``parallel.name`` preset) with the parallelisms the mesh's ``axes`` declare.
 
-    A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
+    ``model_split`` (``model_axis.split``) chooses how a ``model`` axis splits kernels when the preset replicates
+    them: ``megatron`` (:data:`MODEL_SPLITS`: the tensor layout's pairs), ``all`` or ``dense`` (Das et al.'s model
+    and hybrid parallelism); a preset that already splits them must agree. A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
     stage, an ``fsdp`` axis ZeRO over each stage's row: :mod:`dtx.parallel.pipeline.zero`); an ``fsdp`` axis makes a
     replicated preset ZeRO at ``fsdp_stage`` and gives a Megatron preset that stage over it. Presets that already
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
     compose is refused, naming the axes and the presets that take them."""
     mesh_lib.check_axes(axes, "--config.mesh")
+    if model_split:
+        if model_split not in MODEL_SPLITS:
+            raise PartitionError(f"model_axis.split={model_split!r}: choose one of {', '.join(MODEL_SPLITS)} (or "
+                                 "leave it empty for the parallel.name preset's split)")
+        if mesh_lib.MODEL_AXIS not in axes:
+            raise PartitionError(f"model_axis.split={model_split!r} sets how kernels split over a "
+                                 f"{mesh_lib.MODEL_AXIS!r} mesh axis, and the mesh's axes {tuple(axes)} have none: "
+                                 "add one, e.g. --config.mesh='((\"data\", -1), (\"model\", 2))', or leave "
+                                 "model_axis.split empty")
+        kernels = MODEL_SPLITS[model_split]
+        if layout.replicated:
+            layout = _split(kernels)
+        elif layout.kernels != kernels and not (layout.stages and kernels == "paired"):
+            raise PartitionError(f"model_axis.split={model_split!r} and parallel.name={layout.name!r} disagree "
+                                 "about how kernels split over 'model': set parallel.name=data and let the axis "
+                                 "setting decide, or leave model_axis.split empty")
     if STAGE_AXIS in axes and not layout.stages:
         if layout.replicated or (layout.pairs and not layout.zero_stage):
             return LAYOUTS["pipeline"]
@@ -341,7 +374,7 @@ def check_config(config) -> None:
     (``parallel.rules``: to ``rules``), a layout's own block (``tensor.*``) only to that layout."""
     chosen = get_layout(config.parallel.name)
     axes = tuple(name for name, _ in config.mesh)
-    composed = compose(chosen, axes, config.fsdp.zero_stage)  # undeclared axes, presets that do not compose
+    composed = compose(chosen, axes, config.fsdp.zero_stage, config.model_axis.split)  # and what does not compose
     stage = config.fsdp.zero_stage
     if mesh_lib.FSDP_AXIS not in axes and stage != 3:
         raise ConfigError(f"fsdp.zero_stage={stage!r} sets the ZeRO stage of an 'fsdp' mesh axis, and the mesh "
@@ -353,7 +386,7 @@ def check_config(config) -> None:
             if config[block][name]:
                 raise ConfigError(f"{key}={config[block][name]!r} with an 'fsdp' mesh axis: the axis's ZeRO stage is "
                                   f"fsdp.zero_stage ({stage}); set that and leave {key} at 0")
-    if composed.stages and not chosen.stages:  # the axes made it a pipeline: the pipeline's settings apply
+    if composed.name != chosen.name:  # the axes made it another layout (a pipeline, tensor): its settings apply
         chosen = composed
     reduce = config.parallel.get("reduce", REDUCE[0])
     if reduce != REDUCE[0]:  # before the generic refusal: zero2's own hint, an unknown value, k = 1

@@ -362,8 +362,8 @@ def _evaluated_variables(run: Restored):
     """The variables the run evaluates: the strategy's global model (the workers' mean for local SGD and
     gossip), computed by the strategy itself on the run's mesh, and the model state the eval step uses
     (the workers' mean of their own batch-norm statistics, :func:`dtx.step.body.eval_model_state`)."""
-    if run.parts.placement.pipeline is not None:  # the stages' parameter rows, as the model's own tree
-        return {"params": run.parts.placement.pipeline.plan.unpack(run.state.params), **run.state.model_state}
+    if run.parts.placement.runner is not None:  # its state's parameters (a pipeline's rows) as the model's tree
+        return {"params": run.parts.placement.runner.model_params(run.state.params), **run.state.model_state}
     if not run.parts.strategy.caps.local_models:
         return {"params": run.state.params, **run.state.model_state}
     axes = mesh_lib.batch_axes(run.mesh)

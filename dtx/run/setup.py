@@ -170,7 +170,7 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     settings = dict(config[chosen.block]) if chosen.block else {}  # the layout's own block (tensor.*)
     if parallel.fsdp_stage(config):  # the fsdp axis's stage, composed into the layout (parallel.compose)
         settings.pop("zero_stage", None)
-    placement = chosen.place(abstract_state, mesh, config.parallel.rules, **settings)._replace(pipeline=pipeline)
+    placement = chosen.place(abstract_state, mesh, config.parallel.rules, **settings)._replace(runner=pipeline)
     if pipeline is not None and pipeline.zero_stage:  # ZeRO's optimizer rows (stage 3: parameter rows) split too
         placement = placement._replace(state=step_pipeline.state_shardings(abstract_state, mesh, pipeline.plan,
                                                                            pipeline.zero_stage))
@@ -245,14 +245,10 @@ def clock_recorder(config: ConfigDict, parts: Parts, saved: dict | None = None) 
     """The run's simulated clock (``None`` without ``config.cluster``): the example's own dtype (a token model
     takes integer ids; the clock only traces shapes), the strategy's capabilities (who waits for whom). A pipeline's
     clock times its schedule tick by tick (:func:`dtx.parallel.pipeline.costs.clock_model`)."""
-    pipeline, spec = parts.placement.pipeline, cluster_spec(config)
-    if pipeline is not None and spec is not None:
-        from dtx.parallel.pipeline import costs as pipeline_model
-
-        data = parts.workers // pipeline.plan.devices
-        micro = config.global_batch_size // data // pipeline.schedule.micro
-        return simclock.Recorder(pipeline_model.clock_model(pipeline.plan, pipeline.schedule, micro, data,
-                                                            spec.cluster, spec.stragglers), saved)
+    runner, spec = parts.placement.runner, cluster_spec(config)
+    if runner is not None and spec is not None:  # a parallelism that runs its own step times it
+        return simclock.Recorder(runner.clock(parts.workers, config.global_batch_size, spec.cluster,
+                                              spec.stragglers), saved)
     return simclock.recorder_for_run(cluster_spec(config), parts.model, parts.example.shape[1:], parts.example.dtype,
                                      workers=parts.workers, global_batch=config.global_batch_size,
                                      accum_steps=micro_batches(config), algorithm=config.allreduce,
@@ -280,9 +276,9 @@ def make_eval(config: ConfigDict, parts: Parts, mesh):
 
 def init_state(config: ConfigDict, parts: Parts, mesh) -> TrainState:
     """A fresh state of ``parts``, seeded by ``config.seed``, laid out on ``mesh``."""
-    if parts.placement.pipeline is not None:
-        return step_pipeline.init_state(parts.model, parts.tx, parts.example, config.seed, mesh,
-                                        parts.placement.pipeline.plan, parts.placement.state, parts.loss_scaler)
+    if parts.placement.runner is not None:  # a parallelism that runs its own step lays out its own state
+        return parts.placement.runner.init_state(parts.model, parts.tx, parts.example, config.seed, mesh,
+                                                 parts.placement.state, parts.loss_scaler)
     return init_train_state(parts.model, parts.tx, parts.example, config.seed, mesh, parts.loss_scaler,
                             parts.placement.state, step_spec(config, parts))
 
@@ -292,7 +288,7 @@ def relayout(parts: Parts, mesh):
     pipeline's stage rows into the model's tree, or the tree into this pipeline's rows."""
     tree_state = abstract_train_state(parts.model, parts.tx, parts.example, parts.loss_scaler, parts.strategy,
                                       parts.compressor, parts.workers)
-    plan = parts.placement.pipeline.plan if parts.placement.pipeline is not None else None
+    plan = parts.placement.runner.plan if parts.placement.runner is not None else None
     def pipelined(saved: dict) -> bool:  # the saved run's layout cut stages: its preset, or a stage axis
         name = (saved.get("parallel") or {}).get("name")
         return (name in parallel.LAYOUTS and bool(parallel.get_layout(name).stages)) or any(

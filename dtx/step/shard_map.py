@@ -7,7 +7,8 @@ data-parallel SGD of Das et al. (arXiv 1602.06709, §2) and the Hitchhiker's Gui
 §3.1), average the workers' gradients, then every replica applies the same update. Every message is
 the plug-ins' own, so every byte is counted while tracing (:mod:`dtx.comm.costmodel`'s accountant).
 Under ZeRO 1/2 the reduce-scatter and all-gather are :mod:`dtx.parallel.zero`'s
-(:mod:`dtx.step.zero_step`); a pipeline's stages run :mod:`dtx.parallel.pipeline.step`'s step.
+(:mod:`dtx.step.zero_step`); a placement whose parallelism runs its own step (a pipeline's schedule) brings it
+as its ``runner``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from dtx import mesh as mesh_lib
 from dtx.comm import collectives
 from dtx.comm import context as comm_lib
 from dtx.comm.algorithms import get_algorithm
-from dtx.parallel.pipeline import step as pipeline
 from dtx.step import batchnorm, body, zero_step
 from dtx.step.spec import StepError, StepSpec
 from dtx.step.state import TrainState
@@ -49,8 +49,8 @@ class ShardMapDriver:
     def train_step(self, model, tx, mesh: Mesh, spec: StepSpec):
         strategy, compressor = spec.strategy or strategies.sync(), spec.compressor or compress.none()
         placement = spec.placement
-        if placement is not None and placement.pipeline is not None:  # stages on the 'stage' axis: its own step
-            return pipeline.train_step(tx, mesh, placement.pipeline, spec)
+        if placement is not None and placement.runner is not None:  # a parallelism that runs its own step
+            return placement.runner.train_step(tx, mesh, spec)
         if placement is not None and placement.gradients is not None:  # ZeRO 1/2: its own collectives
             if not (strategy.caps.identity and compressor.caps.identity) or not get_algorithm(spec.allreduce).native \
                     or spec.bucket_bytes or not spec.communicate:
@@ -78,9 +78,8 @@ class ShardMapDriver:
         return jax.jit(per_device, donate_argnums=(0,) if spec.donate else ())
 
     def eval_step(self, model, mesh: Mesh, spec: StepSpec):
-        if spec.placement is not None and spec.placement.pipeline is not None:
-            return pipeline.eval_step(self.eval_step(model, mesh, spec.replace(placement=None)),
-                                      spec.placement.pipeline.plan)
+        if spec.placement is not None and spec.placement.runner is not None:  # over the model's own tree
+            return spec.placement.runner.eval_step(self.eval_step(model, mesh, spec.replace(placement=None)))
         strategy = spec.strategy or strategies.sync()
         axes = mesh_lib.batch_axes(mesh)
         comm = comm_lib.CommContext(axes, mesh_lib.data_parallel_size(mesh), functools.partial(lax.pmean, axis_name=axes))

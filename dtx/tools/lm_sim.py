@@ -235,7 +235,7 @@ def _pipeline_figures(parts, mesh, p: lm_plan.LMPlan, compiled) -> tuple[float, 
     from dtx.comm import hlo
     from dtx.parallel.pipeline import tensor_stages
 
-    pipeline = parts.placement.pipeline
+    pipeline = parts.placement.runner
     slots = slot_flops(pipeline.plan, parts.task, parts.policy, mesh, p)
     sent = tensor_stages.step_bytes(hlo.collectives(compiled), pipeline.schedule, p.tensor)
     return float(slots * p.micro + p.update_flops), float(sent)

@@ -81,6 +81,29 @@ class Pipeline:
     zero_stage: int = 0  # 1: the optimizer state and update split over the data axes; 3: the rows too (pipeline_zero)
     decay: tuple | None = dataclasses.field(default=None, compare=False)  # ZeRO-1's weight-decay row mask, as runs
 
+    # The runner a placement carries (dtx.parallel.layouts.Placement.runner): what the drivers and the run ask.
+    def train_step(self, tx: optax.GradientTransformation, mesh: Mesh, spec):
+        return train_step(tx, mesh, self, spec)
+
+    def eval_step(self, evaluate):
+        return eval_step(evaluate, self.plan)
+
+    def init_state(self, model, tx, example_inputs, seed: int, mesh: Mesh, shardings=None,
+                   loss_scaler: LossScaler = LossScaler()) -> TrainState:
+        return init_state(model, tx, example_inputs, seed, mesh, self.plan, shardings, loss_scaler)
+
+    def model_params(self, params):
+        """The stages' parameter rows as the model's own tree."""
+        return self.plan.unpack(params)
+
+    def clock(self, workers: int, global_batch: int, cluster, stragglers):
+        """The simulated clock's model: the schedule timed tick by tick (:func:`.costs.clock_model`)."""
+        from dtx.parallel.pipeline import costs  # the cost model only where a clock is asked for
+
+        data = workers // self.plan.devices
+        return costs.clock_model(self.plan, self.schedule, global_batch // data // self.schedule.micro, data,
+                                 cluster, stragglers)
+
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes that split the batch under a pipeline: the data replicas' (:func:`dtx.mesh.replica_axes`), not
