@@ -82,13 +82,14 @@ def _pipeline_run(schedule):
                 metrics=jax.device_get(metrics))
 
 
-def _tree_run(mesh_spec, name="data", driver="shard_map", devices=None, accum_steps=1):
+def _tree_run(mesh_spec, name="data", driver="shard_map", devices=None, accum_steps=1, reduce=None):
     model, split, tx = models.build_model("transformer", **LM), _data(), _adamw()
     mesh = mesh_lib.make_mesh(mesh_spec, devices=devices)
     example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
     placement = None
     if name != "data" or "fsdp" in dict(mesh_spec):
         layout = parallel.compose(parallel.get_layout(name), [a for a, _ in mesh_spec], 3)
+        layout = dataclasses.replace(layout, reduce=reduce) if reduce else layout
         placement = layout.place(abstract_train_state(model, tx, example), mesh)
     state = init_train_state(model, tx, example, 0, mesh,
                              shardings=None if placement is None else placement.state)
@@ -247,24 +248,41 @@ def test_the_model_axis_setting_chooses_the_kernel_split():
     assert parallel.configured(config) == parallel.LAYOUTS["tensor"]
 
 
+def test_an_fsdp_axis_takes_fsdps_no_sync_accumulation():
+    """parallel.reduce=once is FSDP's setting, so an fsdp axis at ZeRO-3 takes it too (the run's layout is the
+    fsdp preset's with it; test_hybrid_sharding_equals_one_device[once] trains it); at ZeRO-1 it is refused."""
+    config = config_lib.base_config().unlock()
+    config.mesh, config.driver, config.grad_accum_steps = (("data", 2), ("fsdp", 4)), "jit", 2
+    config.parallel.reduce = "once"
+    config_lib.validate(config)
+    assert parallel.configured(config) == dataclasses.replace(parallel.LAYOUTS["fsdp"], reduce="once")
+    config.fsdp.zero_stage = 1
+    with pytest.raises(config_lib.ConfigError, match="parallel.reduce='once' applies to parallel.name=fsdp only"):
+        config_lib.validate(config)
+
+
 @pytest.fixture(scope="module")
 def hybrid():
     return dict(jit=_tree_run(HYBRID, "data", "jit"), zero1=_tree_run(HYBRID, "zero1", "shard_map"),
-                zero2=_tree_run(HYBRID, "zero2", "shard_map", accum_steps=2))
+                zero2=_tree_run(HYBRID, "zero2", "shard_map", accum_steps=2),
+                once=_tree_run(HYBRID, "data", "jit", accum_steps=2, reduce="once"))
 
 
-@pytest.mark.parametrize("kind", ["jit", "zero1", "zero2"])
+@pytest.mark.parametrize("kind", ["jit", "zero1", "zero2", "once"])
 def test_hybrid_sharding_equals_one_device(runs, hybrid, kind):
     """data 2 x fsdp 4: FSDP (jit), ZeRO-1 and ZeRO-2 over 2 micro-batches (shard_map: each micro-batch's gradient
-    reduce-scattered over fsdp, then its slice averaged over data) train one device's parameters; the state is split
+    reduce-scattered over fsdp, then its slice averaged over data), and FSDP's no-sync accumulation over 2
+    micro-batches (parallel.reduce=once: whole gradients summed, reduced once) train one device's parameters; the
+    state is split
     over fsdp alone (each leaf's split dimension 1/4, never 1/8); under shard_map the accountant's bytes are the
     compiled program's."""
     _close(hybrid[kind]["params"], runs["one"]["params"])
     state = hybrid[kind]["state"]
-    split = [leaf.sharding.spec for leaf in jax.tree.leaves(state.params if kind == "jit" else state.opt_state)
+    held = state.params if kind in ("jit", "once") else state.opt_state
+    split = [leaf.sharding.spec for leaf in jax.tree.leaves(held)
              if any(leaf.sharding.spec)]
     assert split and all(set(spec) <= {None, "fsdp", ("fsdp",)} for spec in split), split
-    if kind != "jit":
+    if kind in ("zero1", "zero2"):
         assert hybrid[kind]["metrics"]["comm_bytes"] == hlo.total(hybrid[kind]["compiled"]).bytes_sent
 
 

@@ -325,7 +325,7 @@ def _axes_entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def lookup_layout(mesh: Mesh):
+def lookup_layout(mesh: Mesh, mapped: tuple[str, ...] = ()):
     """A context manager factory placing every embedding lookup's output (``nn.Embed``) on the batch split, for
     layouts whose parameters are split while activations stay data parallel (FSDP: ZeRO stage 3,
     Rajbhandari et al. 2020, gathers parameters for use and keeps the examples where they are).
@@ -337,9 +337,11 @@ def lookup_layout(mesh: Mesh):
     the 7B-shape one. Only lookups are pinned: Dense/Conv layers keep XLA's per-layer choice between
     gathering weights, gathering activations and contracting slices, which is what keeps FSDP's memory
     (pinning every layer's output to the batch made XLA:CPU keep whole gathered weights and gradients: 2.6x
-    the memory on the speech DNN and 3x on ResNet-18). The constraint holds for the cotangent too.
+    the memory on the speech DNN and 3x on ResNet-18). The constraint holds for the cotangent too. ``mapped``:
+    batch axes a surrounding ``jax.vmap`` already splits over (its ``spmd_axis_name``: FSDP's no-sync accumulation,
+    :mod:`dtx.step.accumulate`), left out of the constraint, which then places one mapped shard.
     """
-    batch = _axes_entry(mesh_lib.batch_axes(mesh))
+    batch = _axes_entry(tuple(axis for axis in mesh_lib.batch_axes(mesh) if axis not in mapped))
 
     def constrain(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)

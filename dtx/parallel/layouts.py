@@ -277,13 +277,14 @@ def rules_layout() -> Layout:
 
 
 def configured(config) -> Layout:
-    """The layout ``config.parallel.name`` with the ``parallel.*`` settings that are fields of its declaration
-    (``parallel.reduce``) applied, composed with the parallelisms its mesh's axes bring (:func:`compose`)."""
-    chosen = get_layout(config.parallel.name)
+    """The layout ``config.parallel.name`` composed with the parallelisms its mesh's axes bring (:func:`compose`),
+    with the ``parallel.*`` settings that are fields of the composed declaration applied (``parallel.reduce``: FSDP's,
+    from the ``fsdp`` preset or an ``fsdp`` axis at ZeRO-3)."""
+    chosen = compose(get_layout(config.parallel.name), tuple(name for name, _ in config.mesh),
+                     config.fsdp.zero_stage, config.model_axis.split)
     own = {key: config.parallel[key] for key in chosen.settings if key in config.parallel
            and key in {field.name for field in dataclasses.fields(Layout)}}
-    chosen = dataclasses.replace(chosen, **own) if own else chosen
-    return compose(chosen, tuple(name for name, _ in config.mesh), config.fsdp.zero_stage, config.model_axis.split)
+    return dataclasses.replace(chosen, **own) if own else chosen
 
 
 # How kernels split over a 'model' mesh axis (model_axis.split): the Layout.kernels each choice is.
@@ -398,7 +399,10 @@ def check_config(config) -> None:
             raise ConfigError(f"parallel.reduce={reduce!r} chooses when FSDP reduces the gradients of several "
                               "micro-batches, and grad_accum_steps=1 has one: set --config.grad_accum_steps=k > 1 "
                               "or leave parallel.reduce at its default 'per_microbatch'")
-    check_block(config, "parallel", {name: layout.settings for name, layout in LAYOUTS.items()})
+    taken = {name: layout.settings for name, layout in LAYOUTS.items()}
+    if config.parallel.name in taken:  # what the axes composed takes too (parallel.reduce with an fsdp axis)
+        taken[config.parallel.name] = tuple(dict.fromkeys(taken[config.parallel.name] + chosen.settings))
+    check_block(config, "parallel", taken)
     for layout in LAYOUTS.values():  # a layout's own block (tensor.*) is set only for it
         for key, value in (config.get(layout.block) or {}).items() if layout.block != chosen.block else ():
             if value and f"{layout.block}.{key}" not in chosen.borrows:

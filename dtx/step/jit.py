@@ -64,6 +64,8 @@ class JitDriver:
             model = batchnorm.synchronise(model, apart.axis_names)
             if placement is not None and placement.activations is not None:
                 layout = placement.activations.inside_map(apart.axes)
+            elif placement is not None and placement.layout.zero_stage == 3:  # FSDP's lookups, one mapped shard
+                layout = activations_lib.lookup_layout(mesh, apart.axes)
         route = body.Route(shards=mesh_lib.data_parallel_size(mesh),
                            constrain=lambda x: lax.with_sharding_constraint(x, micro_sharding), layout=layout,
                            split_grads=split_grads, apart=apart,
