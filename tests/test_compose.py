@@ -179,8 +179,8 @@ def test_undeclared_axes_are_refused():
     with pytest.raises(mesh_lib.MeshError, match="'batch' is declared by no parallelism.*'fsdp'.*'stage'"):
         mesh_lib.batch_axes(mesh)
     config = config_lib.base_config().unlock()
-    config.mesh = (("data", 2), ("context", 4))
-    with pytest.raises(config_lib.ConfigError, match="'context' is declared by no parallelism"):
+    config.mesh = (("data", 2), ("sequence", 4))
+    with pytest.raises(config_lib.ConfigError, match="'sequence' is declared by no parallelism"):
         config_lib.validate(config)
 
 

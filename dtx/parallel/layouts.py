@@ -47,6 +47,7 @@ from dtx.config import ConfigError, check_block, register_check
 from dtx.parallel import fc_pairs as fc_pairs_lib
 from dtx.parallel import rules as rules_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
+from dtx.parallel.context import CONTEXT_AXIS
 from dtx.parallel.pipeline.stages import STAGE_AXIS, row_spec
 from dtx.parallel.rules import PartitionError
 from dtx.parallel.tensor import layout as tensor_lib
@@ -314,6 +315,10 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
     compose is refused, naming the axes and the presets that take them."""
     mesh_lib.check_axes(axes, "--config.mesh")
+    if CONTEXT_AXIS in axes:
+        raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis splits every sequence (context parallelism): its "
+                             "attention kernels are dtx.parallel.context.attention, and no layout runs a step on it "
+                             "yet; drop the axis from --config.mesh")
     if model_split:
         if model_split not in MODEL_SPLITS:
             raise PartitionError(f"model_axis.split={model_split!r}: choose one of {', '.join(MODEL_SPLITS)} (or "

@@ -1,0 +1,23 @@
+"""Context parallelism, one package: every sequence split over the ``context`` mesh axis.
+
+Activation memory grows with the sequence; splitting the batch does not shrink one sequence's. A ``context``
+axis of ``C`` devices gives each of them ``S/C`` positions of every sequence of its examples (the batch is not
+split over it: ``batch=False``; the state is whole on it). Everything but attention is position-wise and runs on
+the local positions; attention needs every key, and :mod:`~dtx.parallel.context.attention` brings them three
+ways: the ring (``ppermute`` of key/value chunks with a float32 online softmax), the all-gather of keys and
+values, and Ulysses' all-to-alls to a head split — each with causal load balancing.
+
+Today this package holds the axis's declaration and the per-device attention kernels, each held to one device's
+attention by tests; a run on a ``context`` axis is refused by :func:`dtx.parallel.compose` until its layout
+lands.
+"""
+
+from __future__ import annotations
+
+from dtx import mesh as mesh_lib
+
+CONTEXT_AXIS = "context"
+
+mesh_lib.declare_axis(mesh_lib.Axis(
+    CONTEXT_AXIS, "context", replicas=False, state=False, batch=False,
+    doc="each sequence's positions split over it (context parallelism); attention brings the keys and values"))

@@ -1,0 +1,137 @@
+"""Causal attention over a sequence split on the ``context`` axis: ring, all-gather and Ulysses, per device.
+
+Each function runs inside a ``shard_map`` that is manual over the ``context`` axis of ``C`` devices (and may be
+over others: only ``axis`` is named). Every device holds ``S/C`` positions of each sequence of its examples —
+its queries, keys and values, ``(batch, S/C, heads, head_dim)`` — and returns the attention output of its own
+positions, the same values one device computes over the whole sequence (``jax.nn.dot_product_attention`` with a
+causal mask), to the rounding of float32.
+
+* **The layout of positions** (:func:`positions`). Contiguous, device ``i`` holding chunk ``i`` of ``C``: under
+  a causal mask device ``C − 1`` attends to every key and device 0 to its own only. Balanced (the default), the
+  sequence cut into ``2C`` chunks and device ``i`` holding chunks ``i`` and ``2C − 1 − i`` (Megatron-LM's and
+  Llama 3's load balancing for context parallelism): every device then has the same number of query-key pairs
+  the mask keeps. The caller lays the sequence out so (:func:`balance`, :func:`unbalance`).
+* **Ring** (:func:`ring`; Liu, Zaharia & Abbeel 2023, *Ring Attention with Blockwise Transformers*, arXiv
+  2310.01889): each device keeps its queries; the key/value chunks travel the ring by ``ppermute``, ``C − 1``
+  hops, and each arriving chunk is folded into a float32 online softmax — the running maximum ``m``, the running
+  sum ``l`` and the unnormalised output, rescaled by ``exp(m_old − m_new)`` as flash attention does (Dao et al.
+  2022, arXiv 2205.14135, §3.1; Milakov & Gimelshein 2018). Nothing of size ``S × S`` exists on a device.
+* **All-gather** (:func:`allgather`; Llama 3, Dubey et al. 2024, arXiv 2407.21783, §3.3.2): the keys and values
+  of the whole sequence all-gathered over the axis, the local queries attending to them under the mask of their
+  global positions.
+* **Ulysses** (:func:`ulysses`; Jacobs et al. 2023, *DeepSpeed Ulysses*, arXiv 2309.14509): an all-to-all turns
+  the sequence split into a head split — each device then holds every position of ``heads/C`` heads — attention
+  runs whole for those heads, and a second all-to-all turns the output back. ``heads`` must divide by ``C``.
+
+The scores and the softmax are float32 whatever the inputs' dtype; the output has the values' dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+NEG_INF = -1e30  # a masked score: finite, so a row with no key yet keeps exp(NEG_INF - m) = 0 without NaNs
+KINDS = ("ring", "allgather", "ulysses")
+
+
+def positions(rank, size: int, local: int, balanced: bool = True):
+    """The global positions of the ``local`` positions device ``rank`` of ``size`` holds (module docstring):
+    contiguous chunk ``rank``, or, balanced, chunks ``rank`` and ``2·size − 1 − rank`` of ``2·size``."""
+    xp = np if isinstance(rank, (int, np.integer)) else jnp  # numpy for a known rank: a layout, not a program
+    if not balanced:
+        return rank * local + xp.arange(local)
+    half = local // 2
+    return xp.concatenate([rank * half + xp.arange(half), (2 * size - 1 - rank) * half + xp.arange(half)])
+
+
+def order(size: int, length: int, balanced: bool = True) -> np.ndarray:
+    """The global positions in the order the devices hold them, device 0's first: ``x[:, order]`` lays a
+    natural-order sequence out for the axis (a permutation of ``range(length)``)."""
+    local = length // size
+    if balanced and local % 2:
+        raise ValueError(f"balanced context parallelism cuts each sequence into 2 x {size} chunks: the sequence "
+                         f"length {length} must divide by {2 * size}; set context.balance=False or pad the sequence")
+    if length % size:
+        raise ValueError(f"a sequence of {length} positions does not split over {size} devices of the context axis")
+    return np.concatenate([np.asarray(positions(r, size, local, balanced)) for r in range(size)])
+
+
+def balance(x, size: int, axis: int = 1, balanced: bool = True):
+    """``x`` (natural order along ``axis``) in the order the devices hold it (:func:`order`)."""
+    return jnp.take(x, order(size, x.shape[axis], balanced), axis=axis)
+
+
+def unbalance(x, size: int, axis: int = 1, balanced: bool = True):
+    """The inverse of :func:`balance`: a sequence in the devices' order back in natural order."""
+    return jnp.take(x, np.argsort(order(size, x.shape[axis], balanced)), axis=axis)
+
+
+def _scores(q, k):
+    """``(batch, heads, q, k)`` float32 scores of queries ``(b, q, h, d)`` and keys ``(b, k, h, d)``."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    return jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+
+
+def _visible(q_pos, k_pos):
+    """``(q, k)``: whether the query at each position sees the key at each position (causal)."""
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+def ring(q, k, v, axis: str, balanced: bool = True):
+    """Ring attention of the local queries over every device's keys and values (module docstring)."""
+    size, rank = lax.axis_size(axis), lax.axis_index(axis)
+    local = q.shape[1]
+    q_pos = positions(rank, size, local, balanced)
+    shape = (q.shape[0], q.shape[2], local)  # (batch, heads, q)
+    m = jnp.full(shape, NEG_INF, jnp.float32)
+    l = jnp.zeros(shape, jnp.float32)
+    o = jnp.zeros((*shape, v.shape[-1]), jnp.float32)
+    hop = [(i, (i + 1) % size) for i in range(size)]
+    for step in range(size):  # the chunk of device (rank - step) mod size
+        if step:
+            k, v = lax.ppermute(k, axis, hop), lax.ppermute(v, axis, hop)
+        k_pos = positions((rank - step) % size, size, local, balanced)
+        s = jnp.where(_visible(q_pos, k_pos), _scores(q, k), NEG_INF)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        l = l * rescale + p.sum(-1)
+        o = o * rescale[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, v.astype(jnp.float32))
+        m = m_new
+    return jnp.einsum("bhqd->bqhd", o / l[..., None]).astype(v.dtype)
+
+
+def allgather(q, k, v, axis: str, balanced: bool = True):
+    """The local queries over the all-gathered keys and values (module docstring)."""
+    size, rank = lax.axis_size(axis), lax.axis_index(axis)
+    local = q.shape[1]
+    k_all = lax.all_gather(k, axis, axis=1, tiled=True)  # device 0's positions first, then device 1's, ...
+    v_all = lax.all_gather(v, axis, axis=1, tiled=True)
+    k_pos = jnp.concatenate([positions(r, size, local, balanced) for r in range(size)])
+    s = jnp.where(_visible(positions(rank, size, local, balanced), k_pos), _scores(q, k_all), NEG_INF)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v_all.astype(jnp.float32))
+    return out.astype(v.dtype)
+
+
+def ulysses(q, k, v, axis: str, balanced: bool = True):
+    """All-to-all to a head split, whole-sequence attention of ``heads/C`` heads, all-to-all back (module
+    docstring)."""
+    size = lax.axis_size(axis)
+    local, heads = q.shape[1], q.shape[2]
+    if heads % size:
+        raise ValueError(f"Ulysses splits the {heads} heads over the {size} devices of {axis!r}: they must divide; "
+                         "use context.attention=ring or allgather, or a context axis that divides the heads")
+
+    def to_heads(x):  # (b, S/C, h, d) -> (b, S, h/C, d): every position, 1/C of the heads
+        return lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+    pos = jnp.concatenate([positions(r, size, local, balanced) for r in range(size)])
+    s = jnp.where(_visible(pos, pos), _scores(to_heads(q), to_heads(k)), NEG_INF)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), to_heads(v).astype(jnp.float32))
+    return lax.all_to_all(out.astype(v.dtype), axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+ATTENTION = {"ring": ring, "allgather": allgather, "ulysses": ulysses}

@@ -1,0 +1,162 @@
+"""Context parallelism's attention kernels (dtx.parallel.context.attention) on 8 devices, ``data 2 × context 4``.
+
+Values: each kernel's output and its gradients equal one device's causal attention — a float64 numpy reference
+for the values, ``jax.nn.dot_product_attention`` differentiated on one device for the gradients — with the
+sequence laid out contiguous or balanced. Tolerances from the computation: an output is a softmax-weighted mean of
+``S`` values, so its rounding is bounded by ``S·eps·max|v|`` (float32 scores and sums). What runs: the compiled
+program's collectives are the kernel's — the ring's ``C − 1`` hops of keys and values (collective-permutes), the
+all-gather's two gathers, Ulysses' four all-to-alls — each with the bytes the kernel moves. Load balancing: the
+causal pairs each device keeps are equal when balanced, and ``2C − 1`` to 1 across devices when contiguous.
+
+Hand-breaks (each fails the tests named): the ring's rescale ``exp(m − m_new)`` left out ->
+``test_kernels_equal_one_devices_attention[ring-*]``; Ulysses' return all-to-all with its axes swapped ->
+``[ulysses-*]``; :func:`positions` balanced with the second chunk ``2C − 2 − rank`` -> every balanced case.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dtx import mesh as mesh_lib
+from dtx.comm import hlo
+from dtx.parallel.context import CONTEXT_AXIS
+from dtx.parallel.context import attention as cp
+
+B, S, H, D, C = 4, 32, 4, 8, 4  # examples, positions, heads, head width, the context axis
+EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return mesh_lib.make_mesh([("data", 2), (CONTEXT_AXIS, C)])
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    rng = np.random.default_rng(0)
+    return tuple(rng.normal(size=(B, S, H, D)).astype(np.float32) for _ in range(3))
+
+
+def reference(q, k, v):
+    """Causal softmax attention in float64 numpy: ``(B, S, H, D)``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((q.shape[1], q.shape[1]), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+
+def sharded(kind: str, mesh, balanced: bool):
+    """The kernel under a shard_map over ``data`` (examples) and ``context`` (positions), taking and returning
+    natural-order arrays: the sequence laid out for the axis before, back after."""
+    kernel = functools.partial(cp.ATTENTION[kind], axis=CONTEXT_AXIS, balanced=balanced)
+    spec = P("data", CONTEXT_AXIS)
+    mapped = jax.shard_map(lambda q, k, v: kernel(q, k, v), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+    def run(q, k, v):
+        laid = [cp.balance(x, C, balanced=balanced) for x in (q, k, v)]
+        return cp.unbalance(mapped(*laid), C, balanced=balanced)
+
+    return run
+
+
+CASES = [(kind, balanced) for kind in cp.KINDS for balanced in (True, False)]
+IDS = [f"{kind}-{'balanced' if balanced else 'contiguous'}" for kind, balanced in CASES]
+
+
+@pytest.fixture(scope="module")
+def compiled(mesh, qkv):
+    """Each case's forward and gradient, compiled once: ``(forward, grads, program text of the forward)``."""
+    out, placed = {}, [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in qkv]
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(B, S, H, D)), jnp.float32)
+    for kind, balanced in CASES:
+        run = sharded(kind, mesh, balanced)
+        forward = jax.jit(run)
+        loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(run(q, k, v) * weights), argnums=(0, 1, 2)))
+        out[kind, balanced] = (np.asarray(forward(*placed)), [np.asarray(g) for g in loss(*placed)],
+                               forward.lower(*placed).compile().as_text())
+
+    def one(q, k, v):  # one device's gradients: jax's own causal attention
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) * weights)
+
+    single = [jax.device_put(x, jax.devices()[0]) for x in qkv]
+    out["one"] = [np.asarray(g) for g in jax.jit(jax.grad(one, argnums=(0, 1, 2)))(*single)]
+    return out, weights
+
+
+@pytest.mark.parametrize("kind, balanced", CASES, ids=IDS)
+def test_kernels_equal_one_devices_attention(compiled, qkv, kind, balanced):
+    """Output and the three input gradients, against one device's causal attention."""
+    results, weights = compiled
+    got, grads, _ = results[kind, balanced]
+    q, k, v = qkv
+    scale = np.abs(v).max()
+    np.testing.assert_allclose(got, reference(q, k, v), rtol=0, atol=4 * S * EPS * scale)
+
+    for name, g, w in zip("qkv", grads, results["one"]):
+        w = np.asarray(w)
+        np.testing.assert_allclose(g, w, rtol=0, atol=8 * S * EPS * np.abs(w).max(), err_msg=f"d{name}")
+
+
+def test_layout_of_positions():
+    """Balanced: device i holds chunks i and 2C − 1 − i of 2C; contiguous: chunk i of C; both a permutation, and
+    :func:`unbalance` inverts :func:`balance`."""
+    order = cp.order(C, 16)
+    assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    assert cp.order(C, 16, balanced=False).tolist() == list(range(16))
+    x = jnp.arange(2 * 16).reshape(2, 16)
+    np.testing.assert_array_equal(cp.unbalance(cp.balance(x, C), C), x)
+    with pytest.raises(ValueError, match="must divide by 8; set context.balance=False"):
+        cp.order(C, 12)
+
+
+@pytest.mark.parametrize("balanced, spread", [(True, 1.0), (False, 2 * C - 1)])
+def test_balancing_evens_the_causal_work(balanced, spread):
+    """The query-key pairs the causal mask keeps on each device: equal when balanced; when contiguous the last
+    device keeps 2C − 1 times the first's (what a ring that skips masked blocks would wait on)."""
+    local = S // C
+    kept = []
+    for rank in range(C):
+        q_pos = np.asarray(cp.positions(rank, C, local, balanced))
+        kept.append(int((q_pos[:, None] >= np.arange(S)[None, :]).sum()))
+    assert sum(kept) == S * (S + 1) // 2
+    assert max(kept) / min(kept) == pytest.approx(spread, rel=0.2 if not balanced else 0)
+
+
+def test_each_kernel_moves_what_it_declares(compiled):
+    """The forward program's collectives over the context axis (groups of C): the ring's 2(C − 1)
+    collective-permutes of a key or value chunk, the all-gather's 2 gathers of the keys and values, Ulysses' 4
+    all-to-alls (q, k, v there, the output back); each moving a local chunk of ``B/2 · S/C · H · D`` float32."""
+    results, _ = compiled
+    chunk = B // 2 * S // C * H * D * 4
+    expected = {"ring": ("collective-permute", 2 * (C - 1)), "allgather": ("all-gather", 2),
+                "ulysses": ("all-to-all", 4)}
+    for (kind, balanced), (_, _, text) in ((key, run) for key, run in results.items() if key != "one"):
+        moved = [c for c in hlo.collectives(text) if c.kind in ("collective-permute", "all-gather", "all-to-all")]
+        want_kind, count = expected[kind]
+        kernel = [c for c in moved if c.kind == want_kind and c.operand_bytes == chunk]
+        assert len(kernel) == count, (kind, balanced, [(c.kind, c.operand_bytes) for c in moved])
+
+
+def test_ulysses_refuses_heads_the_axis_does_not_divide(mesh):
+    q = jnp.zeros((2, S, 6, D))
+    run = jax.shard_map(lambda q: cp.ulysses(q, q, q, CONTEXT_AXIS), mesh=mesh, in_specs=P(None, CONTEXT_AXIS),
+                        out_specs=P(None, CONTEXT_AXIS))
+    with pytest.raises(ValueError, match="6 heads over the 4 devices of 'context'"):
+        jax.eval_shape(run, q)
+
+
+def test_a_run_on_a_context_axis_is_refused_until_its_layout_lands():
+    from dtx import config as config_lib
+
+    config = config_lib.base_config().unlock()
+    config.mesh = (("data", 2), ("context", 4))
+    with pytest.raises(config_lib.ConfigError, match="'context' mesh axis splits every sequence.*drop the axis"):
+        config_lib.validate(config)
