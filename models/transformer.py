@@ -18,6 +18,9 @@ def causal_attention(query, key, value):
     return jax.nn.dot_product_attention(query, key, value, is_causal=True)
 
 
+causal_attention.causal = True  # what context parallelism asks before it runs its own causal kernels
+
+
 class Block(nn.Module):
     """Pre-LayerNorm block: ``x + attention(LN(x))``, then ``x + MLP(LN(x))``.
 

@@ -122,6 +122,11 @@ def base_config() -> ConfigDict:
     # parallelism) or "dense" (the fully connected layers: their hybrid); "" leaves it to the parallel.name preset.
     c.model_axis = ConfigDict()
     c.model_axis.split = ""
+    # A "context" mesh axis (dtx.parallel.context): every sequence split over it; attention's kernel: ring
+    # (ppermute of key/value chunks, online softmax), allgather (keys and values gathered) or ulysses (all-to-all
+    # to a head split; the heads divisible by the axis).
+    c.context = ConfigDict()
+    c.context.attention = "ring"
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

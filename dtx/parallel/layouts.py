@@ -43,11 +43,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dtx import mesh as mesh_lib
-from dtx.config import ConfigError, check_block, register_check
+from dtx.config import ConfigError, base_config, check_block, register_check
 from dtx.parallel import fc_pairs as fc_pairs_lib
 from dtx.parallel import rules as rules_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
 from dtx.parallel.context import CONTEXT_AXIS
+from dtx.parallel.context import layout as context_layout
 from dtx.parallel.pipeline.stages import STAGE_AXIS, row_spec
 from dtx.parallel.rules import PartitionError
 from dtx.parallel.tensor import layout as tensor_lib
@@ -116,6 +117,9 @@ class Layout:
         (:mod:`dtx.parallel.fc_pairs`).
       borrows: keys of another layout's block it takes too (``pipeline``: ``tensor.sequence_parallel``, its stages
         split over ``model``: :mod:`dtx.parallel.pipeline.tensor_stages`).
+      activation_factory: a parallelism's own activation context, ``(specs, mesh, **block settings) -> context``
+        (``context``: :func:`dtx.parallel.context.layout.context_split`, every sequence split over its axis);
+        ``None``: the activations follow the kernels' split.
     """
 
     name: str
@@ -129,6 +133,7 @@ class Layout:
     reduce: str = "per_microbatch"
     fc_pairs: bool = False
     borrows: tuple[str, ...] = ()
+    activation_factory: Any = None
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
@@ -182,7 +187,7 @@ class Layout:
     def replicated(self) -> bool:
         """Whether every device holds the whole state (data parallelism): the one layout whose gradient
         all-reduce strategies and compressors can replace."""
-        return not self.splits_kernels and self.zero_stage == 0 and not self.stages
+        return not self.splits_kernels and self.zero_stage == 0 and not self.stages and not self.activation_factory
 
     def check(self, mesh: Mesh) -> None:
         """Refuse a mesh this layout cannot run on, naming the fix."""
@@ -244,8 +249,11 @@ class Layout:
         gradients = (rules_lib.gradient_shardings(abstract_state.params, optimizer, mesh)
                      if self.zero_stage in (1, 2) else None)
         specs = jax.tree.map(lambda s: s.spec, state.params)
-        activations = (tensor_lib.tensor_layout(specs, mesh, **settings) if self.kernels == "paired"
-                       else activation_layout(specs, mesh))
+        if self.activation_factory is not None:  # a parallelism that moves activations its own way
+            activations = self.activation_factory(specs, mesh, **settings)
+        else:
+            activations = (tensor_lib.tensor_layout(specs, mesh, **settings) if self.kernels == "paired"
+                           else activation_layout(specs, mesh))
         return Placement(self, state, gradients, activations)
 
 
@@ -259,6 +267,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("rules", kernels="explicit", drivers=("jit",), cost_rank=6, settings=("rules",)),
     Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True, borrows=("tensor.sequence_parallel",)),
     Layout("tensor", kernels="paired", drivers=("jit",), cost_rank=4, block="tensor"),
+    Layout("context", drivers=("jit",), cost_rank=8, block="context", activation_factory=context_layout.context_split),
 )}
 
 
@@ -315,10 +324,14 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
     compose is refused, naming the axes and the presets that take them."""
     mesh_lib.check_axes(axes, "--config.mesh")
-    if CONTEXT_AXIS in axes:
-        raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis splits every sequence (context parallelism): its "
-                             "attention kernels are dtx.parallel.context.attention, and no layout runs a step on it "
-                             "yet; drop the axis from --config.mesh")
+    if CONTEXT_AXIS in axes:  # context parallelism: with data replicas only, so far
+        others = [axis for axis in axes if axis != CONTEXT_AXIS and not mesh_lib.AXES[axis].replicas
+                  or mesh_lib.AXES[axis].state]
+        if others or not (layout.replicated or layout.activation_factory is context_layout.context_split):
+            raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data axes only "
+                                 f"so far, not with {others or [layout.name]}: use parallel.name=data (or context) "
+                                 "on a mesh of data axes and 'context', or drop the context axis")
+        return LAYOUTS["context"]
     if model_split:
         if model_split not in MODEL_SPLITS:
             raise PartitionError(f"model_axis.split={model_split!r}: choose one of {', '.join(MODEL_SPLITS)} (or "
@@ -408,8 +421,11 @@ def check_config(config) -> None:
     if config.parallel.name in taken:  # what the axes composed takes too (parallel.reduce with an fsdp axis)
         taken[config.parallel.name] = tuple(dict.fromkeys(taken[config.parallel.name] + chosen.settings))
     check_block(config, "parallel", taken)
+    defaults = base_config()
     for layout in LAYOUTS.values():  # a layout's own block (tensor.*) is set only for it
         for key, value in (config.get(layout.block) or {}).items() if layout.block != chosen.block else ():
+            if value == defaults.get(layout.block, {}).get(key):
+                continue
             if value and f"{layout.block}.{key}" not in chosen.borrows:
                 takes = f" (it takes {', '.join(chosen.borrows)} only)" if chosen.borrows else ""
                 raise ConfigError(f"{layout.block}.{key}={value!r} applies to parallel.name={layout.name}, not "

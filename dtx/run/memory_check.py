@@ -78,7 +78,10 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         return
     if chosen.pairs:  # Megatron's pairs: dtx.parallel.tensor.costs models them, not dtx.perf.memory
         return  # (docs/memory.md: neither memory_limit nor the host's memory is checked for parallel.name=tensor)
-    sharded = tuple(sorted(layout.kernels)) if layout is not None else ()
+    # The kernels the activation layout split; a context split has none: its devices hold B/D examples of S/C
+    # positions each, as many tokens as data parallelism over every device, which is how it is estimated (modelled:
+    # attention's gathered or travelling keys and values are not among the terms).
+    sharded = tuple(sorted(getattr(layout, "kernels", None) or ()))
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
                   policy=policy, accum_steps=micro_batches(config),

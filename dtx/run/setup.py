@@ -178,11 +178,14 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     if config.driver not in placement.layout.drivers:
         raise config_lib.ConfigError(
             f"parallel.name={config.parallel.name!r}"
-            + (f" composed with the mesh's axes ({placement.layout.name!r}; an 'fsdp' axis runs ZeRO stage "
-               f"fsdp.zero_stage={config.fsdp.zero_stage})" if placement.layout.name != config.parallel.name else "")
+            + (f" composed with the mesh's axes ({placement.layout.name!r}"
+               + (f"; an 'fsdp' axis runs ZeRO stage fsdp.zero_stage={config.fsdp.zero_stage}"
+                  if any(name == mesh_lib.FSDP_AXIS for name, _ in config.mesh) else "") + ")"
+               if placement.layout.name != config.parallel.name else "")
             + f" runs under driver {' or '.join(placement.layout.drivers)}"
             + (f" (it makes layers {', '.join(sorted(layout.kernels))} model-parallel: XLA places their activation "
-               "collectives)" if layout is not None else "")
+               "collectives)" if getattr(layout, "kernels", None) else
+               " (XLA places the collectives that move its activations)" if layout is not None else "")
             + f"; set --config.driver={placement.layout.drivers[0]}")
     check_memory(config, model, example, policy, mesh, layout, pipeline)
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
@@ -328,7 +331,10 @@ def program_figures(compiled, model: nn.Module, parts: Parts, mesh, global_batch
         layers = layers_lib.analyze(model, shape, dtype=dtype)
     except (layers_lib.PerfModelError, TypeError, ValueError):  # no Dense/Conv, or a model analyze cannot trace
         return out
-    # The perf model covers synchronous SGD over data-parallel and column-split (model-parallel) layers.
+    # The perf model covers synchronous SGD over data-parallel and column-split (model-parallel) layers, not a
+    # parallelism that moves activations its own way (context parallelism: no modelled figure).
+    if parts.placement.layout.activation_factory is not None:
+        return out
     activations = parts.placement.activations
     kernels = dict(activations.kernels) if activations is not None else {}
     split = {path.rsplit("/", 1)[0] for path, sharding in named_leaves(parts.placement.state.params)

@@ -117,8 +117,9 @@ def _check_placement(driver, spec: StepSpec) -> None:
     """The layout declares the drivers that run it."""
     placement = spec.placement
     if placement is not None and driver.name not in placement.layout.drivers:
-        what = (f"its model-parallel layers ({', '.join(sorted(placement.activations.kernels))})"
-                if placement.activations is not None else "its partitioning")
+        kernels = getattr(placement.activations, "kernels", None)
+        what = (f"its model-parallel layers ({', '.join(sorted(kernels))})" if kernels
+                else "its activations' split" if placement.activations is not None else "its partitioning")
         raise StepError(f"parallel.name={placement.layout.name!r} runs under driver "
                         f"{' or '.join(placement.layout.drivers)}, not {driver.name!r}: XLA places the collectives of "
                         f"{what}; use --config.driver={placement.layout.drivers[0]} "
