@@ -278,7 +278,7 @@ def test_the_planner_predicts_the_compiled_split_pipeline(runs, name):
     shape = lm_plan.LMShape(2, WIDTH, 2, SEQ, vocab=VOCAB, mlp_ratio=2)
     p = lm_plan.plan(shape, get_cluster("h100_nvlink_ndr"), 8, BATCH, tensor=2, stages=2, micro=MICRO,
                      tensor_element=4, sp=name.startswith("sp"))
-    parts = SimpleNamespace(placement=SimpleNamespace(pipeline=run["pipeline"]), policy=Policy(),
+    parts = SimpleNamespace(placement=SimpleNamespace(runner=run["pipeline"]), policy=Policy(),
                             task=tasks.next_token())
     flops, sent = lm_sim._pipeline_figures(parts, mesh_lib.make_mesh(MESH), p, run["compiled"])  # module docstring
     assert abs(sent / p.bytes_sent - 1) <= VERIFY_TOLERANCE and abs(flops / p.flops - 1) <= VERIFY_TOLERANCE
