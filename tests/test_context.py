@@ -160,7 +160,8 @@ STEPS = 3
 
 
 def _train(mesh, layout_name, **settings):
-    """3 steps of the tiny transformer LM under the jit driver: ``(initial params, final params, compiled step)``."""
+    """3 steps of the tiny transformer LM under the jit driver: ``(initial params, final params, compiled step, the
+    final params as placed)``."""
     import optax
 
     from dtx import parallel
@@ -182,29 +183,37 @@ def _train(mesh, layout_name, **settings):
     for _ in range(STEPS):
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
-    return start, jax.device_get(state.params), compiled
+    return start, jax.device_get(state.params), compiled, state.params
 
 
 @pytest.fixture(scope="module")
 def trained(mesh):
+    from dtx import parallel
+
     one = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
-    return {"one": _train(one, "data"), **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS}}
+    fsdp = parallel.compose(parallel.get_layout("data"), ["fsdp", CONTEXT_AXIS], 3)  # FSDP x context
+    return {"one": _train(one, "data"), **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS},
+            "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp)}
 
 
-@pytest.mark.parametrize("kind", cp.KINDS)
+@pytest.mark.parametrize("kind", [*cp.KINDS, "fsdp"])
 def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
-    """data 2 x context 4, each kernel: the parameters after 3 SGD-momentum steps equal one device's. Tolerance: a
+    """data 2 x context 4, each kernel, and fsdp 2 x context 4 (ZeRO-3 over fsdp, the ring): the parameters after
+    3 SGD-momentum steps equal one device's, and under FSDP they are split over fsdp alone. Tolerance: a
     gradient sums B·S = 256 token terms through the model's 2 blocks, so its rounding is that of such sums at the
     scale of the parameters' change (measured: 6e-8 against ~1e-6)."""
     from numerics import sum_atol
 
-    start, want, _ = trained["one"]
-    _, got, _ = trained[kind]
+    start, want = trained["one"][:2]
+    got = trained[kind][1]
     change = max(float(np.abs(np.asarray(w) - np.asarray(s)).max()) for w, s in
                  zip(jax.tree.leaves(want), jax.tree.leaves(start)))
     atol = sum_atol(None, terms=16 * LM["max_len"], depth=2 * LM["num_layers"], scale=change)
     for path, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
         np.testing.assert_allclose(g, w, rtol=0, atol=atol, err_msg=f"leaf {path}")
+    if kind == "fsdp":
+        specs = {tuple(leaf.sharding.spec) for leaf in jax.tree.leaves(trained[kind][3])}
+        assert ("fsdp",) in specs and all(set(spec) <= {None, "fsdp"} for spec in specs), specs
 
 
 def test_the_step_moves_positions_only_through_its_kernel(trained):
@@ -225,7 +234,7 @@ def test_the_step_moves_positions_only_through_its_kernel(trained):
 
 def test_context_parallelism_refuses_what_it_cannot_run(mesh):
     """A non-causal attention (flax's default attention_fn) is refused naming the module; a context axis beside
-    fsdp is refused by key; an unknown kernel is refused."""
+    stage is refused by key; an unknown kernel is refused."""
     import flax.linen as nn
     import optax
 
@@ -247,8 +256,9 @@ def test_context_parallelism_refuses_what_it_cannot_run(mesh):
         with placement.activations():
             jax.eval_shape(model.apply, variables, jnp.zeros((8, 16, 8)))
     config = config_lib.base_config().unlock()
-    config.mesh, config.driver = (("fsdp", 2), ("context", 4)), "jit"
-    with pytest.raises(config_lib.ConfigError, match="composes with data axes only so far, not with \\['fsdp'\\]"):
+    config.mesh, config.driver = (("data", 2), ("stage", 2), ("context", 2)), "jit"
+    with pytest.raises(config_lib.ConfigError,
+                       match="composes with data and fsdp axes so far, not with \\['stage'\\]"):
         config_lib.validate(config)
     config.mesh, config.context.attention = (("data", 2), ("context", 4)), "rings"
     with pytest.raises(config_lib.ConfigError, match="context.attention='rings': choose one of ring, allgather"):

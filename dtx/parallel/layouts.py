@@ -324,14 +324,17 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
     compose is refused, naming the axes and the presets that take them."""
     mesh_lib.check_axes(axes, "--config.mesh")
-    if CONTEXT_AXIS in axes:  # context parallelism: with data replicas only, so far
-        others = [axis for axis in axes if axis != CONTEXT_AXIS and not mesh_lib.AXES[axis].replicas
-                  or mesh_lib.AXES[axis].state]
+    if CONTEXT_AXIS in axes:  # context parallelism: with data replicas, and ZeRO over an fsdp axis
+        others = [axis for axis in axes if axis != CONTEXT_AXIS and not mesh_lib.AXES[axis].replicas]
         if others or not (layout.replicated or layout.activation_factory is context_layout.context_split):
-            raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data axes only "
-                                 f"so far, not with {others or [layout.name]}: use parallel.name=data (or context) "
-                                 "on a mesh of data axes and 'context', or drop the context axis")
-        return LAYOUTS["context"]
+            raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data and fsdp "
+                                 f"axes so far, not with {others or [layout.name]}: use parallel.name=data (or "
+                                 "context) on a mesh of data or fsdp axes and 'context', or drop the context axis")
+        if mesh_lib.FSDP_AXIS in axes and fsdp_stage not in (1, 2, 3):
+            raise PartitionError(f"fsdp.zero_stage={fsdp_stage!r}: choose 1 (optimizer state), 2 (and gradients) "
+                                 "or 3 (and parameters)")
+        zero = fsdp_stage if mesh_lib.FSDP_AXIS in axes else 0  # the state split over fsdp, as FSDP's own
+        return dataclasses.replace(LAYOUTS["context"], zero_stage=zero) if zero else LAYOUTS["context"]
     if model_split:
         if model_split not in MODEL_SPLITS:
             raise PartitionError(f"model_axis.split={model_split!r}: choose one of {', '.join(MODEL_SPLITS)} (or "
