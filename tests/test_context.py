@@ -9,7 +9,8 @@ all-gather's two gathers, Ulysses' four all-to-alls — each with the bytes the 
 causal pairs each device keeps are equal when balanced, and ``2C − 1`` to 1 across devices when contiguous.
 
 Hand-breaks (each fails the tests named): the ring's rescale ``exp(m − m_new)`` left out ->
-``test_kernels_equal_one_devices_attention[ring-*]``; Ulysses' return all-to-all with its axes swapped ->
+``test_kernels_equal_one_devices_attention[ring-*]``; the ring skipping blocks whose key chunk is not after the
+query chunk (``>=``) -> ``test_balancing_evens_the_rings_work``; Ulysses' return all-to-all with its axes swapped ->
 ``[ulysses-*]``; :func:`positions` balanced with the second chunk ``2C − 2 − rank`` -> every balanced case.
 """
 
@@ -117,17 +118,26 @@ def test_layout_of_positions():
         cp.order(C, 12)
 
 
-@pytest.mark.parametrize("balanced, spread", [(True, 1.0), (False, 2 * C - 1)])
-def test_balancing_evens_the_causal_work(balanced, spread):
-    """The query-key pairs the causal mask keeps on each device: equal when balanced; when contiguous the last
-    device keeps 2C − 1 times the first's (what a ring that skips masked blocks would wait on)."""
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "contiguous"])
+def test_balancing_evens_the_rings_work(mesh, qkv, balanced):
+    """The blocks each device's ring computes (it skips those the causal mask hides entirely), read from the
+    kernel: balanced, every device 2C + 1 (its 2 query chunks against the 2C chunks, the half of the 4C pairs the
+    mask keeps); contiguous, device i computes i + 1 of C, so the last waits on the first C times over. The
+    query-key pairs the mask keeps per device agree: equal when balanced, 2C − 1 to 1 when contiguous."""
+    spec, each = P("data", CONTEXT_AXIS), P(("data", CONTEXT_AXIS))
+    kernel = functools.partial(cp.ring, axis=CONTEXT_AXIS, balanced=balanced, count=True)
+    counted = jax.jit(jax.shard_map(lambda q, k, v: (lambda out, n: (out, n[None]))(*kernel(q, k, v)), mesh=mesh,
+                                    in_specs=(spec,) * 3, out_specs=(spec, each)))
+    out, blocks = counted(*(cp.balance(jnp.asarray(x), C, balanced=balanced) for x in qkv))
+    per_device = np.asarray(blocks).reshape(2, C)[0]  # the data replicas compute alike
+    assert per_device.tolist() == ([2 * C + 1] * C if balanced else list(range(1, C + 1)))
+    np.testing.assert_allclose(cp.unbalance(out, C, balanced=balanced), reference(*qkv), rtol=0,
+                               atol=4 * S * EPS * np.abs(qkv[2]).max())
     local = S // C
-    kept = []
-    for rank in range(C):
-        q_pos = np.asarray(cp.positions(rank, C, local, balanced))
-        kept.append(int((q_pos[:, None] >= np.arange(S)[None, :]).sum()))
+    kept = [int((np.asarray(cp.positions(r, C, local, balanced))[:, None] >= np.arange(S)[None, :]).sum())
+            for r in range(C)]
     assert sum(kept) == S * (S + 1) // 2
-    assert max(kept) / min(kept) == pytest.approx(spread, rel=0.2 if not balanced else 0)
+    assert max(kept) / min(kept) == (1 if balanced else pytest.approx(2 * C - 1, rel=0.2))
 
 
 def test_each_kernel_moves_what_it_declares(compiled):

@@ -28,6 +28,8 @@ The scores and the softmax are float32 whatever the inputs' dtype; the output ha
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,28 +82,71 @@ def _visible(q_pos, k_pos):
     return q_pos[:, None] >= k_pos[None, :]
 
 
-def ring(q, k, v, axis: str, balanced: bool = True):
-    """Ring attention of the local queries over every device's keys and values (module docstring)."""
+def chunks(rank, size: int, balanced: bool = True) -> tuple:
+    """The chunk indices device ``rank`` holds, in its local order: ``(rank,)`` of ``size`` contiguous chunks, or
+    balanced ``(rank, 2·size − 1 − rank)`` of ``2·size``."""
+    return (rank, 2 * size - 1 - rank) if balanced else (rank,)
+
+
+def _fold(state, q, k, v, q_pos, k_pos):
+    """One key/value block folded into the online softmax ``(m, l, o)`` of the queries ``q`` (module docstring)."""
+    m, l, o = state
+    s = jnp.where(_visible(q_pos, k_pos), _scores(q, k), NEG_INF)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    rescale = jnp.exp(m - m_new)
+    return (m_new, l * rescale + p.sum(-1),
+            o * rescale[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, v.astype(jnp.float32)))
+
+
+def _varying_like(x, ref):
+    """``x`` typed as varying over the manual axes ``ref`` varies over (``shard_map``'s replication types: both
+    branches of a ``lax.cond`` must agree)."""
+    kind = jax.typeof(ref)
+    axes = getattr(getattr(kind, "manual_axis_type", None), "varying", None)  # jax 0.10
+    axes = getattr(kind, "vma", frozenset()) if axes is None else axes  # later jax
+    if not axes:
+        return x
+    cast = getattr(lax, "pcast", None)
+    return cast(x, tuple(sorted(axes)), to="varying") if cast else lax.pvary(x, tuple(sorted(axes)))
+
+
+def ring(q, k, v, axis: str, balanced: bool = True, skip: bool = True, count: bool = False):
+    """Ring attention of the local queries over every device's keys and values (module docstring).
+
+    Each device's positions are its :func:`chunks` (two when ``balanced``); at every hop each pair of a query chunk
+    and an arriving key chunk is one block. ``skip``: a block the causal mask hides entirely (its key chunk after
+    its query chunk) is not computed (``lax.cond``), so a device's work is the blocks it keeps — equal on every
+    device when balanced, ``rank + 1`` of ``C`` when contiguous. ``count``: also return the blocks this device
+    computed (an int32 scalar), what the tests read the balance from."""
     size, rank = lax.axis_size(axis), lax.axis_index(axis)
-    local = q.shape[1]
-    q_pos = positions(rank, size, local, balanced)
-    shape = (q.shape[0], q.shape[2], local)  # (batch, heads, q)
-    m = jnp.full(shape, NEG_INF, jnp.float32)
-    l = jnp.zeros(shape, jnp.float32)
-    o = jnp.zeros((*shape, v.shape[-1]), jnp.float32)
+    parts = 2 if balanced else 1
+    width = q.shape[1] // parts  # positions per chunk
+    sub = lambda x, i: x[:, i * width:(i + 1) * width]  # noqa: E731 - the i-th chunk of a local array
+    at = lambda chunk: chunk * width + jnp.arange(width)  # noqa: E731 - a chunk's global positions
+    shape = (q.shape[0], q.shape[2], width)  # (batch, heads, queries of a chunk)
+    like = functools.partial(_varying_like, ref=q)  # a skipped block's state typed as a computed one (lax.cond)
+    states = [(like(jnp.full(shape, NEG_INF, jnp.float32)), like(jnp.zeros(shape, jnp.float32)),
+               like(jnp.zeros((*shape, v.shape[-1]), jnp.float32))) for _ in range(parts)]
+    blocks = like(jnp.zeros((), jnp.int32))
     hop = [(i, (i + 1) % size) for i in range(size)]
-    for step in range(size):  # the chunk of device (rank - step) mod size
+    q_chunks = chunks(rank, size, balanced)
+    for step in range(size):  # the chunks of device (rank - step) mod size
         if step:
             k, v = lax.ppermute(k, axis, hop), lax.ppermute(v, axis, hop)
-        k_pos = positions((rank - step) % size, size, local, balanced)
-        s = jnp.where(_visible(q_pos, k_pos), _scores(q, k), NEG_INF)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        rescale = jnp.exp(m - m_new)
-        l = l * rescale + p.sum(-1)
-        o = o * rescale[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, v.astype(jnp.float32))
-        m = m_new
-    return jnp.einsum("bhqd->bqhd", o / l[..., None]).astype(v.dtype)
+        k_chunks = chunks((rank - step) % size, size, balanced)
+        for i, q_chunk in enumerate(q_chunks):
+            for j, k_chunk in enumerate(k_chunks):
+                fold = functools.partial(_fold, q=sub(q, i), k=sub(k, j), v=sub(v, j), q_pos=at(q_chunk),
+                                         k_pos=at(k_chunk))
+                if skip:  # a hidden block: the key chunk lies after the query chunk
+                    states[i], blocks = lax.cond(k_chunk > q_chunk, lambda st, b: (st, b),
+                                                 lambda st, b: (fold(st), b + 1), states[i], blocks)
+                else:
+                    states[i], blocks = fold(states[i]), blocks + 1
+    out = jnp.concatenate([o / l[..., None] for _, l, o in states], axis=2)  # (batch, heads, local, head_dim)
+    out = jnp.einsum("bhqd->bqhd", out).astype(v.dtype)
+    return (out, blocks) if count else out
 
 
 def allgather(q, k, v, axis: str, balanced: bool = True):
