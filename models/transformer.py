@@ -127,7 +127,10 @@ class Transformer(nn.Module):
                 + [(("LayerNorm_0", "Dense_0"), head)])
 
     @nn.compact
-    def __call__(self, tokens, train: bool = False):
+    def __call__(self, tokens, train: bool = False, positions=None):
+        """``positions``: the global position of each of the ``time`` inputs (default ``0 .. time − 1``): context
+        parallelism's load-balanced layout hands the sequence over permuted (:mod:`dtx.parallel.context`), and the
+        causal mask of the attention it runs follows the same positions."""
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"Transformer takes integer token ids shaped (batch, time), got {tokens.dtype} "
                              f"{tokens.shape}")
@@ -138,9 +141,9 @@ class Transformer(nn.Module):
             raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
         embed = nn.Embed(self.num_classes, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
         x = embed(tokens)
-        positions = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.d_model),
-                               self.param_dtype)
-        x = x + positions[: tokens.shape[1]].astype(self.dtype)
+        table = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.d_model),
+                           self.param_dtype)
+        x = x + (table[: tokens.shape[1]] if positions is None else table[positions]).astype(self.dtype)
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         mask = nn.make_causal_mask(tokens)  # position t attends to positions <= t only
         policy = checkpoint_policy(check_policy(self.remat))

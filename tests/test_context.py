@@ -203,13 +203,16 @@ def trained(mesh):
     one = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
     fsdp = parallel.compose(parallel.get_layout("data"), ["fsdp", CONTEXT_AXIS], 3)  # FSDP x context
     return {"one": _train(one, "data"), **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS},
+            "ring-contiguous": _train(mesh, "context", attention="ring", balance=False),
             "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp)}
 
 
-@pytest.mark.parametrize("kind", [*cp.KINDS, "fsdp"])
+@pytest.mark.parametrize("kind", [*cp.KINDS, "ring-contiguous", "fsdp"])
 def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
-    """data 2 x context 4, each kernel, and fsdp 2 x context 4 (ZeRO-3 over fsdp, the ring): the parameters after
-    3 SGD-momentum steps equal one device's, and under FSDP they are split over fsdp alone. Tolerance: a
+    """data 2 x context 4, each kernel on the load-balanced layout (context.balance, the default: the batch's
+    positions permuted, the model told their global positions), the ring on the contiguous one, and fsdp 2 x
+    context 4 (ZeRO-3 over fsdp, the ring): the parameters after 3 SGD-momentum steps equal one device's, and under
+    FSDP they are split over fsdp alone. Tolerance: a
     gradient sums B·S = 256 token terms through the model's 2 blocks, so its rounding is that of such sums at the
     scale of the parameters' change (measured: 6e-8 against ~1e-6)."""
     from numerics import sum_atol
@@ -243,8 +246,9 @@ def test_the_step_moves_positions_only_through_its_kernel(trained):
 
 
 def test_context_parallelism_refuses_what_it_cannot_run(mesh):
-    """A non-causal attention (flax's default attention_fn) is refused naming the module; a context axis beside
-    stage is refused by key; an unknown kernel is refused."""
+    """A model without positions= under load balancing is refused naming the setting; a non-causal attention
+    (flax's default attention_fn) is refused naming the module; a context axis beside stage is refused by key; an
+    unknown kernel is refused."""
     import flax.linen as nn
     import optax
 
@@ -260,11 +264,14 @@ def test_context_parallelism_refuses_what_it_cannot_run(mesh):
 
     model, tx = Plain(), optax.sgd(0.1)
     example = jax.ShapeDtypeStruct((8, 16, 8), jnp.float32)
-    placement = parallel.get_layout("context").place(abstract_train_state(model, tx, example), mesh)
     variables = model.init(jax.random.key(0), jnp.zeros((8, 16, 8)))
-    with pytest.raises(ContextError, match="MultiHeadDotProductAttention_0: context parallelism runs causal"):
-        with placement.activations():
-            jax.eval_shape(model.apply, variables, jnp.zeros((8, 16, 8)))
+    for balance, match in ((True, "Plain takes no positions= argument.*context.balance=False"),
+                           (False, "MultiHeadDotProductAttention_0: context parallelism runs causal")):
+        placement = parallel.get_layout("context").place(abstract_train_state(model, tx, example), mesh,
+                                                          balance=balance)
+        with pytest.raises(ContextError, match=match):
+            with placement.activations():
+                jax.eval_shape(model.apply, variables, jnp.zeros((8, 16, 8)))
     config = config_lib.base_config().unlock()
     config.mesh, config.driver = (("data", 2), ("stage", 2), ("context", 2)), "jit"
     with pytest.raises(config_lib.ConfigError,

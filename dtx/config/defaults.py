@@ -127,6 +127,7 @@ def base_config() -> ConfigDict:
     # to a head split; the heads divisible by the axis).
     c.context = ConfigDict()
     c.context.attention = "ring"
+    c.context.balance = True  # device i holds chunks i and 2C-1-i of 2C: equal causal work (False: contiguous)
 
     # Simulated clock (dtx.perf.simclock): records carry sim_time_s, the run's modelled time on this cluster.
     c.cluster = ConfigDict()

@@ -71,16 +71,17 @@ class JitDriver:
                            split_grads=split_grads, apart=apart,
                            split_micro=split_grads if placement is not None and placement.shard_accumulator
                            else _identity)
-        train = functools.partial(body.train_body, worker=body.Worker.of(model, tx, spec), route=route,
-                                  comm=self.comm(mesh, spec))
+        train = _prepared(functools.partial(body.train_body, worker=body.Worker.of(model, tx, spec), route=route,
+                                            comm=self.comm(mesh, spec)), layout)
         state_sharding = _state_sharding(mesh, placement)
         return jax.jit(_without_comm(train), in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
                        out_shardings=(state_sharding, mesh_lib.replicated(mesh)),
                        donate_argnums=(0,) if spec.donate else ())
 
     def eval_step(self, model, mesh: Mesh, spec: StepSpec):
-        evaluate = functools.partial(body.eval_body, body.Worker.of(model, None, spec), self.comm(mesh, spec),
-                                     _identity, _activations(spec.placement, mesh))
+        layout = _activations(spec.placement, mesh)
+        evaluate = _prepared(functools.partial(body.eval_body, body.Worker.of(model, None, spec),
+                                               self.comm(mesh, spec), _identity, layout), layout)
         return jax.jit(evaluate, in_shardings=(_state_sharding(mesh, spec.placement), mesh_lib.batch_sharding(mesh)),
                        out_shardings=mesh_lib.replicated(mesh))
 
@@ -113,6 +114,15 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
             or used & set(axes):
         return None
     return accumulate.Apart(mesh, axes, specs, manual=manual)
+
+
+def _prepared(step, layout):
+    """``step(state, batch)`` on the batch as the activation layout lays it out first (``layout.prepare``: context
+    parallelism's load-balanced order of positions), or ``step`` itself."""
+    prepare = getattr(layout, "prepare", None)
+    if prepare is None:
+        return step
+    return lambda state, batch: step(state, prepare(batch))
 
 
 def _state_sharding(mesh: Mesh, placement):

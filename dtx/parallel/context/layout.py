@@ -14,14 +14,21 @@ split) and the loss is the mean over every token of every chunk (the task sees t
 
 The kernels compute causal self-attention, so a module is run this way only when its ``attention_fn`` declares
 itself causal (``attention_fn.causal``: the zoo transformer's :func:`dtx.models.transformer.causal_attention`);
-anything else is refused when the step is traced, naming the module. The sequence keeps its natural order here
-(``balanced=False``): the kernels compute every block and mask it, so every device does the same work either way.
+anything else is refused when the step is traced, naming the module.
+
+Load balancing (``context.balance``, the default): the drivers hand the step its batch through :meth:`prepare`,
+which permutes every ``(batch, positions, ...)`` array along its positions so that the contiguous split gives
+device ``i`` chunks ``i`` and ``2C − 1 − i`` of ``2C`` (inputs and labels alike; the whole sequence is on every
+device of a context group, so nothing moves between devices), and the model is called with ``positions=`` their
+global positions (its position table and the kernels' causal masks follow them). The ring then computes the same
+number of blocks on every device; contiguous (``context.balance=False``), device ``i`` computes ``i + 1``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import ClassVar
 
 import flax.linen as nn
@@ -45,6 +52,7 @@ class ContextSplit:
 
     mesh: Mesh
     attention: str = "ring"
+    balance: bool = True
     mappable: ClassVar[bool] = False  # no per-shard map for gradient accumulation (dtx.step.accumulate)
     manual: ClassVar[bool] = False
 
@@ -60,9 +68,28 @@ class ContextSplit:
     def attention_fn(self, query, key, value, *args, **kwargs):
         """flax's ``attention_fn`` signature: the kernel over the split positions (``mask``, ``bias`` and dropout
         are what the declared-causal function ignores too)."""
-        kernel = functools.partial(kernels.ATTENTION[self.attention], axis=CONTEXT_AXIS, balanced=False)
+        kernel = functools.partial(kernels.ATTENTION[self.attention], axis=CONTEXT_AXIS, balanced=self.balance)
         return jax.shard_map(kernel, mesh=self.mesh, in_specs=(self.spec,) * 3, out_specs=self.spec)(
             query, key, value)
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[CONTEXT_AXIS]
+
+    def prepare(self, batch):
+        """The batch as the devices hold it (the drivers call this first): balanced, every array of the inputs'
+        ``(batch, positions, ...)`` shape permuted along its positions (:func:`.attention.order`) — inputs and
+        labels alike, so the loss, a mean over every token, is unchanged; the whole sequence is on every device
+        of a context group, so the permutation moves nothing between devices."""
+        if not self.balance:
+            return batch
+        inputs = batch["inputs"] if isinstance(batch, dict) and "inputs" in batch else jax.tree.leaves(batch)[0]
+        if getattr(inputs, "ndim", 0) < 2:
+            return batch
+        length = inputs.shape[1]
+        order = kernels.order(self.size, length, balanced=True)
+        return jax.tree.map(lambda x: x[:, order] if getattr(x, "ndim", 0) >= 2 and x.shape[1] == length else x,
+                            batch)
 
     def __call__(self):
         split = NamedSharding(self.mesh, self.spec)
@@ -74,6 +101,15 @@ class ContextSplit:
             module = context.module
             if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
+            if self.balance and module.scope is not None and not module.scope.path and \
+                    not isinstance(module, nn.MultiHeadDotProductAttention):  # the model (not a clone below)
+                if "positions" not in inspect.signature(type(module).__call__).parameters:
+                    raise ContextError(f"{type(module).__name__} takes no positions= argument, which context.balance "
+                                       "hands the permuted sequence's global positions to: add one (as "
+                                       "dtx.models.transformer.Transformer has) or set --config.context.balance=False")
+                tokens = args[0]
+                kwargs = {**kwargs, "positions": kernels.order(self.size, tokens.shape[1], balanced=True)}
+                return jax.tree.map(constrain, next_fun(*args, **kwargs))
             if isinstance(module, nn.MultiHeadDotProductAttention) and \
                     getattr(module.attention_fn, "__self__", None) is not self:  # not the clone below
                 if not getattr(module.attention_fn, "causal", False):
@@ -91,14 +127,14 @@ class ContextSplit:
         return nn.intercept_methods(intercept)
 
 
-def context_split(specs, mesh: Mesh, attention: str = "ring") -> ContextSplit:
+def context_split(specs, mesh: Mesh, attention: str = "ring", balance: bool = True) -> ContextSplit:
     """The layout's activation factory (:attr:`dtx.parallel.Layout.activation_factory`): ``specs`` (the
     parameters' partition specs, whole here) are not read."""
     if CONTEXT_AXIS not in mesh.axis_names:
         raise ContextError(f"parallel.name=context splits sequences over a {CONTEXT_AXIS!r} mesh axis, and the mesh "
                            f"{dict(mesh.shape)} has none: add one, e.g. --config.mesh='((\"data\", 2), "
                            "(\"context\", 4))'")
-    return ContextSplit(mesh, attention)
+    return ContextSplit(mesh, attention, bool(balance))
 
 
 @register_check
