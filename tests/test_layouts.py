@@ -31,7 +31,9 @@ def _split(tree) -> set[str]:
                                   if layout.kernels not in ("explicit", "paired") and not layout.stages])
 def test_what_a_layout_places_follows_its_declaration(abstract, name):
     layout = LAYOUTS[name]
-    mesh = mesh_lib.make_mesh([("data", 4), ("model", 2)] if layout.needs_model_axis else [("data", 8)])
+    # A layout that moves activations its own way (context parallelism) runs on the axis it splits sequences over.
+    mesh = mesh_lib.make_mesh([("data", 4), ("model", 2)] if layout.needs_model_axis else
+                              [("data", 2), ("context", 4)] if layout.activation_factory else [("data", 8)])
     placement = layout.place(abstract, mesh)
     params, opt = _split(placement.state.params), _split(placement.state.opt_state)
     kernels = {p for p in params if p.endswith("kernel")}
@@ -43,7 +45,7 @@ def test_what_a_layout_places_follows_its_declaration(abstract, name):
     assert bool(opt) == (layout.zero_stage >= 1 or bool(params)), name
     assert (placement.gradients is not None) == (layout.zero_stage in (1, 2)), name
     assert placement.shard_accumulator == (layout.zero_stage == 2), name
-    assert (placement.activations is not None) == layout.needs_model_axis, name
+    assert (placement.activations is not None) == (layout.needs_model_axis or bool(layout.activation_factory)), name
     assert layout.replicated == (name == "data")
 
 
