@@ -106,6 +106,22 @@ def test_kernels_equal_one_devices_attention(compiled, qkv, kind, balanced):
         np.testing.assert_allclose(g, w, rtol=0, atol=8 * S * EPS * np.abs(w).max(), err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("size", [2, 8])
+def test_kernels_at_other_axis_sizes(size):
+    """C = 2 and C = 8 (the whole machine one context group): each kernel, balanced, equals the float64 reference;
+    8 heads so that Ulysses divides them at C = 8."""
+    rng = np.random.default_rng(size)
+    q, k, v = (rng.normal(size=(2, S, 8, 4)).astype(np.float32) for _ in range(3))
+    mesh = mesh_lib.make_mesh([(CONTEXT_AXIS, size)], devices=jax.devices()[:size])
+    spec = P(None, CONTEXT_AXIS)
+    want = reference(q, k, v)
+    for kind in cp.KINDS:
+        kernel = functools.partial(cp.ATTENTION[kind], axis=CONTEXT_AXIS, balanced=True)
+        run = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        got = cp.unbalance(run(*(cp.balance(jnp.asarray(x), size) for x in (q, k, v))), size)
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * S * EPS * np.abs(v).max(), err_msg=f"{kind} C={size}")
+
+
 def test_layout_of_positions():
     """Balanced: device i holds chunks i and 2C − 1 − i of 2C; contiguous: chunk i of C; both a permutation, and
     :func:`unbalance` inverts :func:`balance`."""
@@ -280,3 +296,22 @@ def test_context_parallelism_refuses_what_it_cannot_run(mesh):
     config.mesh, config.context.attention = (("data", 2), ("context", 4)), "rings"
     with pytest.raises(config_lib.ConfigError, match="context.attention='rings': choose one of ring, allgather"):
         config_lib.validate(config)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--config.dataset.seq_len=60"], r"dataset.seq_len=60 does not split into 8 chunks over the 4 devices.*balanced"),
+    (["--config.dataset.seq_len=36"], r"divisible by 8 or --config.context.balance=False"),
+    (["--config.context.attention=ulysses", "--config.model.num_heads=6", "--config.model.d_model=48"],
+     r"context.attention='ulysses' splits model.num_heads=6 over the 4 devices"),
+])
+def test_what_the_axis_cannot_split_is_refused_by_key(overrides, match):
+    """The tiny LM's config on data 2 x context 4: a sequence that does not split into 2C chunks (C without
+    balancing), Ulysses' heads that do not divide by C — refused by key before anything is built."""
+    import os
+
+    from dtx import config as config_lib
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_lm.py")
+    with pytest.raises(config_lib.ConfigError, match=match):
+        config_lib.load(path, ["--config.mesh=((\"data\", 2), (\"context\", 4))", "--config.driver=jit",
+                               *overrides])

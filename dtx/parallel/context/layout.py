@@ -139,6 +139,23 @@ def context_split(specs, mesh: Mesh, attention: str = "ring", balance: bool = Tr
 
 @register_check
 def check_config(config) -> None:
-    """``context.attention`` names a kernel, before anything is built."""
-    if config.context.attention not in kernels.ATTENTION:
-        raise ConfigError(f"context.attention={config.context.attention!r}: choose one of {', '.join(kernels.KINDS)}")
+    """``context.attention`` names a kernel; on a mesh with a ``context`` axis of known size ``C``, the sequence
+    (``dataset.seq_len``) splits into ``2C`` chunks (balanced) or ``C``, and Ulysses' heads (``model.num_heads``)
+    divide by ``C`` — refused by key before anything is built."""
+    block = config.context
+    if block.attention not in kernels.ATTENTION:
+        raise ConfigError(f"context.attention={block.attention!r}: choose one of {', '.join(kernels.KINDS)}")
+    size = dict((name, size) for name, size in config.mesh).get(CONTEXT_AXIS)
+    if not size or size < 1:  # no context axis, or its size is resolved from the devices (-1)
+        return
+    seq = (config.get("dataset") or {}).get("seq_len")
+    chunks = 2 * size if block.balance else size
+    if seq and seq % chunks:
+        raise ConfigError(f"dataset.seq_len={seq} does not split into {chunks} chunks over the {size} devices of the "
+                          f"'context' axis" + (" (balanced: 2 per device, context.balance=True)" if block.balance
+                                               else "") + f"; use a sequence length divisible by {chunks}"
+                          + (" or --config.context.balance=False" if block.balance and seq % size == 0 else ""))
+    heads = (config.get("model") or {}).get("num_heads")
+    if block.attention == "ulysses" and heads and heads % size:
+        raise ConfigError(f"context.attention='ulysses' splits model.num_heads={heads} over the {size} devices of "
+                          "the 'context' axis: they must divide; use --config.context.attention=ring or allgather")
