@@ -261,6 +261,21 @@ def test_the_step_moves_positions_only_through_its_kernel(trained):
     assert len(gathers) == 2 * layers
 
 
+@pytest.mark.parametrize("kind", cp.KINDS)
+def test_the_steps_bytes_are_the_formulas(trained, kind):
+    """The bytes one device sends for attention per step, read from the compiled step (the kernel's collectives,
+    trip counts included), equal dtx.parallel.context.costs.block_bytes times the blocks: 4(C − 1) chunks a block
+    for the ring and the all-gather, 8(C − 1)/C for Ulysses (a chunk: 8 examples x 4 positions x 32 x 4 B)."""
+    from dtx.parallel.context import costs
+
+    moved = {"ring": ("collective-permute",), "allgather": ("all-gather", "reduce-scatter"),
+             "ulysses": ("all-to-all",)}[kind]
+    attention = [c for c in hlo.collectives(trained[kind][2]) if c.kind in moved and
+                 ("MultiHeadDotProductAttention" in c.op_name or c.kind != "all-gather")]
+    sent = sum(c.bytes_sent * c.trips for c in attention)
+    assert sent == LM["num_layers"] * costs.block_bytes(kind, 16 // 2, LM["max_len"], LM["d_model"], C)
+
+
 def test_context_parallelism_refuses_what_it_cannot_run(mesh):
     """A model without positions= under load balancing is refused naming the setting; a non-causal attention
     (flax's default attention_fn) is refused naming the module; a context axis beside stage is refused by key; an
