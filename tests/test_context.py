@@ -147,6 +147,7 @@ def test_balancing_evens_the_rings_work(mesh, qkv, balanced):
     out, blocks = counted(*(cp.balance(jnp.asarray(x), C, balanced=balanced) for x in qkv))
     per_device = np.asarray(blocks).reshape(2, C)[0]  # the data replicas compute alike
     assert per_device.tolist() == ([2 * C + 1] * C if balanced else list(range(1, C + 1)))
+    assert per_device.tolist() == cp.ring_work(C, balanced)  # what docs/context_parallel.md's diagram shows
     np.testing.assert_allclose(cp.unbalance(out, C, balanced=balanced), reference(*qkv), rtol=0,
                                atol=4 * S * EPS * np.abs(qkv[2]).max())
     local = S // C

@@ -149,6 +149,37 @@ def ring(q, k, v, axis: str, balanced: bool = True, skip: bool = True, count: bo
     return (out, blocks) if count else out
 
 
+def ring_table(size: int, balanced: bool = True) -> list[list[tuple]]:
+    """Who holds which key/value chunks at each hop of :func:`ring`: ``table[step][rank]``, the chunks of device
+    ``(rank − step) mod size`` (:func:`chunks`, what the kernel itself calls), and whether each block against the
+    device's own query chunks is computed or skipped."""
+    return [[chunks((rank - step) % size, size, balanced) for rank in range(size)] for step in range(size)]
+
+
+def ring_work(size: int, balanced: bool = True) -> list[int]:
+    """The blocks each device of :func:`ring` computes, from :func:`ring_table`: the pairs of a query chunk of its
+    own and a key chunk it holds at some hop that the causal mask does not hide entirely."""
+    mine = [chunks(rank, size, balanced) for rank in range(size)]
+    return [sum(1 for row in ring_table(size, balanced) for c in row[r] for q in mine[r] if c <= q)
+            for r in range(size)]
+
+
+def ring_diagram(size: int, balanced: bool = True) -> str:
+    """:func:`ring_table` drawn: a row per hop, a column per device, each cell the key/value chunks the device
+    holds then, a ``*`` on each that some query chunk of the device sees under the causal mask (a block it
+    computes), and the blocks each device computes in all (:func:`ring_work`)."""
+    table = ring_table(size, balanced)
+    mine = [chunks(rank, size, balanced) for rank in range(size)]
+    cell = lambda rank, held: ",".join(f"{c}{'*' if any(c <= q for q in mine[rank]) else ''}"  # noqa: E731
+                                       for c in held)
+    width = max([len(f"device {size - 1}")] + [len(cell(r, held)) for row in table for r, held in enumerate(row)]) + 2
+    lines = ["hop   " + "".join(f"device {r}".ljust(width) for r in range(size)).rstrip()]
+    for step, row in enumerate(table):
+        lines.append(f"{step:<6}" + "".join(cell(r, held).ljust(width) for r, held in enumerate(row)).rstrip())
+    lines.append("work  " + "".join(f"{w} blocks".ljust(width) for w in ring_work(size, balanced)).rstrip())
+    return "\n".join(lines)
+
+
 def allgather(q, k, v, axis: str, balanced: bool = True):
     """The local queries over the all-gathered keys and values (module docstring)."""
     size, rank = lax.axis_size(axis), lax.axis_index(axis)
