@@ -187,7 +187,7 @@ STEPS = 20
 PAD = 0  # token id 0 is padding: each sequence ends in a run of it, which the loss does not score
 
 
-def _train(mesh, layout_name, **settings):
+def _train(mesh, layout_name, accum_steps=1, **settings):
     """20 steps of the tiny transformer LM under the jit driver, its sequences padded at the end (3 to 10 padding
     tokens, unscored: next_token's pad_id): ``(initial params, final params, compiled step, final params as
     placed)``."""
@@ -210,7 +210,8 @@ def _train(mesh, layout_name, **settings):
     state = init_train_state(model, tx, example, 0, mesh, shardings=placement.state)
     start = jax.device_get(state.params)
     step = make_train_step(model, tx, mesh, StepSpec(driver="jit", placement=placement,
-                                                     task=tasks.next_token(pad_id=PAD), donate=False))
+                                                     task=tasks.next_token(pad_id=PAD), donate=False,
+                                                     accum_steps=accum_steps))
     compiled = step.lower(state, batch).compile()
     for _ in range(STEPS):
         state, metrics = compiled(state, batch)
@@ -226,13 +227,15 @@ def trained(mesh):
     fsdp = parallel.compose(parallel.get_layout("data"), ["fsdp", CONTEXT_AXIS], 3)  # FSDP x context
     return {"one": _train(one, "data"), **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS},
             "ring-contiguous": _train(mesh, "context", attention="ring", balance=False),
+            "ring-accumulating": _train(mesh, "context", accum_steps=2, attention="ring"),
             "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp)}
 
 
-@pytest.mark.parametrize("kind", [*cp.KINDS, "ring-contiguous", "fsdp"])
+@pytest.mark.parametrize("kind", [*cp.KINDS, "ring-contiguous", "ring-accumulating", "fsdp"])
 def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
     """data 2 x context 4, each kernel on the load-balanced layout (context.balance, the default: the batch's
-    positions permuted, the model told their global positions), the ring on the contiguous one, and fsdp 2 x
+    positions permuted, the model told their global positions), the ring on the contiguous one and accumulating 2
+    micro-batches (in the global view: no per-shard map around a layout that moves activations), and fsdp 2 x
     context 4 (ZeRO-3 over fsdp, the ring), with causal masks and padding: the parameters after 20 SGD-momentum
     steps equal one device's, and under
     FSDP they are split over fsdp alone. Tolerance: a

@@ -97,6 +97,9 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
     a ``shard_map`` where the layout's regions are ``manual``). ZeRO-2 and FSDP (by default) split every
     micro-batch's gradient over all devices: that is what they are."""
     placement = spec.placement
+    activations = placement.activations if placement is not None else None
+    if activations is not None and not (getattr(activations, "mappable", True) or getattr(activations, "manual", False)):
+        return None  # a layout that moves activations its own way (context parallelism) runs in the global view
     if spec.accum_steps == 1:  # each shard's whole gradient, then one reduction (module docstring)
         whole = placement is None or (not placement.layout.splits_kernels and placement.layout.zero_stage < 3)
         return accumulate.Apart(mesh, mesh_lib.batch_axes(mesh), manual=True) if reuses and whole else None
@@ -108,7 +111,6 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
     specs = jax.tree.map(lambda s: s.spec, placement.state.params)
     used = {a for p in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) for entry in p
             for a in ((entry,) if isinstance(entry, str) else entry or ())}
-    activations = placement.activations
     manual = getattr(activations, "manual", False)  # its regions run inside a shard_map, not a vmap
     if placement.layout.zero_stage != 0 or activations is None or not (activations.mappable or manual) \
             or used & set(axes):
