@@ -417,3 +417,14 @@ def test_in_bfloat16_the_losses_are_one_devices_to_its_rounding():
     for kind in cp.KINDS:
         got = losses(mesh_lib.make_mesh([("data", 2), (CONTEXT_AXIS, C)]), "context", attention=kind)
         np.testing.assert_allclose(got, want, rtol=2.0 ** -9, atol=0, err_msg=kind)
+
+
+def test_the_memory_model_says_what_it_leaves_out():
+    """The memory check estimates a context-parallel run as data parallelism of the same tokens per device and says
+    so, with what it leaves out, whenever it checks one (dtx.perf.memory.uncovered)."""
+    from dtx import parallel
+    from dtx.perf import memory
+
+    said = memory.uncovered(parallel.LAYOUTS["context"])
+    assert "context parallelism" in said and "keys and values" in said
+    assert memory.uncovered(parallel.LAYOUTS["data"]) == ""
