@@ -374,7 +374,7 @@ def test_a_devices_work_and_memory_fall_with_the_axis():
     """At 256 positions, the balanced ring on context 4 against data alone (the same 2 examples per data shard):
     XLA's FLOPs per device are 1/C of the whole within 5 % (the online softmax's rescaling and the masks add
     element-wise work; measured 0.2554), and the sequence's share of the compiled peak (its growth from 128 to 256
-    positions) falls at least 3-fold (measured 0.29 of one device's at 256 → 512: what the ring keeps for its
+    positions) falls at least 3-fold (measured 0.278; 0.29 from 256 to 512: what the ring keeps for its
     backward beyond 1/C, the arriving chunks among it, is in docs/context_parallel.md)."""
     (whole_128, _), (whole_256, whole_flops) = _read(128, 1), _read(256, 1)
     (split_128, _), (split_256, split_flops) = _read(128, C), _read(256, C)

@@ -99,7 +99,7 @@ def test_enough_host_memory_or_the_check_turned_off_is_not_refused(monkeypatch):
 
 
 def test_a_pipeline_is_held_against_the_host_by_its_own_estimate(monkeypatch):
-    """A pipeline (2 stages x 4 data) is estimated by dtx.perf.memory.estimate_pipeline, as memory_limit estimates it:
+    """A pipeline (2 stages x 4 data) is estimated by dtx.parallel.pipeline.costs.memory_estimate, as memory_limit estimates it:
     refused on a host with nothing available, naming 8 devices; built with 1 GiB more than the allowance."""
     overrides = ("--config.parallel.name=pipeline", '--config.mesh=(("stage", 2), ("data", 4))',
                  "--config.pipeline.microbatches=4", "--config.global_batch_size=64", "--config.model.features=(32, 16)")

@@ -193,7 +193,7 @@ def test_a_pipelines_zero1_terms_are_dtxs():
     """ZeRO-1 with stages (``pipeline.zero_stage=1``, dtx.parallel.pipeline.zero) as the planner charges it, against
     dtx's own plan of the same transformer (abstract, nothing compiles): the stage row padded to a multiple of ``D``
     as make_pipeline pads it (8723 -> 8724 at D2×T2, 14979 -> 14980 at D4), AdamW's moments and the parameters
-    equal to :func:`dtx.perf.memory.estimate_pipeline`'s with and without ZeRO (the optimizer ``1/D``), the
+    equal to :func:`dtx.parallel.pipeline.costs.memory_estimate`'s with and without ZeRO (the optimizer ``1/D``), the
     gradient row's bytes the reduce-scatter + all-gather :func:`dtx.parallel.pipeline.zero.traffic` counts (the
     all-reduce's at float32; test_pipeline_zero holds that to the compiled program), the update on ``1/D``."""
     import jax
@@ -205,8 +205,8 @@ def test_a_pipelines_zero1_terms_are_dtxs():
     from dtx.data import tasks
     from dtx.parallel.pipeline import lm_costs as lm_pipeline
     from dtx.parallel.pipeline import step as pp
+    from dtx.parallel.pipeline import costs as pipeline_costs
     from dtx.parallel.pipeline import zero as pipeline_zero
-    from dtx.perf import memory
 
     shape = lm_plan.LMShape(2, 32, 4, 4, vocab=67)  # an odd vocabulary: the last stage's row is odd
     model = models.build_model("transformer", num_layers=2, d_model=32, num_heads=4, mlp_ratio=4, max_len=4,
@@ -221,7 +221,7 @@ def test_a_pipelines_zero1_terms_are_dtxs():
                                     pp.StageOptions(schedule="1f1b", micro=2, zero_stage=z,
                                                     boundaries=lm_pipeline.boundaries(2, 2)),
                                     task=tasks.next_token(), example=jax.ShapeDtypeStruct((8, 4), np.int32))
-            e = memory.estimate_pipeline(pipe.plan, pipe.schedule, micro=4, data=data, optimizer="adamw",
+            e = pipeline_costs.memory_estimate(pipe.plan, pipe.schedule, micro=4, data=data, optimizer="adamw",
                                          zero_stage=z)
             assert lm_pipeline.stage_row(shape, tensor, 2, data if z else 1) == pipe.plan.row
             assert (p.memory["params"], p.memory["optimizer"]) == (e.params, e.optimizer), (z, p.memory, e)

@@ -521,7 +521,7 @@ def test_the_modelled_time_follows_the_bubble():
 @pytest.mark.parametrize("case", [("speech", ("gpipe", 8)), ("speech", ("gpipe", 16)), ("speech", ("1f1b", 8)),
                                   ("speech", ("1f1b", 16)), ("mlp", "1f1b"), ("interleaved", None)])
 def test_the_memory_model_predicts_each_schedules_compiled_peak(speech_runs, mlp_runs, interleaved_run, case):
-    """dtx simulate --memory's and memory_limit's pipeline model (dtx.perf.memory.estimate_pipeline) within 15 % of
+    """dtx simulate --memory's and memory_limit's pipeline model (dtx.parallel.pipeline.costs.memory_estimate) within 15 % of
     the compiled step's peak (argument + output - alias + temp of memory_analysis) for each schedule: the speech DNN
     with SGD (GPipe, 1F1B; M = 8, 16), the MLP with Adam on 4 stages (1F1B) and interleaved. (The working rows were
     read from larger programs; the working messages from the 4-stage MLP's buffer assignment, after it missed.)"""
@@ -533,7 +533,7 @@ def test_the_memory_model_predicts_each_schedules_compiled_peak(speech_runs, mlp
         run = mlp_runs["1f1b"] if case[0] == "mlp" else interleaved_run
         plan, compiled, schedule, optimizer = run["plan"], run["compiled"], run["schedule"], "adam"
         micro, data = (4, 2) if case[0] == "mlp" else (2, 4)
-    e = memory_lib.estimate_pipeline(plan, schedule, micro=micro, data=data, optimizer=optimizer,
+    e = pipeline_model.memory_estimate(plan, schedule, micro=micro, data=data, optimizer=optimizer,
                                      example_bytes=example_bytes)
     assert memory_lib.compiled_peak(compiled) / e.total == pytest.approx(1, abs=0.15)
 
@@ -559,7 +559,7 @@ def test_the_memory_model_on_held_out_pipelines(hidden, stages, schedule, micro_
     batch = {"inputs": jax.ShapeDtypeStruct((batch_size, 64), np.float32, sharding=spec),
              "labels": jax.ShapeDtypeStruct((batch_size,), np.int32, sharding=spec)}
     compiled = pp.make_pipeline_step(tx, mesh, pp.Pipeline(plan, schedule)).lower(state, batch).compile()
-    e = memory_lib.estimate_pipeline(plan, schedule, micro=2, data=8 // stages, optimizer=optimizer,
+    e = pipeline_model.memory_estimate(plan, schedule, micro=2, data=8 // stages, optimizer=optimizer,
                                      example_bytes=(64 + 1) * 4)
     assert memory_lib.compiled_peak(compiled) / e.total == pytest.approx(1, abs=0.15)
 

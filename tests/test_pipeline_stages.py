@@ -176,7 +176,7 @@ def _abstract(model, x):
     return jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])
 
 
-# ---- the memory model (dtx.perf.memory.estimate_pipeline) against the compiled peak ---------------------------------
+# ---- the memory model (dtx.parallel.pipeline.costs.memory_estimate) against the compiled peak ---------------------------------
 
 DIGIT_BYTES, TOKEN_BYTES = (8 * 8 + 1) * 4, (SEQ + SEQ) * 4  # one example's inputs and labels
 
@@ -189,7 +189,7 @@ def test_the_memory_model_predicts_each_stages_compiled_peak(lenet_runs, lm_runs
     pool's backward was counted: pipeline_model.stage_conv_slot_bytes); the transformer (momentum) 0.97-1.02."""
     run = (lenet_runs if name == "lenet" else lm_runs)[schedule]
     optimizer, example_bytes = ("adam", DIGIT_BYTES) if name == "lenet" else ("momentum", TOKEN_BYTES)
-    e = memory_lib.estimate_pipeline(run["plan"], run["schedule"], micro=2, data=4, optimizer=optimizer,
+    e = pipeline_model.memory_estimate(run["plan"], run["schedule"], micro=2, data=4, optimizer=optimizer,
                                      example_bytes=example_bytes)
     assert memory_lib.compiled_peak(run["compiled"]) / e.total == pytest.approx(1, abs=0.15)
 
@@ -258,7 +258,7 @@ def test_the_memory_model_on_a_held_out_stage_cut():
     transformer on 4 stages, 1F1B, M = 8, 1.01; a transformer of width 32 interleaved (2 x 2 chunks, Adam) 0.93."""
     model, x = _model("lenet"), np.zeros((1, 8, 8, 1), np.float32)
     plan, schedule, compiled = _compile_only(model, x, _task("lenet"), optim.make_optimizer("sgd", 0.1), 4, "gpipe", 4)
-    e = memory_lib.estimate_pipeline(plan, schedule, micro=2, data=2, optimizer="sgd", example_bytes=DIGIT_BYTES)
+    e = pipeline_model.memory_estimate(plan, schedule, micro=2, data=2, optimizer="sgd", example_bytes=DIGIT_BYTES)
     assert memory_lib.compiled_peak(compiled) / e.total == pytest.approx(1, abs=0.15)
 
 

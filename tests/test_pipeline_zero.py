@@ -26,6 +26,7 @@ from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, datasets, tasks
 from dtx.data.datasets import Split
+from dtx.parallel.pipeline import costs as pipeline_costs
 from dtx.parallel.pipeline import relayout as pipeline_relayout
 from dtx.parallel.pipeline import step as pp
 from dtx.parallel.pipeline import zero as pipeline_zero
@@ -204,7 +205,7 @@ def _estimate(run, optimizer):
     pipeline, mesh, example = run["pipeline"], run["mesh"], run["example"]
     data = pipeline_zero.data_size(mesh)
     labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))
-    return memory_lib.estimate_pipeline(
+    return pipeline_costs.memory_estimate(
         pipeline.plan, pipeline.schedule, micro=BATCH // data // MICRO, data=data, optimizer=optimizer,
         example_bytes=int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels,
         zero_stage=pipeline.zero_stage)
@@ -222,7 +223,7 @@ JAX_0_11_PACKS_TIGHTER = pytest.mark.xfail(
 @pytest.mark.parametrize("key,optimizer", [("adam1", "adamw"),
                                            pytest.param("lm1", "momentum", marks=JAX_0_11_PACKS_TIGHTER)])
 def test_the_memory_model_predicts_the_zero1_peak(runs, key, optimizer):
-    """estimate_pipeline with zero_stage=1 (the optimizer state 1/D, the rest as without ZeRO: the rule read from
+    """The pipeline's memory_estimate with zero_stage=1 (the optimizer state 1/D, the rest as without ZeRO: the rule read from
     an Adam 1F1B MLP of row 2080 over 4 data ranks, whose compiled temporaries were those of the same step without
     ZeRO) within 15 % of the compiled peak: on a padded row of that kind, and on a case chosen before measuring,
     the split transformer interleaved with momentum."""

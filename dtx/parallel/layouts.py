@@ -316,9 +316,11 @@ def _zero(stage: int) -> Layout:
 def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_split: str = "") -> Layout:
     """``layout`` (a ``parallel.name`` preset) with the parallelisms the mesh's ``axes`` declare.
 
-    ``model_split`` (``model_axis.split``) chooses how a ``model`` axis splits kernels when the preset replicates
-    them: ``megatron`` (:data:`MODEL_SPLITS`: the tensor layout's pairs), ``all`` or ``dense`` (Das et al.'s model
-    and hybrid parallelism); a preset that already splits them must agree. A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
+    A ``context`` axis beside data axes (and an ``fsdp`` axis, at ``fsdp_stage``) makes a replicated preset context
+    parallelism (:mod:`dtx.parallel.context`). ``model_split`` (``model_axis.split``) chooses how a ``model`` axis
+    splits kernels when the preset replicates them: ``megatron`` (:data:`MODEL_SPLITS`: the tensor layout's pairs),
+    ``all`` or ``dense`` (Das et al.'s model and hybrid parallelism); a preset that already splits them must agree.
+    A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
     stage, an ``fsdp`` axis ZeRO over each stage's row: :mod:`dtx.parallel.pipeline.zero`); an ``fsdp`` axis makes a
     replicated preset ZeRO at ``fsdp_stage`` and gives a Megatron preset that stage over it. Presets that already
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not

@@ -408,21 +408,6 @@ def estimate_plan(plan: Plan, **kwargs) -> MemoryEstimate:
                     group_size=plan.group_size, sharded=plan.sharded, **kwargs)
 
 
-def estimate_pipeline(stage_plan, schedule, *, micro: int, data: int, optimizer: str = "adam",
-                      example_bytes: int = 0, zero_stage: int = 0) -> MemoryEstimate:
-    """A pipeline step's memory (:mod:`dtx.parallel.pipeline.costs`'s model of :mod:`dtx.parallel.pipeline.step`; within 15 % of the
-    compiled peak per schedule, ``tests/test_pipeline_parallel.py``), in this module's categories: the stage row as
-    params, its accumulator as grads, the kept inputs and the batch as activations, the other working rows as
-    buffers; ``zero_stage=1``: ZeRO-1's optimizer state, ``1/data`` of it (``tests/test_pipeline_zero.py``)."""
-    from dtx.parallel.pipeline import costs as pipeline_model
-
-    e = pipeline_model.estimate(stage_plan, schedule, micro, data, optimizer, example_bytes=example_bytes,
-                                zero_stage=zero_stage)
-    activations = e.kept_bytes + e.batch_bytes + e.batch_bytes // e.stages
-    return MemoryEstimate(f"pipeline ({schedule.name})", e.params_bytes, e.params_bytes, e.optimizer_bytes,
-                          activations, e.work_bytes - e.params_bytes, e.memory_bytes, {}, {})
-
-
 def estimate_model(model: Any, input_shape: Sequence[int], layout: str, *, dtype: Any = np.float32,
                    **kwargs) -> MemoryEstimate:
     """:func:`estimate` for a flax model (:func:`model_terms`: residuals, norm parameters, batch-norm state;

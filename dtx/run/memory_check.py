@@ -2,8 +2,9 @@
 
 The estimate is :mod:`dtx.perf.memory`'s (Das et al. 2016 size a layout by its parameters, gradients, optimizer
 state and activations per device; the terms and the cases they were measured on are in docs/memory.md), a
-pipeline's :mod:`dtx.parallel.pipeline.costs`'s through :func:`dtx.parallel.pipeline.check.check_memory`. The refusal names the
-biggest terms and the cheapest layout that would fit; an estimate outside the measured regime is said, fit or not.
+pipeline's :func:`dtx.parallel.pipeline.costs.memory_estimate` through
+:func:`dtx.parallel.pipeline.check.check_memory`. The refusal names the biggest terms and the cheapest layout that
+would fit; an estimate outside the measured regime is said, fit or not.
 
 ``host_memory_check``: on the CPU backend every emulated device is a slice of the one host's memory, which reports
 no per-device limit, so a run that cannot fit grows until the kernel kills it, printing nothing. There the estimate
@@ -62,7 +63,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     if not capacity and host is None:
         return
     chosen = parallel.configured(config)
-    if chosen.stages:  # a pipeline's own model (dtx.parallel.pipeline.costs, through dtx.perf.memory)
+    if chosen.stages:  # a pipeline's own model (dtx.parallel.pipeline.costs.memory_estimate)
         try:
             if capacity:
                 pipeline_check.check_memory(pipeline, mesh, config.global_batch_size, example, config.optimizer.name,
@@ -243,18 +244,19 @@ def _twin_command(config: ConfigDict) -> str:
 
 
 def _pipeline_estimate(pipeline, mesh, global_batch_size: int, example, optimizer: str):
-    """A pipeline's per-device estimate (:func:`dtx.perf.memory.estimate_pipeline`), read from the built stages as
-    :func:`dtx.parallel.pipeline.check.check_memory` reads it."""
+    """A pipeline's per-device estimate (:func:`dtx.parallel.pipeline.costs.memory_estimate`), read from the built
+    stages as :func:`dtx.parallel.pipeline.check.check_memory` reads it."""
     import numpy as np
 
-    from dtx.perf import memory
+    from dtx.parallel.pipeline import costs as pipeline_costs
 
     data = mesh.size // mesh.shape[STAGE_AXIS] // mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     micro = global_batch_size // data // pipeline.schedule.micro
     labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))  # one per example, or per token of a sequence
     example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels
-    return memory.estimate_pipeline(pipeline.plan, pipeline.schedule, micro=micro, data=data, optimizer=optimizer,
-                                    example_bytes=example_bytes, zero_stage=pipeline.zero_stage)
+    return pipeline_costs.memory_estimate(pipeline.plan, pipeline.schedule, micro=micro, data=data,
+                                          optimizer=optimizer, example_bytes=example_bytes,
+                                          zero_stage=pipeline.zero_stage)
 
 
 def host_memory(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> HostMemory | None:

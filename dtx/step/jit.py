@@ -98,7 +98,8 @@ def _apart(mesh: Mesh, spec: StepSpec, reuses: bool = False) -> accumulate.Apart
     micro-batch's gradient over all devices: that is what they are."""
     placement = spec.placement
     activations = placement.activations if placement is not None else None
-    if activations is not None and not (getattr(activations, "mappable", True) or getattr(activations, "manual", False)):
+    if activations is not None and not (getattr(activations, "mappable", True)
+                                        or getattr(activations, "manual", False)):
         return None  # a layout that moves activations its own way (context parallelism) runs in the global view
     if spec.accum_steps == 1:  # each shard's whole gradient, then one reduction (module docstring)
         whole = placement is None or (not placement.layout.splits_kernels and placement.layout.zero_stage < 3)

@@ -251,9 +251,9 @@ def check_config(config) -> None:
 
 
 def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str, capacity: float) -> None:
-    """Refuse a pipeline whose per-device peak (:func:`dtx.perf.memory.estimate_pipeline`) exceeds ``capacity``
+    """Refuse a pipeline whose per-device peak (:func:`dtx.parallel.pipeline.costs.memory_estimate`) exceeds ``capacity``
     bytes (``memory_limit``, or the accelerator's), naming the biggest terms and what lowers them."""
-    from dtx.perf import memory  # the perf floor's model of this step
+    from dtx.parallel.pipeline import costs  # this package's model of the step
 
     if not capacity or pipeline is None:
         return
@@ -261,12 +261,12 @@ def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str
     micro = global_batch_size // data // pipeline.schedule.micro
     labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))  # one per example, or per token of a sequence
     example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels
-    e = memory.estimate_pipeline(pipeline.plan, pipeline.schedule, micro=micro, data=data,
+    e = costs.memory_estimate(pipeline.plan, pipeline.schedule, micro=micro, data=data,
                                  optimizer=optimizer, example_bytes=example_bytes, zero_stage=pipeline.zero_stage)
     if e.fits(capacity):
         return
     gib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    raise StepError(f"this pipeline needs about {gib(e.total)} per device (dtx.perf.memory.estimate_pipeline) but a "
+    raise StepError(f"this pipeline needs about {gib(e.total)} per device (dtx.parallel.pipeline.costs.memory_estimate) but a "
                     f"device has {gib(capacity)} (memory_limit or the accelerator's): the stage row with its optimizer "
                     f"state and working rows {gib(e.params + e.grads + e.optimizer + e.buffers)}, kept inputs and "
                     f"the batch {gib(e.activations)}; use more stages (a longer 'stage' mesh axis), "

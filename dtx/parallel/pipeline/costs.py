@@ -45,6 +45,7 @@ from dtx.optim import DECLARED
 from dtx.parallel.pipeline.schedules import IDLE, Schedule
 from dtx.parallel.pipeline.stages import StagePlan
 from dtx.perf.clusters import Cluster
+from dtx.perf.memory import MemoryEstimate
 
 OPTIMIZER_SLOTS = {name: optimizer.slots for name, optimizer in DECLARED.items()}  # dtx.optim's declarations
 # Row-sized temporaries of the compiled step (XLA:CPU, read from programs of widths 256-512 with SGD, momentum and
@@ -273,14 +274,25 @@ class PipelineClock:
         return useful / dataclasses.replace(self, stragglers=None).compute(0)
 
     def comm(self, comm_bytes: float, comm_rounds: float):
-        from dtx.perf.simclock import (
-            CommTime,  # the clock's own accounting of a step's bytes
-        )
+        from dtx.perf.simclock import CommTime  # the clock's own accounting of a step's bytes
 
         return CommTime(self.latency * comm_rounds, comm_bytes / self.bandwidth, comm_bytes * self.reduce_s_per_byte)
 
     def worker_times(self, step: int, comm_s: float) -> np.ndarray:
         return np.array([self.compute(step) + comm_s])
+
+
+def memory_estimate(stage_plan: StagePlan, schedule: Schedule, *, micro: int, data: int, optimizer: str = "adam",
+                    example_bytes: int = 0, zero_stage: int = 0) -> MemoryEstimate:
+    """A pipeline step's memory (:func:`estimate`'s model of :mod:`dtx.parallel.pipeline.step`; within 15 % of the
+    compiled peak per schedule, ``tests/test_pipeline_parallel.py``) in :class:`dtx.perf.memory.MemoryEstimate`'s
+    categories, as ``memory_limit``, the host check and ``dtx simulate --memory`` read it: the stage row as params,
+    its accumulator as grads, the kept inputs and the batch as activations, the other working rows as buffers;
+    ``zero_stage=1``: ZeRO-1's optimizer state, ``1/data`` of it (``tests/test_pipeline_zero.py``)."""
+    e = estimate(stage_plan, schedule, micro, data, optimizer, example_bytes=example_bytes, zero_stage=zero_stage)
+    activations = e.kept_bytes + e.batch_bytes + e.batch_bytes // e.stages
+    return MemoryEstimate(f"pipeline ({schedule.name})", e.params_bytes, e.params_bytes, e.optimizer_bytes,
+                          activations, e.work_bytes - e.params_bytes, e.memory_bytes, {}, {})
 
 
 def clock_model(plan: StagePlan, schedule: Schedule, micro: int, data: int, cluster: Cluster,

@@ -38,7 +38,7 @@ micro-batch, ``t = b·S`` tokens, ``M`` micro-batches, the last stage the busies
   et al. 2020's P_os): the row padded to a multiple of ``D``, reduce-scattered over the data shards in the reduce
   dtype and its updated float32 slices all-gathered — the ring all-reduce's bytes and rounds (its two halves, now
   two collectives) when the gradients reduce in float32; each device updates, and keeps AdamW's moments of, ``1/D``
-  of the row (as :func:`dtx.perf.memory.estimate_pipeline` with ``zero_stage=1``: the optimizer ``/D``, the rest
+  of the row (as :func:`dtx.parallel.pipeline.costs.memory_estimate` with ``zero_stage=1``: the optimizer ``/D``, the rest
   unchanged);
 * **ZeRO-3 over the data axes** (``zero=3``, ``fsdp.zero_stage=3``): the same collectives, the all-gather moved
   from after the update to before the first tick (each device stores ``1/D`` of its row between steps and gathers
