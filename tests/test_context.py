@@ -225,18 +225,26 @@ def trained(mesh):
 
     one = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
     fsdp = parallel.compose(parallel.get_layout("data"), ["fsdp", CONTEXT_AXIS], 3)  # FSDP x context
+    tensor = [("data", 2), (CONTEXT_AXIS, 2), ("model", 2)]  # Megatron x context (model_axis.split=megatron)
+    megatron = parallel.compose(parallel.get_layout("data"), [name for name, _ in tensor], 3, "megatron")
     return {"one": _train(one, "data"), **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS},
             "ring-contiguous": _train(mesh, "context", attention="ring", balance=False),
             "ring-accumulating": _train(mesh, "context", accum_steps=2, attention="ring"),
-            "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp)}
+            "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp),
+            "tp+sp-ring": _train(mesh_lib.make_mesh(tensor), megatron, accum_steps=2, attention="ring",
+                                 sequence_parallel=True),
+            "tp-ulysses": _train(mesh_lib.make_mesh(tensor), megatron, attention="ulysses")}
 
 
-@pytest.mark.parametrize("kind", [*cp.KINDS, "ring-contiguous", "ring-accumulating", "fsdp"])
+@pytest.mark.parametrize("kind", [*cp.KINDS, "ring-contiguous", "ring-accumulating", "fsdp", "tp+sp-ring",
+                                  "tp-ulysses"])
 def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
     """data 2 x context 4, each kernel on the load-balanced layout (context.balance, the default: the batch's
     positions permuted, the model told their global positions), the ring on the contiguous one and accumulating 2
-    micro-batches (in the global view: no per-shard map around a layout that moves activations), and fsdp 2 x
-    context 4 (ZeRO-3 over fsdp, the ring), with causal masks and padding: the parameters after 20 SGD-momentum
+    micro-batches (in the global view: no per-shard map around a layout that moves activations), fsdp 2 x
+    context 4 (ZeRO-3 over fsdp, the ring), and data 2 x context 2 x model 2 with Megatron's pairs over model (TP +
+    SP with the ring, accumulating 2 micro-batches: positions over context and model between the pairs; TP with
+    Ulysses over each device's 2 heads), with causal masks and padding: the parameters after 20 SGD-momentum
     steps equal one device's, and under
     FSDP they are split over fsdp alone. Tolerance: a
     gradient sums B·S = 256 token terms through the model's 2 blocks, so its rounding is that of such sums at the
@@ -253,6 +261,27 @@ def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
     if kind == "fsdp":
         specs = {tuple(leaf.sharding.spec) for leaf in jax.tree.leaves(trained[kind][3])}
         assert ("fsdp",) in specs and all(set(spec) <= {None, "fsdp"} for spec in specs), specs
+
+
+def test_megatron_and_context_each_move_their_own(trained):
+    """data 2 x context 2 x model 2: the compiled TP + SP step runs the ring over context — 2(C − 1) hops of keys
+    and values each way per block and micro-batch (2 micro-batches: the loop's trip count) — and Megatron's SP
+    collectives over model (an all-gather before each column region, again in its backward, a reduce-scatter
+    after each row region and for each column region's input gradient: 4 all-gathers and 4 reduce-scatters a
+    block); the kernels are split by heads over model and whole over context; Ulysses' TP step runs 4 all-to-alls
+    each way per block over context and none of the ring's permutes."""
+    layers, size = LM["num_layers"], 2
+    ring = [c for c in hlo.collectives(trained["tp+sp-ring"][2]) if c.kind == "collective-permute"]
+    assert sum(c.trips for c in ring) == 2 * 2 * 2 * (size - 1) * layers
+    sp = {kind: sum(c.trips for c in hlo.collectives(trained["tp+sp-ring"][2]) if c.kind == kind)
+          for kind in ("all-gather", "reduce-scatter")}
+    assert sp["reduce-scatter"] == 2 * 4 * layers and sp["all-gather"] >= 2 * 4 * layers, sp
+    ulysses = hlo.collectives(trained["tp-ulysses"][2])
+    assert sum(c.trips for c in ulysses if c.kind == "all-to-all" and "MultiHeadDotProductAttention" in c.op_name) \
+        == 2 * 4 * layers
+    assert not [c for c in ulysses if c.kind == "collective-permute" and "MultiHeadDotProductAttention" in c.op_name]
+    specs = {tuple(leaf.sharding.spec) for leaf in jax.tree.leaves(trained["tp+sp-ring"][3])}
+    assert (None, "model", None) in specs and all(CONTEXT_AXIS not in spec for spec in specs), specs
 
 
 def test_the_step_moves_positions_only_through_its_kernel(trained):
@@ -316,7 +345,8 @@ def test_context_parallelism_refuses_what_it_cannot_run(mesh):
     config = config_lib.base_config().unlock()
     config.mesh, config.driver = (("data", 2), ("stage", 2), ("context", 2)), "jit"
     with pytest.raises(config_lib.ConfigError,
-                       match="composes with data and fsdp axes so far, not with \\['stage'\\]"):
+                       match="composes with data and fsdp axes and with Megatron's split over 'model', not with "
+                             "\\['stage'\\] \\(a pipeline's stages run their layers on whole sequences\\)"):
         config_lib.validate(config)
     config.mesh, config.context.attention = (("data", 2), ("context", 4)), "rings"
     with pytest.raises(config_lib.ConfigError, match="context.attention='rings': choose one of ring, allgather"):
@@ -328,10 +358,20 @@ def test_context_parallelism_refuses_what_it_cannot_run(mesh):
     (["--config.dataset.seq_len=36"], r"divisible by 8 or --config.context.balance=False"),
     (["--config.context.attention=ulysses", "--config.model.num_heads=6", "--config.model.d_model=48"],
      r"context.attention='ulysses' splits model.num_heads=6 over the 4 devices"),
+    (["--config.mesh=((\"context\", 2), (\"model\", 4))", "--config.model_axis.split=megatron",
+      "--config.context.attention=ulysses"],
+     r"splits model.num_heads=4 over the 2 devices of the 'context' axis times the 4 of 'model'"),
+    (["--config.mesh=((\"context\", 4), (\"model\", 2))", "--config.model_axis.split=megatron",
+      "--config.tensor.sequence_parallel=True", "--config.dataset.seq_len=20", "--config.context.balance=False"],
+     r"dataset.seq_len=20 with tensor.sequence_parallel=True splits over the 4 devices of 'context' and the 2"),
+    (["--config.mesh=((\"context\", 4), (\"model\", 2))", "--config.model_axis.split=all"],
+     r"not with \['model'\] \(over 'model' it takes Megatron's pairs: model_axis.split=megatron\)"),
 ])
 def test_what_the_axis_cannot_split_is_refused_by_key(overrides, match):
     """The tiny LM's config on data 2 x context 4: a sequence that does not split into 2C chunks (C without
-    balancing), Ulysses' heads that do not divide by C — refused by key before anything is built."""
+    balancing), Ulysses' heads that do not divide by C (by C·T beside Megatron's heads split over model), SP's
+    positions that do not divide by C·T, a model axis split other than Megatron's — refused by key before anything
+    is built."""
     import os
 
     from dtx import config as config_lib

@@ -316,8 +316,8 @@ def _zero(stage: int) -> Layout:
 def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_split: str = "") -> Layout:
     """``layout`` (a ``parallel.name`` preset) with the parallelisms the mesh's ``axes`` declare.
 
-    A ``context`` axis beside data axes (and an ``fsdp`` axis, at ``fsdp_stage``) makes a replicated preset context
-    parallelism (:mod:`dtx.parallel.context`). ``model_split`` (``model_axis.split``) chooses how a ``model`` axis
+    A ``context`` axis beside data axes (and an ``fsdp`` axis, at ``fsdp_stage``; a ``model`` axis with Megatron's
+    split) makes a replicated or Megatron preset context parallelism (:mod:`dtx.parallel.context`). ``model_split`` (``model_axis.split``) chooses how a ``model`` axis
     splits kernels when the preset replicates them: ``megatron`` (:data:`MODEL_SPLITS`: the tensor layout's pairs),
     ``all`` or ``dense`` (Das et al.'s model and hybrid parallelism); a preset that already splits them must agree.
     A ``stage`` axis makes a replicated or Megatron preset a pipeline (its ``model`` axis Megatron's split of each
@@ -326,17 +326,6 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
     split the state (zero1, zero2, fsdp) split it over the ``fsdp`` axis alone when there is one. What does not
     compose is refused, naming the axes and the presets that take them."""
     mesh_lib.check_axes(axes, "--config.mesh")
-    if CONTEXT_AXIS in axes:  # context parallelism: with data replicas, and ZeRO over an fsdp axis
-        others = [axis for axis in axes if axis != CONTEXT_AXIS and not mesh_lib.AXES[axis].replicas]
-        if others or not (layout.replicated or layout.activation_factory is context_layout.context_split):
-            raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data and fsdp "
-                                 f"axes so far, not with {others or [layout.name]}: use parallel.name=data (or "
-                                 "context) on a mesh of data or fsdp axes and 'context', or drop the context axis")
-        if mesh_lib.FSDP_AXIS in axes and fsdp_stage not in (1, 2, 3):
-            raise PartitionError(f"fsdp.zero_stage={fsdp_stage!r}: choose 1 (optimizer state), 2 (and gradients) "
-                                 "or 3 (and parameters)")
-        zero = fsdp_stage if mesh_lib.FSDP_AXIS in axes else 0  # the state split over fsdp, as FSDP's own
-        return dataclasses.replace(LAYOUTS["context"], zero_stage=zero) if zero else LAYOUTS["context"]
     if model_split:
         if model_split not in MODEL_SPLITS:
             raise PartitionError(f"model_axis.split={model_split!r}: choose one of {', '.join(MODEL_SPLITS)} (or "
@@ -346,6 +335,9 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
                                  f"{mesh_lib.MODEL_AXIS!r} mesh axis, and the mesh's axes {tuple(axes)} have none: "
                                  "add one, e.g. --config.mesh='((\"data\", -1), (\"model\", 2))', or leave "
                                  "model_axis.split empty")
+    if CONTEXT_AXIS in axes:  # context parallelism: with data replicas, ZeRO over fsdp, Megatron over model
+        return _context(layout, axes, fsdp_stage, model_split)
+    if model_split:
         kernels = MODEL_SPLITS[model_split]
         if layout.replicated:
             layout = _split(kernels)
@@ -373,6 +365,36 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
                                  "activations are laid out for replicated parameters); use parallel.name=tensor "
                                  "or data with an fsdp axis, or a 'data' axis with this preset")
     return layout
+
+
+def _context(layout: Layout, axes: Sequence[str], fsdp_stage: int, model_split: str) -> Layout:
+    """:func:`compose` on a mesh with a ``context`` axis: the context preset, its state split over an ``fsdp`` axis
+    at ``fsdp_stage``, and with a ``model`` axis Megatron's pairs over it (``model_axis.split=megatron`` or
+    ``parallel.name=tensor``: the tensor layout with every sequence split over ``context`` too,
+    :func:`dtx.parallel.context.layout.context_tensor_split`). A ``stage`` axis is refused: the pipeline's stages
+    run their layers on whole sequences."""
+    own = layout.activation_factory in (context_layout.context_split, context_layout.context_tensor_split)
+    megatron_split = model_split == "megatron" or (not model_split and layout.pairs and not layout.stages)
+    others = [axis for axis in axes if axis != CONTEXT_AXIS and not mesh_lib.AXES[axis].replicas
+              and not (axis == mesh_lib.MODEL_AXIS and megatron_split)]
+    if others or not (layout.replicated or own or megatron_split):
+        raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data and fsdp axes and "
+                             f"with Megatron's split over 'model', not with {others or [layout.name]}"
+                             + (" (a pipeline's stages run their layers on whole sequences)" if STAGE_AXIS in others
+                                else " (over 'model' it takes Megatron's pairs: model_axis.split=megatron)"
+                             if mesh_lib.MODEL_AXIS in others else "")
+                             + ": use parallel.name=data on a mesh of data, fsdp, 'context' and (with "
+                             "--config.model_axis.split=megatron) model axes, or drop the context axis")
+    if mesh_lib.FSDP_AXIS in axes and fsdp_stage not in (1, 2, 3):
+        raise PartitionError(f"fsdp.zero_stage={fsdp_stage!r}: choose 1 (optimizer state), 2 (and gradients) "
+                             "or 3 (and parameters)")
+    zero = fsdp_stage if mesh_lib.FSDP_AXIS in axes else 0  # the state split over fsdp, as FSDP's own
+    chosen = LAYOUTS["context"]
+    if mesh_lib.MODEL_AXIS in axes:  # Megatron's pairs (and SP) with the sequence split over context too
+        chosen = dataclasses.replace(chosen, kernels="paired", borrows=("tensor.sequence_parallel",
+                                                                        "tensor.zero_stage"),
+                                     activation_factory=context_layout.context_tensor_split)
+    return dataclasses.replace(chosen, zero_stage=zero) if zero else chosen
 
 
 def fsdp_stage(config) -> int:

@@ -168,6 +168,9 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     if chosen.stages:  # the model's layers cut into stages; the state is their parameter rows
         pipeline, abstract_state = _pipeline(config, model, tx, example, abstract_state.params, mesh)
     settings = dict(config[chosen.block]) if chosen.block else {}  # the layout's own block (tensor.*)
+    for key in chosen.borrows if not chosen.stages else ():  # and what it borrows (a context axis: tensor's SP)
+        block, name = key.split(".")
+        settings[name] = config[block][name]
     if parallel.fsdp_stage(config):  # the fsdp axis's stage, composed into the layout (parallel.compose)
         settings.pop("zero_stage", None)
     placement = chosen.place(abstract_state, mesh, config.parallel.rules, **settings)._replace(runner=pipeline)

@@ -7,9 +7,10 @@ the local positions; attention needs every key, and :mod:`~dtx.parallel.context.
 ways: the ring (``ppermute`` of key/value chunks with a float32 online softmax), the all-gather of keys and
 values, and Ulysses' all-to-alls to a head split — each with causal load balancing.
 
-Today this package holds the axis's declaration and the per-device attention kernels, each held to one device's
-attention by tests; a run on a ``context`` axis is refused by :func:`dtx.parallel.compose` until its layout
-lands.
+The package holds the axis's declaration, the per-device kernels (:mod:`.attention`), the activation context that
+runs them in a model (:mod:`.layout`: alone, beside data and fsdp axes, or inside Megatron's regions over a
+``model`` axis) and their bytes by formula (:mod:`.costs`); :func:`dtx.parallel.compose` makes a ``context`` axis
+this parallelism.
 """
 
 from __future__ import annotations

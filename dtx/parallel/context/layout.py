@@ -27,7 +27,6 @@ number of blocks on every device; contiguous (``context.balance=False``), device
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import ClassVar
 
@@ -40,6 +39,7 @@ from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, register_check
 from dtx.parallel.context import CONTEXT_AXIS
 from dtx.parallel.context import attention as kernels
+from dtx.parallel.tensor import layout as tensor_layout
 
 
 class ContextError(ValueError):
@@ -65,12 +65,44 @@ class ContextSplit:
         batch = mesh_lib.batch_axes(self.mesh)
         return P(batch[0] if len(batch) == 1 else (batch or None), CONTEXT_AXIS)
 
+    axis: ClassVar[str] = CONTEXT_AXIS
+
     def attention_fn(self, query, key, value, *args, **kwargs):
         """flax's ``attention_fn`` signature: the kernel over the split positions (``mask``, ``bias`` and dropout
         are what the declared-causal function ignores too)."""
-        kernel = functools.partial(kernels.ATTENTION[self.attention], axis=CONTEXT_AXIS, balanced=self.balance)
-        return jax.shard_map(kernel, mesh=self.mesh, in_specs=(self.spec,) * 3, out_specs=self.spec)(
+        return jax.shard_map(self._kernel, mesh=self.mesh, in_specs=(self.spec,) * 3, out_specs=self.spec)(
             query, key, value)
+
+    def _kernel(self, query, key, value, *args, **kwargs):
+        """The chosen kernel on this device's chunk, inside a region manual over the ``context`` axis."""
+        return kernels.ATTENTION[self.attention](query, key, value, axis=CONTEXT_AXIS, balanced=self.balance)
+
+    def local_attention(self, module: nn.Module):
+        """The ``attention_fn`` of ``module`` run inside a region manual over ``context`` (a Megatron region's
+        heads: :mod:`dtx.parallel.tensor.layout`): the chosen kernel, for a module that declares its own causal."""
+        self._check_causal(module)
+        return self._kernel
+
+    def _check_causal(self, module: nn.Module) -> None:
+        if not getattr(module.attention_fn, "causal", False):
+            raise ContextError(
+                f"{module.name}: context parallelism runs causal self-attention, and its attention_fn "
+                f"{getattr(module.attention_fn, '__name__', module.attention_fn)!r} does not declare itself "
+                "causal (set attention_fn.causal = True on a causal one, as dtx.models.transformer's "
+                "causal_attention does; attention dropout, model.dropout_rate > 0, uses flax's masked "
+                "attention instead: set model.dropout_rate=0) or drop the context axis")
+
+    def root_kwargs(self, module: nn.Module, args, kwargs) -> dict:
+        """``kwargs`` of a module's call, with ``positions=`` the balanced sequence's global positions where the
+        module is the model itself (not a clone or a layer below it) and the split is balanced."""
+        if not (self.balance and module.scope is not None and not module.scope.path and args
+                and not isinstance(module, nn.MultiHeadDotProductAttention)):
+            return kwargs
+        if "positions" not in inspect.signature(type(module).__call__).parameters:
+            raise ContextError(f"{type(module).__name__} takes no positions= argument, which context.balance "
+                               "hands the permuted sequence's global positions to: add one (as "
+                               "dtx.models.transformer.Transformer has) or set --config.context.balance=False")
+        return {**kwargs, "positions": kernels.order(self.size, args[0].shape[1], balanced=True)}
 
     @property
     def size(self) -> int:
@@ -101,24 +133,12 @@ class ContextSplit:
             module = context.module
             if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
-            if self.balance and module.scope is not None and not module.scope.path and \
-                    not isinstance(module, nn.MultiHeadDotProductAttention):  # the model (not a clone below)
-                if "positions" not in inspect.signature(type(module).__call__).parameters:
-                    raise ContextError(f"{type(module).__name__} takes no positions= argument, which context.balance "
-                                       "hands the permuted sequence's global positions to: add one (as "
-                                       "dtx.models.transformer.Transformer has) or set --config.context.balance=False")
-                tokens = args[0]
-                kwargs = {**kwargs, "positions": kernels.order(self.size, tokens.shape[1], balanced=True)}
-                return jax.tree.map(constrain, next_fun(*args, **kwargs))
+            rooted = self.root_kwargs(module, args, kwargs)
+            if rooted is not kwargs:  # the model (not a clone below): its balanced global positions
+                return jax.tree.map(constrain, next_fun(*args, **rooted))
             if isinstance(module, nn.MultiHeadDotProductAttention) and \
                     getattr(module.attention_fn, "__self__", None) is not self:  # not the clone below
-                if not getattr(module.attention_fn, "causal", False):
-                    raise ContextError(
-                        f"{module.name}: context parallelism runs causal self-attention, and its attention_fn "
-                        f"{getattr(module.attention_fn, '__name__', module.attention_fn)!r} does not declare itself "
-                        "causal (set attention_fn.causal = True on a causal one, as dtx.models.transformer's "
-                        "causal_attention does; attention dropout, model.dropout_rate > 0, uses flax's masked "
-                        "attention instead: set model.dropout_rate=0) or drop the context axis")
+                self._check_causal(module)
                 params = module.variables["params"]
                 local = module.clone(parent=None, name=None, attention_fn=self.attention_fn)
                 return constrain(local.apply({"params": params}, *jax.tree.map(constrain, args), **kwargs))
@@ -130,11 +150,26 @@ class ContextSplit:
 def context_split(specs, mesh: Mesh, attention: str = "ring", balance: bool = True) -> ContextSplit:
     """The layout's activation factory (:attr:`dtx.parallel.Layout.activation_factory`): ``specs`` (the
     parameters' partition specs, whole here) are not read."""
+    _check_mesh(mesh)
+    return ContextSplit(mesh, attention, bool(balance))
+
+
+def context_tensor_split(specs, mesh: Mesh, attention: str = "ring", balance: bool = True,
+                         sequence_parallel: bool = False) -> tensor_layout.TensorLayout:
+    """The activation factory of a ``context`` axis composed with Megatron's split over ``model``: the tensor
+    layout (:mod:`dtx.parallel.tensor.layout`, TP or, ``sequence_parallel``, TP + SP) of ``specs`` with every
+    sequence split over ``context`` too — positions over ``context`` (and ``model`` under SP) between the pairs,
+    each region's ``h/T`` heads attending by the chosen context kernel."""
+    _check_mesh(mesh)
+    return tensor_layout.tensor_layout(specs, mesh, sequence_parallel, context=ContextSplit(mesh, attention,
+                                                                                             bool(balance)))
+
+
+def _check_mesh(mesh: Mesh) -> None:
     if CONTEXT_AXIS not in mesh.axis_names:
         raise ContextError(f"parallel.name=context splits sequences over a {CONTEXT_AXIS!r} mesh axis, and the mesh "
                            f"{dict(mesh.shape)} has none: add one, e.g. --config.mesh='((\"data\", 2), "
                            "(\"context\", 4))'")
-    return ContextSplit(mesh, attention, bool(balance))
 
 
 @register_check
@@ -156,6 +191,14 @@ def check_config(config) -> None:
                                                else "") + f"; use a sequence length divisible by {chunks}"
                           + (" or --config.context.balance=False" if block.balance and seq % size == 0 else ""))
     heads = (config.get("model") or {}).get("num_heads")
-    if block.attention == "ulysses" and heads and heads % size:
-        raise ConfigError(f"context.attention='ulysses' splits model.num_heads={heads} over the {size} devices of "
-                          "the 'context' axis: they must divide; use --config.context.attention=ring or allgather")
+    tensor = dict((name, size) for name, size in config.mesh).get(mesh_lib.MODEL_AXIS, 1)  # Megatron's heads split
+    if block.attention == "ulysses" and heads and tensor > 0 and heads % (size * tensor):
+        over = f"{size} devices of the 'context' axis" + (f" times the {tensor} of 'model' (each device's "
+                                                           f"{heads // tensor} heads)" if tensor > 1 else "")
+        raise ConfigError(f"context.attention='ulysses' splits model.num_heads={heads} over the {over}: they must "
+                          "divide; use --config.context.attention=ring or allgather")
+    sp = (config.get("tensor") or {}).get("sequence_parallel")
+    if seq and sp and tensor > 1 and seq % (size * tensor):
+        raise ConfigError(f"dataset.seq_len={seq} with tensor.sequence_parallel=True splits over the {size} devices "
+                          f"of 'context' and the {tensor} of 'model': use a sequence length divisible by "
+                          f"{size * tensor}, or tensor.sequence_parallel=False")

@@ -70,6 +70,10 @@ class TensorLayout:
       attention: paths of the attention modules split by heads.
       columns / rows: paths of the MLP's column-split and row-split Dense layers.
       sequence_parallel: keep activations between the pairs split by positions (Korthikanti et al.).
+      context: a context-parallel split of every sequence composed with this one (a ``context`` mesh axis:
+        :class:`dtx.parallel.context.layout.ContextSplit`), else ``None``. Positions then split over ``context``
+        everywhere (and further over ``model`` under SP: ``S/(C·T)`` per device between the pairs), and each
+        region's attention runs the context kernel over its ``h/T`` heads.
     """
 
     mesh: Mesh
@@ -79,12 +83,36 @@ class TensorLayout:
     rows: frozenset[str]
     sequence_parallel: bool = False
     mapped: tuple[str, ...] = ()
+    context: Any = None
     # Gradient accumulation under jit maps the loss over the data groups (dtx.step.accumulate) so that each
     # group's gradient is reduced once per step. A vmap of these shard_map regions (spmd_axis_name) fails JAX's
     # replication typing (pvary of a value the map already varies), so the map is a shard_map manual over the
     # data axes (manual), inside which the regions are shard_maps over model (inside_map).
     mappable: ClassVar[bool] = False
-    manual: ClassVar[bool] = True
+
+    @property
+    def manual(self) -> bool:
+        """Whether the regions can nest in a map over the data axes (above); composed with a context split, whose
+        regions map over ``context`` too, the step accumulates in the global view instead."""
+        return self.context is None
+
+    @property
+    def _positions(self):
+        """The mesh axes a sequence's positions split over between the pairs: ``context`` (composed), then
+        ``model`` under SP — context-major, so gathering over ``model`` yields a device's context chunk."""
+        axes = ((self.context.axis,) if self.context is not None else ()) + ((MODEL,) if self.sequence_parallel
+                                                                              else ())
+        return self._entry(axes)
+
+    @property
+    def _chunk(self):
+        """Where a region's gathered positions live: a device's context chunk, or the whole sequence."""
+        return self.context.axis if self.context is not None else None
+
+    def prepare(self, batch):
+        """The batch as the devices hold it: the context split's load-balanced order where one is composed
+        (:meth:`dtx.parallel.context.layout.ContextSplit.prepare`)."""
+        return batch if self.context is None else self.context.prepare(batch)
 
     @property
     def size(self) -> int:
@@ -101,13 +129,14 @@ class TensorLayout:
         return jax.sharding.get_abstract_mesh() if self.mapped else self.mesh
 
     def between(self, ndim: int) -> P:
-        """Where the residual stream lives: examples over the data axes, positions over ``model`` under SP."""
-        return P(self._data(), MODEL if self.sequence_parallel and ndim > 2 else None, *[None] * (ndim - 2))
+        """Where the residual stream lives: examples over the data axes, positions over ``model`` under SP (and over
+        ``context`` first where a context split is composed)."""
+        return P(self._data(), self._positions if ndim > 2 else None, *[None] * (ndim - 2))
 
     def inside_map(self, axes: tuple[str, ...]) -> TensorLayout:
         """This layout inside a ``shard_map`` manual over the data ``axes`` (:func:`dtx.step.accumulate.
         manual_gradients`): those axes leave every spec, and each region maps over ``model`` only."""
-        if MODEL in axes:
+        if MODEL in axes or self.context is not None:
             raise ValueError(f"a tensor-parallel layout's model groups cannot be split by a map over {axes}")
         return dataclasses.replace(self, mapped=tuple(axes))
 
@@ -118,6 +147,8 @@ class TensorLayout:
             module = context.module
             if inside or not args:
                 return next_fun(*args, **kwargs)
+            if self.context is not None:  # the model: the balanced sequence's global positions (positions=)
+                kwargs = self.context.root_kwargs(module, args, kwargs)
             if context.method_name == "attend" and isinstance(module, nn.Embed) and getattr(args[0], "ndim", 0) == 3:
                 return head(next_fun, args, kwargs)  # a tied output layer: the head's layout
             if context.method_name != "__call__":
@@ -150,7 +181,7 @@ class TensorLayout:
         def head(next_fun, args, kwargs):
             """A replicated Dense (the output head, or a tied embedding's ``attend``) runs data parallel over every
             device, as in dtx.parallel.activations: 1/T of its work each, its logits where the labels are."""
-            spec = P(self._entry(mesh_lib.batch_axes(self.mesh)), None, None)
+            spec = P(self._entry(mesh_lib.batch_axes(self.mesh)), self._chunk, None)
             return self._constrain(next_fun(self._constrain(args[0], spec), *args[1:], **kwargs), spec)
 
         return nn.intercept_methods(intercept)
@@ -159,11 +190,14 @@ class TensorLayout:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self._mesh(), spec))
 
     def _check_positions(self, length: int, layer: str) -> None:
-        if length % self.size:
-            fits = [n for n in range(self.size, 4 * self.size + 1, self.size)]
+        size = self.size * (self.context.size if self.context is not None else 1)
+        if length % size:
+            fits = [n for n in range(size, 4 * size + 1, size)]
+            over = (f"the {MODEL!r} and 'context' axes ({size} devices)" if self.context is not None
+                    else f"the {MODEL!r} axis of size {size}")
             raise PartitionError(
-                f"tensor.sequence_parallel=True splits layer {layer!r}'s {length} positions over the {MODEL!r} axis "
-                f"of size {self.size}, which does not divide them; use a sequence length that {self.size} divides "
+                f"tensor.sequence_parallel=True splits layer {layer!r}'s {length} positions over {over}, which "
+                "does not divide them; use a sequence length that {size} divides "
                 f"(dataset.seq_len, e.g. {fits}), or tensor.sequence_parallel=False")
 
     def _projections(self, x, layers, dtype, precision):
@@ -241,8 +275,8 @@ class TensorLayout:
         def per_device(x, params):
             return megatron.column(module, params, x, self._pair)
 
-        return self._region(per_device, (between, {k: specs[k] for k in params}), P(self._data(), None, MODEL))(
-            x, dict(params))
+        return self._region(per_device, (between, {k: specs[k] for k in params}),
+                            P(self._data(), self._chunk, MODEL))(x, dict(params))
 
     def _row(self, module, path, args, kwargs):
         """An MLP down-projection: this device's ``1/T`` of the hidden units times its rows, reduced; the bias after."""
@@ -252,7 +286,8 @@ class TensorLayout:
         def per_device(x, kernel):
             return megatron.row(module, kernel, x, self._pair)
 
-        y = self._region(per_device, (P(self._data(), None, MODEL), P(MODEL, None)), between)(x, params["kernel"])
+        y = self._region(per_device, (P(self._data(), self._chunk, MODEL), P(MODEL, None)), between)(
+            x, params["kernel"])
         return y + params["bias"].astype(y.dtype) if "bias" in params else y
 
     def _attention(self, module, path, args, kwargs):
@@ -261,6 +296,7 @@ class TensorLayout:
         output bias added after."""
         x = args[0]
         megatron.check_self_attention(module, args, kwargs, path, "parallel.name='tensor'")
+        attention_fn = None if self.context is None else self.context.local_attention(module)
         between = self._stream(x, path)
         params = dict(module.variables["params"])
         out_bias = params["out"].get("bias")
@@ -281,15 +317,17 @@ class TensorLayout:
             if rng is not None:  # each device's examples and heads drop their own weights
                 for axis in self.mesh.axis_names:
                     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-            return megatron.attention(module, params, x, self._pair, extras.get("mask"), rng, deterministic)
+            return megatron.attention(module, params, x, self._pair, extras.get("mask"), rng, deterministic,
+                                      attention_fn)
 
         params["out"] = {"kernel": params["out"]["kernel"]}
         y = self._region(per_device, (between, specs, extra_specs), between)(x, params, extras)
         return y + out_bias.astype(y.dtype) if out_bias is not None else y
 
 
-def tensor_layout(specs: Any, mesh: Mesh, sequence_parallel: bool = False) -> TensorLayout:
-    """The activation layout implied by Megatron's parameter specs (:func:`dtx.parallel.tensor.megatron.megatron_rules`)."""
+def tensor_layout(specs: Any, mesh: Mesh, sequence_parallel: bool = False, context: Any = None) -> TensorLayout:
+    """The activation layout implied by Megatron's parameter specs (:func:`dtx.parallel.tensor.megatron.megatron_rules`),
+    composed with ``context`` (a context split of every sequence) where one is given."""
     kernels, attention, columns, rows = {}, set(), set(), set()
     for path, spec in named_leaves(specs, is_leaf=lambda x: isinstance(x, P)):
         if not path.endswith("/kernel") or MODEL not in tuple(spec):
@@ -302,7 +340,7 @@ def tensor_layout(specs: Any, mesh: Mesh, sequence_parallel: bool = False) -> Te
             (columns if spec[1] == MODEL else rows).add(path[: -len("/kernel")])
             kernels[path[: -len("/kernel")]] = spec
     return TensorLayout(mesh, kernels, frozenset(attention), frozenset(columns), frozenset(rows),
-                        bool(sequence_parallel))
+                        bool(sequence_parallel), context=context)
 
 
 @register_check

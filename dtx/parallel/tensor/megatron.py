@@ -179,14 +179,17 @@ def dropout_of(module, kwargs) -> tuple[bool, Any]:
     return deterministic, (None if deterministic else module.make_rng("dropout"))
 
 
-def attention(module, params, x, pair: Pair, mask=None, rng=None, deterministic: bool = True):
+def attention(module, params, x, pair: Pair, mask=None, rng=None, deterministic: bool = True, attention_fn=None):
     """Self-attention on this device's heads: Q, K and V from one ``f`` of the input (their kernels
     ``(in, h/T, head_dim)``), attention with ``mask`` and dropout (``rng``), this device's rows of the output
     projection; the partial outputs reduced by ``g``. Without the output bias, which the caller adds once after
-    the reduction (``params["out"]`` may hold it or not)."""
+    the reduction (``params["out"]`` may hold it or not). ``attention_fn``: the module's own unless given (a
+    context split's kernel over the positions of other devices)."""
     heads, head_dim = params["query"]["kernel"].shape[1:]
     width = module.out_features or x.shape[-1]
-    local = module.clone(parent=None, name=None, num_heads=heads, qkv_features=heads * head_dim, out_features=width)
+    own = {"attention_fn": attention_fn} if attention_fn is not None else {}
+    local = module.clone(parent=None, name=None, num_heads=heads, qkv_features=heads * head_dim, out_features=width,
+                         **own)
     params = dict(params)
     kernel = params["out"]["kernel"]
     params["out"] = {"kernel": kernel, **({"bias": jnp.zeros((width,), kernel.dtype)} if module.use_bias else {})}
