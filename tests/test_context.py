@@ -382,6 +382,7 @@ def test_what_the_axis_cannot_split_is_refused_by_key(overrides, match):
                                *overrides])
 
 
+@functools.lru_cache(maxsize=None)
 def _read(positions: int, size: int, kind: str = "ring"):
     """``(peak bytes, FLOPs)`` per device of the tiny LM's step on data 2 × context ``size`` (data 2 alone at 1),
     4 sequences of ``positions``, lowered from shapes and compiled to be read (nothing runs)."""
@@ -459,12 +460,47 @@ def test_in_bfloat16_the_losses_are_one_devices_to_its_rounding():
         np.testing.assert_allclose(got, want, rtol=2.0 ** -9, atol=0, err_msg=kind)
 
 
-def test_the_memory_model_says_what_it_leaves_out():
-    """The memory check estimates a context-parallel run as data parallelism of the same tokens per device and says
-    so, with what it leaves out, whenever it checks one (dtx.perf.memory.uncovered)."""
+def _modelled(positions: int, size: int, kind: str) -> float:
+    """The memory check's estimate of ``_read``'s step (dtx.run.memory_check): the model's data-parallel estimate at
+    a device's ``S/C`` positions (2 examples per data shard) plus what the layout says its attention keeps."""
+    from dtx.models import build_model
+    from dtx.parallel.context.layout import ContextSplit
+    from dtx.perf import memory as memory_lib
+
+    model = build_model("transformer", **{**LM, "max_len": positions})
+    mesh = mesh_lib.make_mesh([("data", 2), (CONTEXT_AXIS, size)], devices=jax.devices()[:2 * size])
+    shape, extra = ContextSplit(mesh, kind).memory(model, jax.ShapeDtypeStruct((4, positions), jnp.int32),
+                                                   jnp.float32)
+    found = memory_lib.estimate_model(model, shape, "data", dtype=jnp.int32, nodes=2, global_batch=4,
+                                      optimizer="sgd")
+    return found.total + extra(2)
+
+
+# Chosen before they were compiled: lengths and an axis size the constants (dtx.parallel.context.costs.KEPT) were
+# not read from (those: 128 and 256 positions at C = 4).
+HELD_OUT = [(384, 4), (512, 2)]
+
+
+@pytest.mark.parametrize("kind", cp.KINDS)
+def test_the_memory_model_holds_on_held_out_lengths(kind):
+    """The memory check's estimate of a context-parallel step against the compiled peak (memory_analysis), on the
+    held-out rows: within 15 % at C = 4 (measured 0.97-1.06 at 384 positions), and at C = 2 never under the peak
+    and within the 35 % the memory model says it may miss there (dtx.perf.memory.uncovered: the data-parallel
+    estimate at 256 positions is itself 11 % high, and Ulysses keeps less at C = 2; measured 1.17-1.35)."""
+    for positions, size in HELD_OUT:
+        ratio = _modelled(positions, size, kind) / _read(positions, size, kind)[0]
+        if size == 4:
+            assert abs(ratio - 1) <= 0.15, (positions, size, ratio)
+        else:
+            assert 1 <= ratio <= 1.35, (positions, size, ratio)
+
+
+def test_the_memory_model_says_where_it_is_loose():
+    """The memory check says, whenever it checks a context-parallel run, how it estimates one and how far its
+    held-out rows read (dtx.perf.memory.uncovered)."""
     from dtx import parallel
     from dtx.perf import memory
 
     said = memory.uncovered(parallel.LAYOUTS["context"])
-    assert "context parallelism" in said and "keys and values" in said
+    assert "context parallelism" in said and "S/C positions" in said and "C = 2" in said
     assert memory.uncovered(parallel.LAYOUTS["data"]) == ""

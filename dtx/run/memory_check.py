@@ -14,6 +14,7 @@ times this process's devices, plus :data:`HOST_ALLOWANCE`, is held against what 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -79,26 +80,40 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         return
     if chosen.pairs:  # Megatron's pairs: dtx.parallel.tensor.costs models them, not dtx.perf.memory
         return  # (docs/memory.md: neither memory_limit nor the host's memory is checked for parallel.name=tensor)
-    # The kernels the activation layout split; a context split has none: its devices hold B/D examples of S/C
-    # positions each, as many tokens as data parallelism over every device, which is how it is estimated (modelled:
-    # attention's gathered or travelling keys and values are not among the terms).
+    # The kernels the activation layout split. A layout that estimates its devices its own way (a context split's
+    # ``memory``: S/C positions of B/D examples, and what its attention keeps) declares the input shape a device is
+    # estimated at, the devices that share one example (the axis), and the bytes it adds.
     sharded = tuple(sorted(getattr(layout, "kernels", None) or ()))
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
-    common = dict(nodes=mesh.size, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
+    own = getattr(layout, "memory", None)
+    shape, extra, sharing = example.shape[1:], None, 1
+    if own is not None:
+        shape, extra = own(model, example, policy.compute)
+        sharing = layout.size
+    devices = mesh.size // sharing  # the devices that hold distinct examples
+    common = dict(nodes=devices, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
                   policy=policy, accum_steps=micro_batches(config),
                   backend="xla_cpu" if jax.default_backend() == "cpu" else "gpu",
                   explicit=get_driver(config.driver).explicit)
     split = math.prod(mesh.shape[a] for a in mesh_lib.state_axes(mesh))
-    if chosen.zero_stage and split < mesh.size:  # hybrid sharding: a device holds what FSDP over the fsdp axis
+    if chosen.zero_stage and split < devices:  # hybrid sharding: a device holds what FSDP over the fsdp axis
         # alone holds, with its replicas' share of the batch (each data index a run of its own, reduced after)
-        common.update(nodes=split, global_batch=config.global_batch_size // (mesh.size // split))
+        common.update(nodes=split, global_batch=config.global_batch_size // (devices // split))
     # A layout that splits kernels is estimated by the kernels it actually split on this model.
     rules = parallel.rules_layout() if chosen.splits_kernels and sharded else chosen
 
     def estimate(**changes):
-        return memory.estimate_model(model, example.shape[1:], rules, dtype=example.dtype,
-                                     group_size=group if rules.splits_kernels else 1,
-                                     sharded=sharded if rules.user_rules else (), **{**common, **changes})
+        found = memory.estimate_model(model, shape, rules, dtype=example.dtype,
+                                      group_size=group if rules.splits_kernels else 1,
+                                      sharded=sharded if rules.user_rules else (), **{**common, **changes})
+        if extra is None:
+            return found
+        more = extra(found_examples(changes))
+        return dataclasses.replace(found, activations=found.activations + more, total=found.total + more)
+
+    def found_examples(changes) -> int:  # examples per device per micro-batch, as the estimate splits them
+        settings = {**common, **changes}
+        return settings["global_batch"] // settings["nodes"] // settings["accum_steps"]
 
     try:
         mine = estimate()
@@ -112,7 +127,8 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         memory.uncovered(rules, **{key: common[key] for key in ("accum_steps", "policy", "backend", "explicit")}),
         mine.outside)))  # the layout's regime, and this network's (a wide convolution, a stride-1 pool)
     if capacity:
-        _check_device(config, model, example, chosen, group, common, mine, doubt, capacity)
+        _check_device(config, model, example, chosen, group,  # the other layouts: every device its examples
+                      {**common, "nodes": mesh.size} if sharing > 1 else common, mine, doubt, capacity)
     if host is not None:
         check_host(config, mine, mesh, host, doubt=doubt, estimate=estimate if group == 1 else None)
 

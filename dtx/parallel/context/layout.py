@@ -108,6 +108,21 @@ class ContextSplit:
     def size(self) -> int:
         return self.mesh.shape[CONTEXT_AXIS]
 
+    def memory(self, model: nn.Module, example, dtype) -> tuple[tuple[int, ...], float]:
+        """What the memory model (:mod:`dtx.run.memory_check`) estimates a device as: one example's input at its
+        ``S/C`` positions (the model's data-parallel estimate there), and the bytes its attention adds beyond
+        that (:func:`dtx.parallel.context.costs.memory_bytes`, per attention call of ``model`` on ``example``,
+        examples per device ``examples``: the caller's)."""
+        from dtx.parallel.context import costs
+
+        positions = example.shape[1]
+        calls = attention_calls(model, example)
+
+        def extra(examples: int) -> float:
+            return costs.memory_bytes(self.attention, calls, examples, positions, self.size, dtype)
+
+        return (positions // self.size, *example.shape[2:]), extra
+
     def prepare(self, batch):
         """The batch as the devices hold it (the drivers call this first): balanced, every array of the inputs'
         ``(batch, positions, ...)`` shape permuted along its positions (:func:`.attention.order`) — inputs and
@@ -145,6 +160,23 @@ class ContextSplit:
             return jax.tree.map(constrain, next_fun(*jax.tree.map(constrain, args), **kwargs))
 
         return nn.intercept_methods(intercept)
+
+
+def attention_calls(model: nn.Module, example) -> list[tuple[int, int]]:
+    """``(heads, head_dim)`` of each ``nn.MultiHeadDotProductAttention`` call of ``model`` on ``example`` (traced from
+    shapes: nothing runs)."""
+    calls = []
+
+    def record(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name == "__call__" and isinstance(module, nn.MultiHeadDotProductAttention):
+            width = module.qkv_features or args[0].shape[-1]
+            calls.append((module.num_heads, width // module.num_heads))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda x: model.init(jax.random.key(0), x), example)
+    return calls
 
 
 def context_split(specs, mesh: Mesh, attention: str = "ring", balance: bool = True) -> ContextSplit:
