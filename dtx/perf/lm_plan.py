@@ -47,6 +47,19 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor.layou
   :mod:`dtx.parallel.pipeline.lm_costs` as dtx runs it: its 1F1B keeps ``min(2P − 1, M)`` stage inputs in flight (the
   lock-step schedule's table, not PipeDream-Flush's ``P − s``) and each stage's activations for one micro-batch.
 
+* **context** (``C > 1``, :mod:`dtx.parallel.context`): every sequence split over a ``context`` axis of ``C``
+  devices, beside data shards and ZeRO only (dtx composes it with data and fsdp axes: ``T = P = 1``), with one of
+  three kernels — the ring (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889), the all-gather of keys and values (Llama
+  3, Dubey et al. 2024, arXiv 2407.21783 §3.3.2) or Ulysses' all-to-alls (Jacobs et al. 2023, arXiv 2309.14509;
+  heads divisible by ``C``), the sequence in ``2C`` balanced chunks. Compute on ``1/(D·C)`` of the tokens, scores
+  included (balanced; the ring's skipped blocks not credited: XLA's cost analysis counts them); the kernel's
+  :func:`dtx.parallel.context.costs.block_bytes` per block and micro-batch in the compute dtype, half again under
+  ``dots`` and ``full``, on NVLink when ``C ≤ local_size`` (the axis is the mesh's last) else on the network, one
+  latency per collective (:func:`context_collectives`); the gradients as the compiled step reduces them
+  (:func:`_context_gradients`); activations and logits of ``S/C`` positions, and for the all-gather the whole
+  sequence's keys and values of one block, ``2·b·S·d`` in the compute dtype. :func:`why` says why the sequence is
+  split and why its kernel (bytes, memory, head count, messages).
+
 :func:`best` keeps the fastest plan that fits, its modelled memory at most ``1 − MEMORY_HEADROOM`` (90 %)
 of the device's; :func:`why` says why in one sentence; :meth:`LMPlan.overrides` prints a plan as the named mesh
 axes it composes (docs/composing.md: ``data`` or, under ZeRO, ``fsdp`` at ``fsdp.zero_stage``; ``stage``;
@@ -64,6 +77,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from dtx.parallel.context import costs as context_model
+from dtx.parallel.context.attention import KINDS as ATTENTION_KINDS
 from dtx.parallel.pipeline import lm_costs as lm_pipeline
 from dtx.parallel.tensor import costs as tensor_model
 from dtx.perf import decoder
@@ -71,6 +86,10 @@ from dtx.perf.clusters import Cluster
 from dtx.perf.decoder import ACTIVATION_WIDENING, COMPUTE, COMPUTE_COPY
 
 POLICIES = ("none", "dots", "full")
+# The remat policies a context plan takes: all three (remat wraps each block around the kernel's shard_map); under
+# `dots` and `full` the block's recomputed forward runs the kernel's forward collectives again (the compiled twins:
+# the ring's 2(C - 1) hops each way and 2(C - 1) again, lm_sim.CONTEXT_KINDS).
+CONTEXT_POLICIES = POLICIES
 # The ZeRO stages dtx's pipeline runs over an fsdp axis (dtx.parallel.pipeline.zero; stage 2 is refused there: a
 # pipeline accumulates its gradient row whole over the micro-batches and reduces it once, which is stage 1's).
 PIPELINE_ZERO = (0, 1, 3)
@@ -176,10 +195,14 @@ class LMPlan:
     grad_bytes: float
     memory: dict
     update_flops: float = 0.0  # of flops: the optimizer's update, outside the micro-batch loop (--verify reads it apart)
+    context: int = 1  # C: every sequence split over a ``context`` axis of C devices (module docstring, **context**)
+    attention: str = ""  # the context kernel (dtx.parallel.context.attention: ring, allgather, ulysses) when C > 1
+    context_s: float = 0.0
+    context_bytes: float = 0.0
 
     @property
     def time(self) -> float:
-        return self.compute_s + self.tensor_s + self.p2p_s + self.grad_s
+        return self.compute_s + self.tensor_s + self.p2p_s + self.grad_s + self.context_s
 
     @property
     def memory_bytes(self) -> float:
@@ -187,7 +210,7 @@ class LMPlan:
 
     @property
     def bytes_sent(self) -> float:
-        return self.tensor_bytes + self.p2p_bytes + self.grad_bytes
+        return self.tensor_bytes + self.p2p_bytes + self.grad_bytes + self.context_bytes
 
     @property
     def runnable(self) -> bool:
@@ -197,6 +220,7 @@ class LMPlan:
     def text(self) -> str:
         parts = [f"D{self.data}"] + ([f"T{self.tensor}" + ("+SP" if self.sp else "")] if self.tensor > 1 else [])
         parts += [f"P{self.stages}"] if self.stages > 1 else []
+        parts += [f"C{self.context}({self.attention})"] if self.context > 1 else []
         extra = [f"ZeRO-{self.zero}"] if self.zero else []
         extra += [f"remat {self.policy}"] if self.policy != "none" else []
         extra += [f"M={self.micro}"] if self.micro > 1 else []
@@ -204,9 +228,11 @@ class LMPlan:
 
     def axes(self) -> list[tuple[str, int]]:
         """The plan as named mesh axes (docs/composing.md): the ``D`` data shards a ``data`` axis, or an ``fsdp``
-        axis where ZeRO splits the state over them; ``stage`` for ``P > 1``; ``model`` for ``T > 1``."""
+        axis where ZeRO splits the state over them; ``stage`` for ``P > 1``; ``model`` for ``T > 1``; ``context``
+        for ``C > 1``, last: the fastest-varying axis, so a group of ``C ≤ local_size`` devices is one node's."""
         axes = [("fsdp" if self.zero else "data", self.data)]
-        return axes + [("stage", self.stages)] * (self.stages > 1) + [("model", self.tensor)] * (self.tensor > 1)
+        return (axes + [("stage", self.stages)] * (self.stages > 1) + [("model", self.tensor)] * (self.tensor > 1)
+                + [("context", self.context)] * (self.context > 1))
 
     def overrides(self) -> list[str]:
         """The ``dtx train`` overrides that run this plan (only a :attr:`runnable` one): its mesh axes (the
@@ -229,6 +255,8 @@ class LMPlan:
         if self.tensor > 1:
             out += ["--config.parallel.name=tensor", "--config.driver=jit"]
             out += ["--config.tensor.sequence_parallel=True"] if self.sp else []
+        elif self.context > 1:  # the context layout runs under the jit driver (docs/context_parallel.md)
+            out += ["--config.parallel.name=data", "--config.driver=jit", f"--config.context.attention={self.attention}"]
         else:
             out += ["--config.parallel.name=data"]
         out += [f"--config.global_batch_size={self.global_batch}"]
@@ -239,18 +267,23 @@ class LMPlan:
 
 def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, tensor: int = 1, stages: int = 1,
          zero: int = 0, policy: str = "none", sp: bool = False, micro: int = 1, reduce_bytes: int = 4,
-         tensor_element: int = COMPUTE, backend: str = "gpu") -> LMPlan:
+         tensor_element: int = COMPUTE, backend: str = "gpu", context: int = 1, attention: str = "ring",
+         context_element: int = COMPUTE) -> LMPlan:
     """The plan's time, bytes and memory (module docstring); ``tensor_element``: the element the tensor layout's
     activation collectives move (the compute dtype's, bf16, as on a GPU; XLA:CPU carries them as float32, 4);
     ``reduce_bytes``: the gradients' element size
     (GPT-2 small's experiment reduces in float32); ``backend``: whose memory (:func:`memory_terms`): ``"gpu"`` (the
-    planner's) or ``"xla_cpu"`` (what ``--verify``'s twins compile to)."""
+    planner's) or ``"xla_cpu"`` (what ``--verify``'s twins compile to); ``context``: ``C``, every sequence split
+    over a ``context`` axis with the kernel ``attention`` (module docstring, **context**), whose keys and values
+    move as ``context_element`` bytes (the compute dtype's)."""
     if backend not in BACKENDS:
         raise PlanError(f"backend={backend!r}: one of {', '.join(BACKENDS)}")
-    if nodes % (tensor * stages) or shape.layers % stages or shape.heads % tensor:
-        raise PlanError(f"{nodes} GPUs as tensor {tensor} x stages {stages} of {shape.layers} blocks, "
-                        f"{shape.heads} heads: does not divide")
-    data = nodes // (tensor * stages)
+    if nodes % (tensor * stages * context) or shape.layers % stages or shape.heads % tensor:
+        raise PlanError(f"{nodes} GPUs as tensor {tensor} x stages {stages} x context {context} of {shape.layers} "
+                        f"blocks, {shape.heads} heads: does not divide")
+    if context > 1:
+        check_context(shape, context, attention, tensor, stages)
+    data = nodes // (tensor * stages * context)
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
     if stages > 1:  # dtx's pipeline as it runs (dtx.parallel.pipeline.lm_costs)
@@ -263,7 +296,7 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
         return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, **figures)
     s, d = shape.seq, shape.width
     b = global_batch // (data * micro)  # sequences per micro-batch of a data shard
-    shard_tokens = global_batch * s / data  # the tokens of one data shard per step
+    shard_tokens = global_batch * s / data  # the tokens of one data shard per step (its context group's)
     # The busiest stage: its L/P blocks and the tied head with the loss (the last stage; all of it when P = 1).
     head = 6 * d * shape.vocab + ELEMENTWISE["logit"] * shape.vocab
     recomputed = recomputes(policy, tensor)
@@ -271,7 +304,10 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     blocks_params = shape.layers * shape.block_params
     held = blocks_params / (tensor * stages) + (shape.params - blocks_params)  # the rest whole (TP replicates it)
     update = ELEMENTWISE["update"] * held / (data if zero else 1)  # each device updates what it holds
-    flops = per_token * shard_tokens / tensor + update
+    # A context group splits its shard's tokens C ways: every position-wise term on S/C positions, and attention's
+    # scores too (each device's queries against every key, S/C x S; balanced, equal on every device). The ring's
+    # skipped blocks are not credited: XLA's cost analysis counts a lax.cond as its costlier branch (docstring).
+    flops = per_token * shard_tokens / (tensor * context) + update
     rate = cluster.node_flops * cluster.efficiency["dense"]
     compute_s = flops / rate  # one stage: no bubble, no messages (a pipeline returned above)
     x = reduce_bytes  # the element the gradients' collectives move (module docstring)
@@ -279,14 +315,67 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     tensor_bytes *= micro / stages
     tensor_s = tensor_bytes / cluster.local_bandwidth + micro * collectives / stages * cluster.local_latency
     p2p_bytes = p2p_s = 0.0
-    grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro)
-    memory = memory_terms(shape, b, data, tensor, zero, policy, sp, micro, backend)
+    grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro, context)
+    memory = memory_terms(shape, b, data, tensor, zero, policy, sp, micro, backend, context, attention)
+    context_bytes, context_s = context_collectives(shape, cluster, b, micro, context, attention, policy,
+                                                   context_element)
     return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, flops, compute_s,
-                  tensor_s, p2p_s, grad_s, tensor_bytes, p2p_bytes, grad_bytes, memory, update_flops=update)
+                  tensor_s, p2p_s, grad_s, tensor_bytes, p2p_bytes, grad_bytes, memory, update_flops=update,
+                  context=context, attention=attention if context > 1 else "", context_s=context_s,
+                  context_bytes=context_bytes)
+
+
+def check_context(shape: LMShape, context: int, attention: str, tensor: int = 1, stages: int = 1) -> None:
+    """What a context axis of ``context`` devices needs (docs/context_parallel.md), refused as dtx refuses it: data
+    and fsdp axes beside it only (:func:`dtx.parallel.compose`), a known kernel, the sequence in ``2C`` chunks (the
+    balanced layout, :func:`dtx.parallel.context.attention.order`) and, for Ulysses, heads divisible by ``C``."""
+    if tensor > 1 or stages > 1:
+        raise PlanError(f"a context axis composes with data and fsdp axes (dtx.parallel.compose), not tensor {tensor} "
+                        f"x stages {stages}")
+    if attention not in ATTENTION_KINDS:
+        raise PlanError(f"context.attention={attention!r}: one of {', '.join(ATTENTION_KINDS)}")
+    if shape.seq % (2 * context):
+        raise PlanError(f"{shape.seq} positions do not cut into 2 x {context} chunks (the balanced layout)")
+    if attention == "ulysses" and shape.heads % context:
+        raise PlanError(f"Ulysses splits the {shape.heads} heads over {context} devices: they do not divide")
+
+
+# Collectives per block and micro-batch of each context kernel (dtx.parallel.context.costs' table; tests/test_context.py
+# counts them in the compiled step): the ring's 2(C - 1) key and value hops each way, the all-gather's 2 all-gathers
+# and 2 reduce-scatters, Ulysses' 4 all-to-alls each way. Each is one latency, as the tensor layout's are here.
+def context_messages(attention: str, context: int) -> int:
+    return {"ring": 4 * (context - 1), "allgather": 4, "ulysses": 8}[attention]
+
+
+def context_link(cluster: Cluster, context: int) -> tuple[float, float]:
+    """``(bandwidth, latency)`` a context group's collectives run at: the node's NVLink when the group is inside one
+    node (``C ≤ local_size``: the context axis is the mesh's last, :meth:`LMPlan.axes`), else the network (each
+    device's own link: a ring or an all-to-all spanning nodes is as slow as its slowest hop)."""
+    if context <= cluster.local_size:
+        return cluster.local_bandwidth, cluster.local_latency
+    return cluster.bandwidth, cluster.latency
+
+
+def context_collectives(shape: LMShape, cluster: Cluster, b: int, micro: int, context: int, attention: str,
+                        policy: str = "none", element: int = COMPUTE) -> tuple[float, float]:
+    """Bytes one device sends over ``context`` per step and their time (α-β on :func:`context_link`): per block and
+    micro-batch :func:`dtx.parallel.context.costs.block_bytes` of ``b`` sequences at ``element`` bytes (the compute
+    dtype's: the kernels move the projections' bf16 keys and values); under ``dots`` and ``full`` the block's
+    recomputed forward runs the kernel's forward collectives again (half of them: the table's forward column; ``dots``
+    keeps the projections, not what the kernel computes from the keys and values it received)."""
+    if context == 1:
+        return 0.0, 0.0
+    per_block = context_model.block_bytes(attention, b, shape.seq, shape.width, context, element)
+    messages = context_messages(attention, context)
+    if policy in ("dots", "full"):
+        per_block, messages = 1.5 * per_block, messages * 3 // 2
+    bandwidth, latency = context_link(cluster, context)
+    sent = micro * shape.layers * per_block
+    return sent, sent / bandwidth + micro * shape.layers * messages * latency
 
 
 def memory_terms(shape: LMShape, b: int, data: int, tensor: int, zero: int, policy: str, sp: bool, micro: int,
-                 backend: str = "gpu") -> dict:
+                 backend: str = "gpu", context: int = 1, attention: str = "ring") -> dict:
     """Bytes per device of a one-stage plan (``P = 1``), ``b`` sequences per micro-batch of a data shard, by term
     (module docstring, **memory**); their sum is the modelled peak. ``"gpu"``: every term at once (a bound on the
     step's phases, unchecked on a GPU); ``"xla_cpu"``: the persistent state and the larger of the two phases whose
@@ -296,31 +385,60 @@ def memory_terms(shape: LMShape, b: int, data: int, tensor: int, zero: int, poli
     held = blocks / tensor + (shape.params - blocks)  # the rest whole (TP replicates it)
     cpu = backend == "xla_cpu"
     wide = ACTIVATION_WIDENING[backend]
-    act = shape.layers * b * s * shape.activation_bytes(tensor, sp, policy)
+    # Under context parallelism a device holds S/C positions of each of its b sequences: every activation /C (the
+    # scores' 5aS/d per token stay: its queries attend to all S keys).
+    act = shape.layers * b * s * shape.activation_bytes(tensor, sp, policy) / context
     if policy == "full":  # the block being recomputed holds its activations again
-        act += b * s * shape.activation_bytes(tensor, sp, "none")
+        act += b * s * shape.activation_bytes(tensor, sp, "none") / context
     persistent = dict(params=PARAM * held / (data if zero == 3 else 1),
                       optimizer=ADAM * held / (data if zero >= 1 else 1))
     accumulator = GRAD * held / (data if zero >= 2 else 1) if micro > 1 else 0.0  # dtx.step.accumulate's carry
     head = dict(compute_copy=COMPUTE_COPY[backend] * held, activations=wide * act,
-                logits=b * s * v * LOGIT_BYTES[backend] / tensor,
+                logits=b * s * v * LOGIT_BYTES[backend] / (tensor * context),
                 embedding_grad=GRAD * v * d / (data if zero == 3 or (zero and tensor > 1) else 1),
                 accumulator=accumulator)
+    if context > 1 and attention == "allgather":  # the whole sequence's keys and values, one block's, while it attends
+        head["gathered"] = 2 * b * s * shape.width * COMPUTE * wide
     if not cpu:  # every term at once; ZeRO 2-3 reduce-scatter the gradients (1/D)
         return dict(persistent, grads=GRAD * held / (data if zero >= 2 else 1), **head)
-    reduced = GRAD * held if data * tensor > 1 else 0.0  # the all-reduce's result, out of place, whole
+    reduced = GRAD * held if data * tensor * context > 1 else 0.0  # the all-reduce's result, out of place, whole
     update = dict(grads=GRAD * held, reduced=reduced, accumulator=accumulator)
     return dict(persistent, **max(head, update, key=lambda phase: sum(phase.values())))
 
 
+def contexts(shape: LMShape, nodes: int) -> list[int]:
+    """The context sizes ``C > 1`` a candidate takes: powers of two dividing ``nodes`` whose ``2C`` chunks cut the
+    sequence (the balanced layout), past the node (the network then carries the group's collectives)."""
+    out, c = [], 2
+    while c <= nodes:
+        if nodes % c == 0 and shape.seq % (2 * c) == 0:
+            out.append(c)
+        c *= 2
+    return out
+
+
 def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, reduce_bytes: int = 4,
-               policies: Sequence[str] = POLICIES, pipeline_zero: bool = True) -> list[LMPlan]:
+               policies: Sequence[str] = POLICIES, pipeline_zero: bool = True, context: bool = True) -> list[LMPlan]:
     """Every plan of ``nodes`` GPUs: ``T`` a power of two up to the node (dividing the heads), ``P`` dividing the
     blocks, ZeRO 0–3 (a pipeline's :data:`PIPELINE_ZERO`; only 0 when not ``pipeline_zero``: dtx refuses ZeRO with stages for
     LARS/LAMB, whose trust ratios need each tensor whole, ``dtx.optim.Optimizer.whole_tensors``), each
-    policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline)."""
+    policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline); and (``context``) with
+    ``T = P = 1``, each context size of :func:`contexts` under each kernel that takes it (Ulysses: heads divisible
+    by ``C``), ZeRO 0–3 over the data shards and each policy (:data:`CONTEXT_POLICIES`)."""
     stage_zero = PIPELINE_ZERO if pipeline_zero else (0,)
     out = []
+    for c in contexts(shape, nodes) if context else ():  # dtx composes a context axis with data and fsdp axes only
+        data = nodes // c
+        for m in MICRO:
+            if global_batch % (data * m):
+                continue
+            for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
+                for policy in (p for p in policies if p in CONTEXT_POLICIES):
+                    for kind in ATTENTION_KINDS:
+                        if kind == "ulysses" and shape.heads % c:
+                            continue
+                        out.append(plan(shape, cluster, nodes, global_batch, zero=zero, policy=policy, micro=m,
+                                        reduce_bytes=reduce_bytes, context=c, attention=kind))
     tensors = [t for t in (1, 2, 4, 8, 16) if t <= cluster.local_size and shape.heads % t == 0 and nodes % t == 0]
     for t in tensors:
         for p in (q for q in range(1, shape.layers + 1) if shape.layers % q == 0 and nodes % (t * q) == 0):
@@ -341,8 +459,10 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
 
 
 def _key(p: LMPlan) -> tuple:
-    # The fastest; among equal times, the simplest (fewest micro-batches, no ZeRO, no remat, fewer splits).
-    return (round(p.time, 12), p.micro, p.zero, POLICIES.index(p.policy), p.tensor * p.stages, p.sp)
+    # The fastest; among equal times, the simplest (fewest micro-batches, no ZeRO, no remat, fewer splits, the
+    # smaller context group, then the kernel holding the least: ring, all-gather, Ulysses in ATTENTION_KINDS' order).
+    return (round(p.time, 12), p.micro, p.zero, POLICIES.index(p.policy), p.tensor * p.stages, p.sp, p.context,
+            ATTENTION_KINDS.index(p.attention) if p.attention else -1)
 
 
 def usable(cluster: Cluster) -> float:
@@ -358,13 +478,17 @@ def fits(p: LMPlan, cluster: Cluster) -> bool:
 def best(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, **kwargs) -> dict:
     """The fastest plan that fits the device's memory less :data:`MEMORY_HEADROOM` (``chosen``), the fastest one
     dtx runs (``runnable``), the fastest data-parallel plan without ZeRO or remat and whether it fits (``plain``),
-    and every candidate that fits (``fitting``)."""
+    and every candidate that fits (``fitting``); the fastest that fits keeping every sequence on one device
+    (``whole``, ``C = 1``) and the one of those needing the least memory (``least``, fitting or not)."""
     every = candidates(shape, cluster, nodes, global_batch, **kwargs)
     fitting = sorted((p for p in every if fits(p, cluster)), key=_key)
-    plain = min((p for p in every if p.tensor == p.stages == 1 and not p.zero and p.policy == "none"),
+    whole = [p for p in every if p.context == 1]
+    plain = min((p for p in every if p.tensor == p.stages == p.context == 1 and not p.zero and p.policy == "none"),
                 key=lambda p: (not fits(p, cluster), _key(p)), default=None)
     return dict(chosen=fitting[0] if fitting else None, fastest=min(every, key=_key, default=None),
-                runnable=next((p for p in fitting if p.runnable), None), plain=plain, fitting=fitting)
+                runnable=next((p for p in fitting if p.runnable), None), plain=plain, fitting=fitting,
+                whole=next((p for p in fitting if p.context == 1), None),
+                least=min(whole, key=lambda p: p.memory_bytes, default=None))
 
 
 def why(found: dict, cluster: Cluster) -> str:
@@ -374,6 +498,8 @@ def why(found: dict, cluster: Cluster) -> str:
     gib, room = cluster.device_memory / 2**30, usable(cluster) / 2**30
     if chosen is None:
         return f"nothing fits the device's memory ({room:.1f} of {gib:.0f} GiB, {MEMORY_HEADROOM:.0%} kept free)"
+    if chosen.context > 1:
+        return _why_context(found, cluster)
     if plain is None:
         return (f"{chosen.global_batch} sequences do not split over {chosen.nodes} data shards; {chosen.text()} is "
                 f"the fastest split that fits ({chosen.memory_bytes / 2**30:.1f} of {room:.1f} GiB)"
@@ -391,6 +517,56 @@ def why(found: dict, cluster: Cluster) -> str:
     return (f"{plain.time / chosen.time:.2f}x faster than plain data parallelism ({plain.time * 1e3:.3g} ms: "
             f"gradients {plain.grad_s * 1e3:.3g} ms); {chosen.text()}: compute {chosen.compute_s * 1e3:.3g} ms, "
             f"tensor {chosen.tensor_s * 1e3:.3g} ms, gradients {chosen.grad_s * 1e3:.3g} ms")
+
+
+def variant(p: LMPlan, cluster: Cluster, attention: str) -> LMPlan | None:
+    """The context plan ``p`` (GPU terms) with the kernel ``attention`` instead, or None where it cannot run
+    (Ulysses: heads not divisible by ``C``): only its context collectives and its gathered keys and values differ."""
+    if attention == "ulysses" and p.shape.heads % p.context:
+        return None
+    b = p.global_batch // (p.data * p.micro)
+    sent, seconds = context_collectives(p.shape, cluster, b, p.micro, p.context, attention, p.policy)
+    memory = memory_terms(p.shape, b, p.data, 1, p.zero, p.policy, False, p.micro, "gpu", p.context, attention)
+    return dataclasses.replace(p, attention=attention, context_bytes=sent, context_s=seconds, memory=memory)
+
+
+def _why_context(found: dict, cluster: Cluster) -> str:
+    """Why a context plan: why the sequence is split (``C = 1`` does not fit, or is slower), then why this kernel —
+    bytes (Ulysses sends ``C/2`` times fewer), memory (the all-gather holds the whole sequence's keys and values),
+    head count (Ulysses needs heads divisible by ``C``), messages (the ring sends ``4(C − 1)`` a block, the others
+    4 or 8)."""
+    chosen, whole, least = found["chosen"], found["whole"], found["least"]
+    room = usable(cluster) / 2**30
+    c, link = chosen.context, "NVLink inside a node" if chosen.context <= cluster.local_size else "the network"
+    if whole is None:
+        head = (f"no plan keeping each sequence on one device fits ({least.text()} needs "
+                f"{least.memory_bytes / 2**30:.1f} of {room:.1f} GiB)" if least is not None else
+                f"{chosen.global_batch} sequences do not split over {chosen.nodes} devices without a context axis")
+    else:
+        head = (f"{whole.time / chosen.time:.3f}x faster than the fastest plan keeping sequences whole "
+                f"({whole.text()}, {whole.time * 1e3:.4g} ms)")
+    head += (f"; {chosen.text()} splits each sequence over {c} devices on {link} "
+             f"({chosen.memory_bytes / 2**30:.1f} GiB, context collectives {chosen.context_s * 1e3:.3g} ms)")
+    reasons = []
+    for kind in ATTENTION_KINDS:
+        if kind == chosen.attention:
+            continue
+        other = variant(chosen, cluster, kind)
+        if other is None:
+            reasons.append(f"Ulysses needs the {chosen.shape.heads} heads divisible by {c}")
+        elif not fits(other, cluster):
+            reasons.append(f"{kind} needs {other.memory_bytes / 2**30:.1f} GiB (the whole sequence's keys and values)"
+                           if kind == "allgather" else f"{kind} needs {other.memory_bytes / 2**30:.1f} GiB")
+        elif other.time > chosen.time:
+            what = ("bytes" if other.context_bytes > chosen.context_bytes else "messages" if context_messages(
+                kind, c) > context_messages(chosen.attention, c) else "time")
+            reasons.append(f"{kind} sends more {what} ({other.context_bytes / 2**30:.3g} GiB a step, "
+                           f"{context_messages(kind, c)} collectives a block and micro-batch: "
+                           f"{other.context_s * 1e3:.3g} ms)")
+        else:
+            reasons.append(f"{kind} ties and holds more ({other.memory_bytes / 2**30:.1f} GiB)")
+    return (f"{head}; {chosen.attention} ({chosen.context_bytes / 2**30:.3g} GiB a step, "
+            f"{context_messages(chosen.attention, c)} collectives a block and micro-batch): " + "; ".join(reasons))
 
 
 def _trade(chosen: LMPlan, fastest: LMPlan) -> str:
@@ -431,7 +607,7 @@ def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x:
 
 
 def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor: int, stages: int, zero: int,
-               sp: bool, x: int, micro: int = 1) -> tuple[float, float]:
+               sp: bool, x: int, micro: int = 1, context: int = 1) -> tuple[float, float]:
     """Bytes one device sends for the gradients per step and their time (module docstring): the parameters it
     holds all-reduced over ``D``; under TP the tied head's gradient over every device too (the head runs data
     parallel over every device, so XLA reduces the embedding's two uses apart), or with ``M`` micro-batches
@@ -444,6 +620,8 @@ def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor:
     def send(kind: str, nbytes: float, group: int) -> float:  # whole elements (a V·d share need not divide)
         return tensor_model.bytes_sent(kind, int(nbytes // x) * x, group)
 
+    if context > 1:
+        return _context_gradients(shape, cluster, held, data, zero, x, micro, context, send)
     devices = data * tensor * stages
     local = max(1, cluster.local_size // (tensor * stages))
     head = shape.vocab * shape.width * x
@@ -470,3 +648,30 @@ def _gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor:
         sent += micro * send("all-reduce", stream, tensor)
         seconds += micro * cluster.allreduce_time(stream, tensor, tensor)
     return sent, seconds
+
+
+def _context_gradients(shape: LMShape, cluster: Cluster, held: float, data: int, zero: int, x: int, micro: int,
+                       context: int, send) -> tuple[float, float]:
+    """The gradients of a context plan (``T = P = 1``; module docstring, **context**), as the compiled step reduces
+    them (read from --verify's development twins, :data:`dtx.tools.lm_sim.CONTEXT_KINDS`): every device of a
+    context group holds the parameters whole and computes their gradient on its positions, so XLA sums each over
+    ``context`` where the backward pass makes it — the tied table's two gradients (the lookup's and the output
+    layer's) apart, ``held + V·d`` — and over the data shards in a second all-reduce; under ZeRO the data shards
+    all-reduce the summed gradient (``held``), each then reduces its ``1/D`` slice of both tables' over ``context``,
+    and the updated parameters are all-gathered over the data shards. The step accumulating ``M`` micro-batches in
+    the global view (no per-shard map: :mod:`dtx.step.accumulate`) reduces each micro-batch's: ``M`` times (the
+    all-gather once). On a
+    GPU the context group is a node's when ``C ≤ local_size`` and the data group then has ``local_size/C`` of its
+    devices in each node."""
+    both = (held + shape.vocab * shape.width) * x
+    inside = min(context, cluster.local_size)  # the context group's devices per node
+    across = max(1, cluster.local_size // context)  # the data group's devices per node
+    if zero:  # each micro-batch's reductions, then one all-gather of the updated slices
+        sent = micro * (send("all-reduce", held * x, data) + send("all-reduce", both / data, context)) + send(
+            "all-gather", held * x / data, data)
+        seconds = micro * (cluster.allreduce_time(held * x, data, across) + cluster.allreduce_time(
+            both / data, context, inside)) + 0.5 * cluster.allreduce_time(held * x, data, across)  # all-gather: half
+        return sent, seconds
+    sent = send("all-reduce", both, context) + (send("all-reduce", both, data) if data > 1 else 0.0)
+    seconds = cluster.allreduce_time(both, context, inside) + cluster.allreduce_time(both, data, across)
+    return micro * sent, micro * seconds

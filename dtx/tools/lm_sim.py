@@ -38,6 +38,24 @@ CPU_TENSOR_ELEMENT = 4
 KINDS = ((1, 0, "none", False, 1), (1, 1, "none", False, 1), (1, 3, "none", False, 1), (1, 0, "full", False, 1),
          (2, 0, "none", False, 1), (4, 1, "dots", True, 1), (8, 0, "full", True, 1), (2, 0, "none", False, 2),
          (2, 0, "none", True, 2), (2, 1, "none", False, 2))
+# XLA:CPU upcasts the context kernels' bf16 keys and values too: their collective-permutes, all-gathers and
+# all-to-alls move float32 in what it compiles (the twins' HLO: f32 operands after a convert), so --verify charges 4.
+CPU_CONTEXT_ELEMENT = 4
+# Context plans (dtx.perf.lm_plan, **context**) compiled beside KINDS at 8 devices, as (tensor, zero, policy, sp,
+# stages, context, attention): the development twins the context rules were read from (the gradients' two
+# all-reduces with the tied table's two gradients, ZeRO's, each micro-batch's, the recomputed forward's collectives).
+CONTEXT_KINDS = ((1, 0, "none", False, 1, 4, "ring"), (1, 0, "none", False, 1, 8, "ring"),
+                 (1, 0, "none", False, 1, 2, "allgather"), (1, 0, "none", False, 1, 4, "ulysses"),
+                 (1, 1, "none", False, 1, 4, "ring"), (1, 3, "none", False, 1, 4, "ring"),
+                 (1, 0, "full", False, 1, 4, "ring"), (1, 0, "dots", False, 1, 4, "ring"))
+# Context rows held out, written here before they were first compiled: other depths, widths, heads, sequence lengths
+# and batches than the twin, each kernel, ZeRO 2 and 3 (no development case has ZeRO-2), accumulation with ZeRO-3,
+# as HELD_OUT's rows: (shape, sequences, kind, micro).
+CONTEXT_HELD_OUT = (
+    (dict(layers=4, width=192, heads=6, seq=96), 16, (1, 2, "none", False, 1, 2, "ulysses"), 1),
+    (dict(layers=2, width=128, heads=4, seq=256), 8, (1, 3, "dots", False, 1, 4, "allgather"), 2),
+    (dict(layers=3, width=320, heads=10, seq=64), 16, (1, 0, "full", False, 1, 8, "ring"), 1),
+)
 # The kinds whose compiles at the twin the planner's constants were read from (tests/test_lm_plan.py's docstring:
 # ELEMENTWISE, the bytes' rules; lm_pipeline's stage terms from the pipelines): --verify marks their rows "fitted".
 FITTED = KINDS
@@ -115,6 +133,7 @@ def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], glob
 def as_json(table: list[dict]) -> list[dict]:
     def one(p):
         return None if p is None else dict(plan=p.text(), data=p.data, tensor=p.tensor, stages=p.stages,
+                                           context=p.context, attention=p.attention or None,
                                            zero=p.zero, remat=p.policy, sequence_parallel=p.sp, micro=p.micro,
                                            time=p.time, memory=p.memory_bytes, runnable=p.runnable,
                                            overrides=p.overrides() if p.runnable else None)
@@ -122,8 +141,24 @@ def as_json(table: list[dict]) -> list[dict]:
             for r in table]
 
 
+def kind_of(p: lm_plan.LMPlan) -> tuple:
+    """``p`` as a --verify kind: ``(tensor, zero, policy, sp, stages)``, and ``context, attention`` for ``C > 1``."""
+    return (p.tensor, p.zero, p.policy, p.sp, p.stages) + ((p.context, p.attention) if p.context > 1 else ())
+
+
+def compiles_at(shape: lm_plan.LMShape, kind: tuple) -> bool:
+    """Whether the kind splits ``shape``: the stages its blocks, a context axis its sequence (``2C`` chunks) and, for
+    Ulysses, its heads."""
+    if shape.layers % kind[4]:
+        return False
+    if len(kind) > 5:
+        context, attention = kind[5:]
+        return shape.seq % (2 * context) == 0 and (attention != "ulysses" or shape.heads % context == 0)
+    return True
+
+
 def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4, held_out: bool = True,
-                 devices: int = VERIFY_NODES) -> list[dict]:
+                 devices: int = VERIFY_NODES, context: bool = True) -> list[dict]:
     """Compile the printed runnable plans of 2 to ``devices`` nodes at the twin's shape (its batch
     :func:`twin_batch`); where the table has 8-node rows, :data:`KINDS` at 8 nodes beside them, then (``held_out``)
     the :data:`HELD_OUT` rows at theirs (module
@@ -135,15 +170,18 @@ def verify_plans(path: str, cluster: Cluster, table: list[dict], reduce: int = 4
     for row in table:
         if 2 <= row["nodes"] <= devices and row["runnable"] is not None:
             p = row["runnable"]
-            wanted.append((row["nodes"], (p.tensor, p.zero, p.policy, p.sp, p.stages)))
+            wanted.append((row["nodes"], kind_of(p)))
     beside = devices >= VERIFY_NODES and any(row["nodes"] == VERIFY_NODES for row in table)  # the 8-node rows'
-    wanted += [(VERIFY_NODES, k) for k in KINDS if (VERIFY_NODES, k) not in wanted and beside]
-    cases = [(twin, twin_batch(nodes), kind, kind[4], "fitted" if kind in FITTED and nodes == VERIFY_NODES
-              else "twin", nodes) for nodes, kind in wanted
-             if twin.layers % kind[4] == 0]  # the twin's 2 blocks: pipelines of 2 stages
+    every = KINDS + (CONTEXT_KINDS if context else ())
+    wanted += [(VERIFY_NODES, k) for k in every if (VERIFY_NODES, k) not in wanted and beside]
+    fitted = FITTED + CONTEXT_KINDS
+    # A pipeline's micro-batches are its stages (M = P), a context plan's one; the twin's 2 blocks take pipelines of
+    # 2 stages, its 128 positions and 8 heads context axes of up to 64 (Ulysses up to 8).
+    cases = [(twin, twin_batch(nodes), kind, kind[4], "fitted" if kind in fitted and nodes == VERIFY_NODES
+              else "twin", nodes) for nodes, kind in wanted if compiles_at(twin, kind)]
     if held_out and beside:
         cases += [(dataclasses.replace(base, **shape), batch, kind, micro, "held out", VERIFY_NODES)
-                  for shape, batch, kind, micro in HELD_OUT]
+                  for shape, batch, kind, micro in HELD_OUT + (CONTEXT_HELD_OUT if context else ())]
     return [verify_one(path, cluster, shape, batch, kind, micro, reduce, role, nodes)
             for shape, batch, kind, micro, role, nodes in cases]
 
@@ -156,12 +194,15 @@ def twin_batch(nodes: int) -> int:
 
 def verify_one(path: str, cluster: Cluster, shape: lm_plan.LMShape, batch: int, kind: tuple, micro: int,
                reduce: int = 4, role: str = "held out", nodes: int = VERIFY_NODES) -> dict:
-    """One ``--verify`` row: the plan ``kind`` = ``(tensor, zero, policy, sp, stages)`` of ``shape`` at ``nodes``
-    (emulated devices) with ``batch`` sequences in ``micro`` micro-batches, compiled and held to the model."""
-    tensor, zero, policy, sp, stages = kind
+    """One ``--verify`` row: the plan ``kind`` = ``(tensor, zero, policy, sp, stages[, context, attention])`` of
+    ``shape`` at ``nodes`` (emulated devices) with ``batch`` sequences in ``micro`` micro-batches, compiled and held
+    to the model."""
+    tensor, zero, policy, sp, stages, *rest = kind
+    context, attention = rest or (1, "ring")
     p = lm_plan.plan(shape, cluster, nodes, batch, tensor=tensor, zero=zero, policy=policy, sp=sp,
                      stages=stages, micro=micro, reduce_bytes=reduce, tensor_element=CPU_TENSOR_ELEMENT,
-                     backend="xla_cpu")  # the program compiled here is XLA:CPU's: its memory terms (lm_plan)
+                     backend="xla_cpu", context=context, attention=attention,
+                     context_element=CPU_CONTEXT_ELEMENT)  # the program compiled here is XLA:CPU's (lm_plan)
     start = time.perf_counter()
     flops, sent, peak = compiled_figures(path, p)
     predicted = read_flops(p)
@@ -290,6 +331,8 @@ def main(args, cluster: Cluster) -> int:
     import json
 
     shape, config = load_shape(args.model)
+    if getattr(args, "seq_len", None):  # --seq-len: the planned sequence length (--verify still compiles TWIN's)
+        shape = dataclasses.replace(shape, seq=args.seq_len)
     reduce = reduce_bytes(config)
     table = []
     for n in args.nodes:

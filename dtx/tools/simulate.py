@@ -93,6 +93,10 @@ def make_parser() -> argparse.ArgumentParser:
                    "--input-shape), or a transformer experiment file (experiments/gpt2_small.py: planned over "
                    "data x tensor x pipeline x ZeRO x remat, dtx.tools.lm_sim)")
     p.add_argument("--input-shape", type=_int_list, help="one example's shape, e.g. 224,224,3 (default: the model's)")
+    p.add_argument("--seq-len", type=_positive(int),
+                   help="a transformer experiment's sequence length to plan (default: its dataset.seq_len); long "
+                        "sequences bring in context parallelism, a context axis of C devices and its attention "
+                        "kernel (dtx.perf.lm_plan; --verify compiles at the twin's own 128 positions)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=_positive(int), help="strong scaling at this global batch (default 512)")
     batch.add_argument("--per-node-batch", type=_positive(int), help="weak scaling at this per-node batch")
@@ -269,6 +273,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         cluster = build_cluster(args)
+        if args.seq_len is not None and not args.model.endswith(".py"):
+            raise layers_lib.PerfModelError(f"--seq-len {args.seq_len} sets a transformer experiment's sequence "
+                                            "length: give --model EXPERIMENT.py (e.g. experiments/gpt2_small.py)")
         if args.model.endswith(".py"):  # a transformer experiment: data x tensor x pipeline x ZeRO x remat
             return lm_sim.main(args, cluster)
         layers = _analyze(args.model, args.input_shape)
