@@ -216,7 +216,12 @@ class ActivationLayout:
         """
         forward, _ = self.specs(layer, x.ndim, x.ndim)
         arriving = self._arriving(x.ndim, arriving)
-        return _reshard(x, self._sharding(forward), self._sharding(arriving))
+        # A data-parallel layer's input gradient is whole per example: computed on the batch split and moved back
+        # (an all-to-all inside the group when its input arrived split by features), not left to the partitioner,
+        # which computed it feature-split by gathering the output gradient over the batch (ResNet-50's conv3 after
+        # a split conv2: 8x the bytes).
+        return _reshard(x, self._sharding(forward), self._sharding(arriving),
+                        via_forward=self.kernels.get(layer) is None and forward != arriving)
 
     def leave(self, y: jax.Array, layer: str, in_ndim: int) -> jax.Array:
         """Pin ``layer``'s output to its output layout (features split for model-parallel layers)."""
@@ -271,8 +276,9 @@ def _graph(root: nn.Module, x) -> dict:
         return {"": None}
 
 
-def _reshard(x: jax.Array, forward: NamedSharding, backward: NamedSharding) -> jax.Array:
-    """``x`` constrained to ``forward``; its cotangent constrained to ``backward``."""
+def _reshard(x: jax.Array, forward: NamedSharding, backward: NamedSharding, via_forward: bool = False) -> jax.Array:
+    """``x`` constrained to ``forward``; its cotangent constrained to ``backward`` (first to ``forward``, where it was
+    computed, with ``via_forward``: the move back is then an explicit exchange of the cotangent itself)."""
 
     @jax.custom_vjp
     def move(x):
@@ -282,6 +288,8 @@ def _reshard(x: jax.Array, forward: NamedSharding, backward: NamedSharding) -> j
         return move(x), None
 
     def move_bwd(_, g):
+        if via_forward:
+            g = jax.lax.with_sharding_constraint(g, forward)
         return (jax.lax.with_sharding_constraint(g, backward),)
 
     move.defvjp(move_fwd, move_bwd)

@@ -169,6 +169,13 @@ def redistribution(layers: Sequence[Layer], split: Sequence[str], nodes: int, gl
         moved = (group - 1) / group * global_batch / nodes * by_name[name].out_elements * bytes_per_element
         each[name] = 2 * moved
         step += moved
+    # A data-parallel layer fed by a column-split one alone (ResNet-50's conv3 after a split conv2, inside a
+    # bottleneck): its input arrives split by features and is moved to the batch split, an all-to-all in the group,
+    # and its input gradient moved back, another -- charged to the layer that takes it (its program does the move).
+    for layer in layers:
+        if layer.name not in split and isinstance(layer.source, str) and layer.source in split:
+            moved = (group - 1) / group * global_batch / nodes * layer.in_elements * bytes_per_element
+            each[layer.name] = each.get(layer.name, 0.0) + 2 * moved
     return each, step
 
 
