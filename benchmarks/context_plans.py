@@ -5,7 +5,7 @@ and why; ``--verify`` compiles the context kinds and the held-out context rows a
     python benchmarks/context_plans.py [--verify] [--update-docs]    # seconds; --verify: minutes (compiles)
 
 For each shape, sequence length and GPU count: the fastest plan that fits a GPU's memory (data × tensor × pipeline ×
-ZeRO × remat, and ``C`` with ring, all-gather or Ulysses attention beside data and ZeRO), its step time and
+ZeRO × remat, and ``C`` with ring, all-gather or Ulysses attention beside data, ZeRO and ``T``), its step time and
 per-device memory, the fastest plan keeping every sequence on one device (``C = 1``), and why
 (:func:`dtx.perf.lm_plan.why`). The global batch keeps the tokens per step of benchmarks/lm_plans.py (512 × 1024 for
 GPT-2 small, 1024 × 2048 for the 7B shape), at least one sequence per GPU. ``--verify`` compiles, as ``dtx simulate
@@ -120,9 +120,10 @@ def main() -> int:
     preamble = (f"`{COMMAND}{' --verify' if args.verify else ''}` on {report.machine()}; "
                 f"{time.perf_counter() - start:.0f} s. Per shape, sequence length and GPU count on {CLUSTER}, the "
                 "fastest plan of dtx.perf.lm_plan that fits a GPU's memory: D data x T tensor x P pipeline, ZeRO, "
-                "remat, M micro-batches, and C, every sequence split over a context axis (beside data and ZeRO "
-                "only: dtx composes a context axis with data and fsdp axes), with its kernel (ring: Liu et al. "
-                "2023; allgather: Llama 3; ulysses: Jacobs et al. 2023); its step time and per-device memory; the "
+                "remat, M micro-batches, and C, every sequence split over a context axis (beside data, ZeRO and "
+                "Megatron's pairs over model with or without SP, no remat policy then: P = 1, dtx refuses a stage "
+                "axis beside context), with its kernel (ring: Liu et al. 2023; allgather: Llama 3; ulysses: Jacobs "
+                "et al. 2023; Ulysses needs the heads divisible by T·C); its step time and per-device memory; the "
                 "fastest plan keeping every sequence on one device (C = 1); and why. Sequences per step: the tokens "
                 "of the lm_plans section (GPT-2 small 512 x 1024, the 7B shape 1024 x 2048), at least one a GPU. "
                 "`dtx simulate --model experiments/gpt2_small.py --cluster h100_nvlink_ndr --seq-len N` prints the "
@@ -131,7 +132,8 @@ def main() -> int:
               "C = 1 | why |\n|---|---|---|---|---|---|---|---|---|---|---|")
     body = header + "\n" + "\n".join(table)
     if check_rows:
-        body += ("\n\n`--verify`: the context kinds (dtx.tools.lm_sim.CONTEXT_KINDS) compiled at 8 emulated CPU "
+        body += ("\n\n`--verify`: the context kinds (dtx.tools.lm_sim.CONTEXT_KINDS, T x C ones included) compiled "
+                 "at 8 emulated CPU "
                  "devices at the width-scaled twin of experiments/gpt2_small.py (2 blocks of width 256, 8 heads, 128 "
                  "positions, 16 sequences; nothing runs), the rows the context rules were read from (fitted: their "
                  "ratios show the fit), then the held-out rows at their own shapes, chosen and committed before they "

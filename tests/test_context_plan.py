@@ -13,6 +13,13 @@ each micro-batch's. Held out, written before they were first compiled (dtx.tools
 Ulysses ZeRO-2 at 4 blocks of 192, 6 heads, 96 positions (compiled here), D2×C4 all-gather ZeRO-3 ``dots`` with 2
 micro-batches at 2 blocks of 128, 4 heads, 256 positions, and D1×C8 ring ``full`` at 3 blocks of 320, 10 heads, 64
 positions (held through the published table below).
+
+Tensor × context (Megatron's pairs over ``model`` beside the context axis, ``P = 1``, no remat policy): the T×C
+gradients were read from CONTEXT_KINDS' T×C twins (D1×T2×C4 ring, D2×T2+SP×C2 ring, D2×T2×C2 Ulysses, D2×T2×C2
+ring ZeRO-1, D2×T2+SP×C2 all-gather ZeRO-3) and from D4×T2×C2 and D2×T4×C2 with and without SP and ZeRO on 16
+emulated devices (where the groups' sizes tell the axes apart); the held-out T×C rows of CONTEXT_HELD_OUT
+(D2×T2+SP×C2 Ulysses ZeRO-2, compiled here; D1×T2×C4 all-gather M = 2; D1×T4+SP×C2 ring) were written before they
+were first compiled.
 """
 
 import dataclasses
@@ -25,6 +32,7 @@ import pytest
 from dtx import config as config_lib
 from dtx import parallel
 from dtx.parallel.context import costs as context_costs
+from dtx.parallel.tensor import costs as tensor_costs
 from dtx.perf import lm_plan
 from dtx.perf.clusters import get_cluster
 from dtx.tools import lm_sim
@@ -87,8 +95,8 @@ def test_ulysses_needs_the_heads_to_divide():
         lm_plan.plan(at(SMALL, 8192), H100, 8, 8, context=8, attention="ulysses")
     with pytest.raises(lm_plan.PlanError, match="2 x 16 chunks"):  # the balanced layout: 2C chunks
         lm_plan.plan(at(SMALL, 1040), H100, 16, 16, context=16)
-    with pytest.raises(lm_plan.PlanError, match="data and fsdp"):
-        lm_plan.plan(at(SMALL, 8192), H100, 8, 8, context=2, tensor=2)
+    with pytest.raises(lm_plan.PlanError, match="stages"):  # dtx refuses a stage axis beside context
+        lm_plan.plan(at(SMALL, 8192), H100, 8, 8, context=2, stages=2)
 
 
 @pytest.mark.parametrize("kernel", ["ring", "allgather", "ulysses"])
@@ -142,6 +150,113 @@ def test_printed_context_overrides_load_and_cli_prints_them(capsys):
     assert layout.name == "context" and layout.zero_stage == 1
     assert simulate_main(["--model", "vgg_a", "--cluster", "h100_nvlink_ndr", "--seq-len", "4096"]) == 2
     assert "--seq-len" in capsys.readouterr().err
+
+
+MEDIUM = lm_plan.LMShape(24, 1024, 16, 1024, name="gpt2_medium")
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("kernel", ["ring", "allgather", "ulysses"])
+def test_tensor_by_context_bytes_are_both_layouts_block_bytes(kernel, sp):
+    """A T×C plan (Megatron's pairs over ``model`` beside a ``context`` axis) sends per block and micro-batch the
+    tensor layout's dtx.parallel.tensor.costs.block_bytes on a device's ``S/C`` positions (Korthikanti et al. 2022's
+    table, its ends once a micro-batch: the token ids and the head's input gradient) and the kernel's
+    dtx.parallel.context.costs.block_bytes at the attention width ``d/T`` (a device's ``h/T`` heads), each in the
+    compute dtype's 2 bytes; the rest is the gradients; with T·C inside the node both run on NVLink."""
+    shape, t, c, m = at(SMALL, 8192), 2, 2, 2
+    p = lm_plan.plan(shape, H100, 64, 64, tensor=t, context=c, attention=kernel, sp=sp, micro=m, zero=1)
+    b, s, d = 64 // (16 * m), 8192 // c, 768
+    n, ids = b * s * d * 2, b * s * 4
+    send = tensor_costs.bytes_sent
+    ends = (send("all-to-all", ids // t, t) + 2 * send("all-to-all", n // t, t) if sp else
+            send("all-gather", ids // t, t) + send("all-gather", n // t, t))
+    assert p.tensor_bytes == m * (shape.layers * tensor_costs.block_bytes(b, s, d, t, sp, 2) + ends)
+    assert p.context_bytes == m * shape.layers * context_costs.block_bytes(kernel, b, 8192, d // t, c, 2)
+    assert p.bytes_sent == p.tensor_bytes + p.context_bytes + p.grad_bytes and p.grad_bytes > 0
+    assert p.tensor_s == pytest.approx(p.tensor_bytes / H100.local_bandwidth + m * (
+        shape.layers * (10 if sp else 4) + 3) * H100.local_latency)
+    assert lm_plan.group_per_node(H100, (p.data, t, c), "tc") == t * c  # both groups inside a node
+    # Past the node the model group spans nodes (context the mesh's last axis, model next): its collectives go on
+    # the network, priced at its bandwidth.
+    far = lm_plan.plan(shape, H100, 64, 64, tensor=t, context=8, attention="ring", sp=sp, micro=m)
+    assert lm_plan.group_per_node(H100, (far.data, t, 8), "t") == 1
+    assert far.tensor_s > far.tensor_bytes / H100.bandwidth
+
+
+def test_ulysses_with_tensor_needs_the_heads_to_divide_by_t_times_c():
+    """Ulysses splits a device's ``h/T`` heads over ``C``: it is never a candidate where ``T·C`` does not divide the
+    heads (GPT-2 small's 12 at T2×C4, T4×C2), nor chosen there, and plan() refuses it as dtx's config check does;
+    SP needs the positions to divide by ``T·C``. No T×C candidate carries a remat policy (dtx refuses it there)."""
+    every = lm_plan.candidates(at(SMALL, 8192), H100, 64, 64)
+    mixed = [p for p in every if p.tensor > 1 and p.context > 1]
+    assert {(2, 2, "ulysses"), (2, 4, "ring"), (4, 2, "allgather")} <= {(p.tensor, p.context, p.attention)
+                                                                      for p in mixed}
+    assert all(SMALL.heads % (p.tensor * p.context) == 0 for p in mixed if p.attention == "ulysses")
+    assert all(p.policy in lm_plan.TENSOR_CONTEXT_POLICIES for p in mixed)
+    for seq, nodes, batch in ((16384, 8, 32), (65536, 64, 64)):
+        chosen = lm_plan.best(at(SMALL, seq), H100, nodes, batch, policies=("none",))["chosen"]
+        assert chosen.attention != "ulysses" or SMALL.heads % (chosen.tensor * chosen.context) == 0
+    with pytest.raises(lm_plan.PlanError, match="heads"):
+        lm_plan.plan(at(SMALL, 8192), H100, 8, 8, tensor=4, context=2, attention="ulysses")
+    with pytest.raises(lm_plan.PlanError, match="remat.policy"):
+        lm_plan.plan(at(SMALL, 8192), H100, 8, 8, tensor=2, context=2, policy="dots")
+    with pytest.raises(lm_plan.PlanError, match="SP splits"):
+        lm_plan.plan(at(SMALL, 8196), H100, 8, 8, tensor=4, context=2, sp=True)  # 2C chunks, not T·C
+
+
+def test_tensor_by_context_memory_and_why():
+    """Where dtx's remat is not asked for (``policies=("none",)``), GPT-2 medium's 16 heads at 16K tokens on 16 H100s
+    train fastest as D2×T2×C4 Ulysses: SP-free TP inside the node with each sequence over 4 devices; why() says
+    why the sequence is split, why a model axis beside the context one, where both groups run and why the kernel.
+    Its memory: the activations ``1/C`` of TP's, the logits ``1/(T·C)``; the all-gather's keys and values of
+    ``h/T`` heads."""
+    found = lm_plan.best(at(MEDIUM, 16384), H100, 16, 32, policies=("none",))
+    chosen = found["chosen"]
+    assert chosen.tensor > 1 and chosen.context > 1 and lm_plan.fits(chosen, H100)
+    why = lm_plan.why(found, H100)
+    assert chosen.text() in why and f"each block's heads over {chosen.tensor}" in why
+    assert "both groups inside a node" in why and "than the fastest context plan without a model axis" in why
+    assert found["untensored"] is None or found["untensored"].time > chosen.time
+    shape = at(MEDIUM, 16384)
+    tp = lm_plan.plan(shape, H100, 8, 4, tensor=2)  # D4, one sequence a shard
+    tc = lm_plan.plan(shape, H100, 32, 4, tensor=2, context=4, attention="allgather")
+    assert tc.memory["activations"] == tp.memory["activations"] / 4
+    assert tc.memory["logits"] == tp.memory["logits"] / 4
+    assert tc.memory["gathered"] == 2 * 1 * 16384 * 1024 / 2 * 2
+
+
+def test_printed_tensor_by_context_overrides_load():
+    """A T×C plan's overrides: the mesh ``(("fsdp", D), ("model", T), ("context", C))`` (context last), Megatron's
+    split by ``model_axis.split=megatron`` (not ``parallel.name=tensor``), SP, the kernel and the jit driver; they
+    load as ``dtx train`` loads them and compose the context layout with Megatron's pairs."""
+    p = lm_plan.plan(at(SMALL, 16384), H100, 16, 32, tensor=2, context=2, zero=1, sp=True, attention="ulysses",
+                     micro=2)
+    out = p.overrides()
+    assert "--config.model_axis.split=megatron" in out and "--config.parallel.name=tensor" not in out
+    assert {"--config.driver=jit", "--config.tensor.sequence_parallel=True",
+            "--config.context.attention=ulysses"} <= set(out)
+    config = config_lib.load(GPT2, shlex.split(" ".join(out)))
+    assert tuple(map(tuple, config.mesh)) == (("fsdp", 4), ("model", 2), ("context", 2))
+    layout = parallel.configured(config)
+    assert layout.name == "context" and layout.kernels == "paired" and layout.zero_stage == 1
+
+
+@pytest.fixture(scope="module")
+def compiled_tc():
+    """The held-out D2×T2+SP×C2 Ulysses ZeRO-2 row (dtx.tools.lm_sim.CONTEXT_HELD_OUT[3], written before it was
+    first compiled): a T×C plan built by dtx train's own parts and compiled once."""
+    shape, batch, kind, micro = lm_sim.CONTEXT_HELD_OUT[3]
+    assert kind[0] > 1 and kind[5] > 1
+    return lm_sim.verify_one(GPT2, H100, dataclasses.replace(SMALL, **shape), batch, kind, micro)
+
+
+def test_a_tensor_by_context_plan_compiles_to_the_model(compiled_tc):
+    """--verify's check on the held-out T×C plan: FLOPs and bytes within VERIFY_TOLERANCE (2 %) of the planner's at
+    XLA:CPU's element, memory within the 15 % of the held-out twins (this plan accumulates no micro-batches)."""
+    row = compiled_tc
+    assert row["role"] == "held out" and row["plan"] == "D2xT2+SPxC2(ulysses) ZeRO-2"
+    assert abs(row["flops_ratio"] - 1) <= VERIFY_TOLERANCE and abs(row["bytes_ratio"] - 1) <= VERIFY_TOLERANCE, row
+    assert abs(row["memory_ratio"] - 1) <= MEMORY_TOLERANCE, row
 
 
 @pytest.fixture(scope="module")

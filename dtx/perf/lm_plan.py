@@ -48,11 +48,12 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor.layou
   lock-step schedule's table, not PipeDream-Flush's ``P − s``) and each stage's activations for one micro-batch.
 
 * **context** (``C > 1``, :mod:`dtx.parallel.context`): every sequence split over a ``context`` axis of ``C``
-  devices, beside data shards and ZeRO only (dtx composes it with data and fsdp axes: ``T = P = 1``), with one of
-  three kernels — the ring (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889), the all-gather of keys and values (Llama
-  3, Dubey et al. 2024, arXiv 2407.21783 §3.3.2) or Ulysses' all-to-alls (Jacobs et al. 2023, arXiv 2309.14509;
-  heads divisible by ``C``), the sequence in ``2C`` balanced chunks. Compute on ``1/(D·C)`` of the tokens, scores
-  included (balanced; the ring's skipped blocks not credited: XLA's cost analysis counts them); the kernel's
+  devices, beside data shards and ZeRO (``T = P = 1`` here; with Megatron's pairs, **tensor × context**
+  below), with one of three kernels — the ring (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889), the all-gather of
+  keys and values (Llama 3, Dubey et al. 2024, arXiv 2407.21783 §3.3.2) or Ulysses' all-to-alls (Jacobs et al.
+  2023, arXiv 2309.14509; heads divisible by ``C``), the sequence in ``2C`` balanced chunks. Compute on
+  ``1/(D·C)`` of the tokens, scores included (balanced; the ring's skipped blocks not credited: XLA's cost
+  analysis counts them); the kernel's
   :func:`dtx.parallel.context.costs.block_bytes` per block and micro-batch in the compute dtype, half again under
   ``dots`` and ``full``, on NVLink when ``C ≤ local_size`` (the axis is the mesh's last) else on the network, one
   latency per collective (:func:`context_collectives`); the gradients as the compiled step reduces them
@@ -60,14 +61,30 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor.layou
   sequence's keys and values of one block, ``2·b·S·d`` in the compute dtype. :func:`why` says why the sequence is
   split and why its kernel (bytes, memory, head count, messages).
 
+* **tensor × context** (``T, C > 1``, ``P = 1``: dtx refuses a stage axis beside context): Megatron's pairs over
+  ``model`` (``model_axis.split=megatron``, with or without SP: Korthikanti et al. 2022) with every sequence split
+  over ``context`` too, each attention region running the kernel over its ``h/T`` heads (Ulysses: heads divisible
+  by ``T·C``; SP: positions by ``T·C``, ``S/(C·T)`` a device between the pairs). Compute on ``1/(D·T·C)`` of the
+  block tokens (the head as TP runs it: split by examples over every device); the tensor layout's
+  :func:`dtx.parallel.tensor.costs.block_bytes` (and its ends) on a device's ``S/C`` positions, the kernel's
+  :func:`dtx.parallel.context.costs.block_bytes` at the attention width ``d/T``; the mesh ``(data|fsdp, model,
+  context)``, context the fastest-varying axis, so both groups run on NVLink when ``T·C ≤ local_size`` — past it
+  the model group spans nodes (its collectives on the network) and, where ``C > local_size``, the context group
+  too; the gradients as the compiled step reduces them (:func:`_tensor_context_gradients`); memory: TP's or SP's
+  activations per device ``/C``, the logits ``/(T·C)``, the all-gather's gathered keys and values of ``h/T``
+  heads. No remat policy (:data:`TENSOR_CONTEXT_POLICIES`: dtx fails on it there today). ``--verify``'s T×C rows
+  (:data:`dtx.tools.lm_sim.CONTEXT_KINDS`, ``CONTEXT_HELD_OUT``) hold FLOPs and bytes to the compiled twins.
+
 :func:`best` keeps the fastest plan that fits, its modelled memory at most ``1 − MEMORY_HEADROOM`` (90 %)
 of the device's; :func:`why` says why in one sentence; :meth:`LMPlan.overrides` prints a plan as the named mesh
 axes it composes (docs/composing.md: ``data`` or, under ZeRO, ``fsdp`` at ``fsdp.zero_stage``; ``stage``;
-``model``). What dtx runs: data parallelism with ZeRO over an ``fsdp`` axis, tensor parallelism with SP and ZeRO
-over that axis under ``driver=jit``, and any remat policy; and a pipeline (``P > 1``) of ``L/P`` blocks per
-stage, with or without a ``model`` axis splitting each stage, with or without SP inside the stages, with or
-without ZeRO-1 or ZeRO-3 over an ``fsdp`` axis (``fsdp.zero_stage`` 1 or 3: :mod:`dtx.parallel.pipeline.zero`;
-not for LARS/LAMB, which dtx refuses there; no ZeRO-2 or remat policy with stages), planned as dtx runs it (:mod:`dtx.parallel.pipeline.lm_costs`: an untied output layer, each stage's
+``model``; ``context`` last). What dtx runs: data parallelism with ZeRO over an ``fsdp`` axis, tensor parallelism
+with SP and ZeRO over that axis under ``driver=jit``, and any remat policy; a context axis beside them (no remat
+policy beside a model axis); and a pipeline (``P > 1``) of ``L/P`` blocks per stage, with or without a ``model``
+axis splitting each stage, with or without SP inside the stages, with or without ZeRO-1 or ZeRO-3 over an
+``fsdp`` axis (``fsdp.zero_stage`` 1 or 3: :mod:`dtx.parallel.pipeline.zero`;
+not for LARS/LAMB, which dtx refuses there; no ZeRO-2 or remat policy with stages),
+planned as dtx runs it (:mod:`dtx.parallel.pipeline.lm_costs`: an untied output layer, each stage's
 forward re-run in its backward slot, its own element-wise terms).
 ``offload`` is not planned: its host transfers are not modelled.
 """
@@ -75,6 +92,7 @@ forward re-run in its backward slot, its own element-wise terms).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from dtx.parallel.context import costs as context_model
@@ -90,6 +108,10 @@ POLICIES = ("none", "dots", "full")
 # `dots` and `full` the block's recomputed forward runs the kernel's forward collectives again (the compiled twins:
 # the ring's 2(C - 1) hops each way and 2(C - 1) again, lm_sim.CONTEXT_KINDS).
 CONTEXT_POLICIES = POLICIES
+# The remat policies a plan with Megatron's pairs beside a context axis takes: none. dtx refuses remat there today (its
+# checkpointed block takes no positions= argument, which the composed context split hands the balanced sequence's
+# global positions to: compiling the twin D2xT2xC2 under `full` or `dots` raises dtx.parallel.context.ContextError).
+TENSOR_CONTEXT_POLICIES = ("none",)
 # The ZeRO stages dtx's pipeline runs over an fsdp axis (dtx.parallel.pipeline.zero; stage 2 is refused there: a
 # pipeline accumulates its gradient row whole over the micro-batches and reduces it once, which is stage 1's).
 PIPELINE_ZERO = (0, 1, 3)
@@ -252,7 +274,11 @@ class LMPlan:
                           f"--config.pipeline.boundaries='{cut}'",
                           "--config.model.tie_embeddings=False", f"--config.global_batch_size={self.global_batch}"] + (
                 ["--config.tensor.sequence_parallel=True"] if self.sp else [])
-        if self.tensor > 1:
+        if self.tensor > 1 and self.context > 1:  # Megatron's pairs beside a context axis (docs/context_parallel.md)
+            out += ["--config.parallel.name=data", "--config.model_axis.split=megatron", "--config.driver=jit",
+                    f"--config.context.attention={self.attention}"]
+            out += ["--config.tensor.sequence_parallel=True"] if self.sp else []
+        elif self.tensor > 1:
             out += ["--config.parallel.name=tensor", "--config.driver=jit"]
             out += ["--config.tensor.sequence_parallel=True"] if self.sp else []
         elif self.context > 1:  # the context layout runs under the jit driver (docs/context_parallel.md)
@@ -282,7 +308,7 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
         raise PlanError(f"{nodes} GPUs as tensor {tensor} x stages {stages} x context {context} of {shape.layers} "
                         f"blocks, {shape.heads} heads: does not divide")
     if context > 1:
-        check_context(shape, context, attention, tensor, stages)
+        check_context(shape, context, attention, tensor, stages, sp, policy)
     data = nodes // (tensor * stages * context)
     if global_batch % (data * micro):
         raise PlanError(f"global batch {global_batch} does not split into {data} shards x {micro} micro-batches")
@@ -311,33 +337,52 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
     rate = cluster.node_flops * cluster.efficiency["dense"]
     compute_s = flops / rate  # one stage: no bubble, no messages (a pipeline returned above)
     x = reduce_bytes  # the element the gradients' collectives move (module docstring)
-    tensor_bytes, collectives = _tensor_bytes(shape, b, tensor, sp, recomputed, tensor_element)
+    # The tensor layout's collectives on a device's S/C positions (a context split of every sequence beside it);
+    # on NVLink while the model group is inside a node (T·C <= local_size: context is the mesh's last axis).
+    tensor_bytes, collectives = _tensor_bytes(shape, b, tensor, sp, recomputed, tensor_element, s // context)
     tensor_bytes *= micro / stages
-    tensor_s = tensor_bytes / cluster.local_bandwidth + micro * collectives / stages * cluster.local_latency
+    bandwidth, latency = ((cluster.local_bandwidth, cluster.local_latency)
+                          if group_per_node(cluster, (data, tensor, context), "t") == tensor
+                          else (cluster.bandwidth, cluster.latency))
+    tensor_s = tensor_bytes / bandwidth + micro * collectives / stages * latency
     p2p_bytes = p2p_s = 0.0
-    grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro, context)
+    if context > 1 and tensor > 1:  # Megatron's pairs beside a context axis (module docstring, **context**)
+        grad_bytes, grad_s = _tensor_context_gradients(shape, cluster, held, data, tensor, context, zero, sp, x,
+                                                       micro, b)
+    else:
+        grad_bytes, grad_s = _gradients(shape, cluster, held, data, tensor, stages, zero, sp, x, micro, context)
     memory = memory_terms(shape, b, data, tensor, zero, policy, sp, micro, backend, context, attention)
     context_bytes, context_s = context_collectives(shape, cluster, b, micro, context, attention, policy,
-                                                   context_element)
+                                                   context_element, tensor)
     return LMPlan(shape, nodes, global_batch, data, tensor, stages, zero, policy, sp, micro, flops, compute_s,
                   tensor_s, p2p_s, grad_s, tensor_bytes, p2p_bytes, grad_bytes, memory, update_flops=update,
                   context=context, attention=attention if context > 1 else "", context_s=context_s,
                   context_bytes=context_bytes)
 
 
-def check_context(shape: LMShape, context: int, attention: str, tensor: int = 1, stages: int = 1) -> None:
-    """What a context axis of ``context`` devices needs (docs/context_parallel.md), refused as dtx refuses it: data
-    and fsdp axes beside it only (:func:`dtx.parallel.compose`), a known kernel, the sequence in ``2C`` chunks (the
-    balanced layout, :func:`dtx.parallel.context.attention.order`) and, for Ulysses, heads divisible by ``C``."""
-    if tensor > 1 or stages > 1:
-        raise PlanError(f"a context axis composes with data and fsdp axes (dtx.parallel.compose), not tensor {tensor} "
-                        f"x stages {stages}")
+def check_context(shape: LMShape, context: int, attention: str, tensor: int = 1, stages: int = 1,
+                  sp: bool = False, policy: str = "none") -> None:
+    """What a context axis of ``context`` devices needs (docs/context_parallel.md), refused as dtx refuses it: data,
+    fsdp and (Megatron's pairs) model axes beside it, no stages (:func:`dtx.parallel.compose`), a known kernel, the
+    sequence in ``2C`` chunks (the balanced layout, :func:`dtx.parallel.context.attention.order`), for Ulysses heads
+    divisible by ``T·C`` (it splits a device's ``h/T`` heads over ``C``) and under SP positions divisible by ``T·C``
+    (``S/(C·T)`` a device between the pairs); beside a model axis no remat policy (:data:`TENSOR_CONTEXT_POLICIES`)."""
+    if stages > 1:
+        raise PlanError(f"a context axis composes with data, fsdp and model axes (dtx.parallel.compose), not with "
+                        f"{stages} stages (a pipeline's stages run whole sequences)")
     if attention not in ATTENTION_KINDS:
         raise PlanError(f"context.attention={attention!r}: one of {', '.join(ATTENTION_KINDS)}")
     if shape.seq % (2 * context):
         raise PlanError(f"{shape.seq} positions do not cut into 2 x {context} chunks (the balanced layout)")
-    if attention == "ulysses" and shape.heads % context:
-        raise PlanError(f"Ulysses splits the {shape.heads} heads over {context} devices: they do not divide")
+    if attention == "ulysses" and shape.heads % (tensor * context):
+        raise PlanError(f"Ulysses splits the {shape.heads} heads over {tensor * context} devices (model {tensor} x "
+                        f"context {context}): they do not divide")
+    if tensor > 1 and policy not in TENSOR_CONTEXT_POLICIES:
+        raise PlanError(f"remat.policy={policy!r} beside model {tensor} x context {context}: dtx fails on it there "
+                        "(the checkpointed block takes no positions= argument); plan it with policy 'none'")
+    if sp and shape.seq % (tensor * context):
+        raise PlanError(f"SP splits the {shape.seq} positions over model {tensor} x context {context}: they do not "
+                        "divide")
 
 
 # Collectives per block and micro-batch of each context kernel (dtx.parallel.context.costs' table; tests/test_context.py
@@ -357,15 +402,17 @@ def context_link(cluster: Cluster, context: int) -> tuple[float, float]:
 
 
 def context_collectives(shape: LMShape, cluster: Cluster, b: int, micro: int, context: int, attention: str,
-                        policy: str = "none", element: int = COMPUTE) -> tuple[float, float]:
+                        policy: str = "none", element: int = COMPUTE, tensor: int = 1) -> tuple[float, float]:
     """Bytes one device sends over ``context`` per step and their time (α-β on :func:`context_link`): per block and
     micro-batch :func:`dtx.parallel.context.costs.block_bytes` of ``b`` sequences at ``element`` bytes (the compute
     dtype's: the kernels move the projections' bf16 keys and values); under ``dots`` and ``full`` the block's
     recomputed forward runs the kernel's forward collectives again (half of them: the table's forward column; ``dots``
-    keeps the projections, not what the kernel computes from the keys and values it received)."""
+    keeps the projections, not what the kernel computes from the keys and values it received). Beside ``T``
+    tensor-parallel devices each attention region runs the kernel over its own ``h/T`` heads: the attention width
+    ``d/T``."""
     if context == 1:
         return 0.0, 0.0
-    per_block = context_model.block_bytes(attention, b, shape.seq, shape.width, context, element)
+    per_block = context_model.block_bytes(attention, b, shape.seq, shape.width // tensor, context, element)
     messages = context_messages(attention, context)
     if policy in ("dots", "full"):
         per_block, messages = 1.5 * per_block, messages * 3 // 2
@@ -397,8 +444,8 @@ def memory_terms(shape: LMShape, b: int, data: int, tensor: int, zero: int, poli
                 logits=b * s * v * LOGIT_BYTES[backend] / (tensor * context),
                 embedding_grad=GRAD * v * d / (data if zero == 3 or (zero and tensor > 1) else 1),
                 accumulator=accumulator)
-    if context > 1 and attention == "allgather":  # the whole sequence's keys and values, one block's, while it attends
-        head["gathered"] = 2 * b * s * shape.width * COMPUTE * wide
+    if context > 1 and attention == "allgather":  # the whole sequence's keys and values (a device's h/T heads), one
+        head["gathered"] = 2 * b * s * shape.width / tensor * COMPUTE * wide  # block's, while it attends
     if not cpu:  # every term at once; ZeRO 2-3 reduce-scatter the gradients (1/D)
         return dict(persistent, grads=GRAD * held / (data if zero >= 2 else 1), **head)
     reduced = GRAD * held if data * tensor * context > 1 else 0.0  # the all-reduce's result, out of place, whole
@@ -423,10 +470,32 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
     blocks, ZeRO 0–3 (a pipeline's :data:`PIPELINE_ZERO`; only 0 when not ``pipeline_zero``: dtx refuses ZeRO with stages for
     LARS/LAMB, whose trust ratios need each tensor whole, ``dtx.optim.Optimizer.whole_tensors``), each
     policy, SP on or off under TP, ``M`` from :data:`MICRO` (``M ≥ P`` for a pipeline); and (``context``) with
-    ``T = P = 1``, each context size of :func:`contexts` under each kernel that takes it (Ulysses: heads divisible
-    by ``C``), ZeRO 0–3 over the data shards and each policy (:data:`CONTEXT_POLICIES`)."""
+    ``P = 1``, each context size of :func:`contexts` under each kernel that takes it (Ulysses: heads divisible
+    by ``T·C``), ZeRO 0–3 over the data shards: with ``T = 1`` each policy (:data:`CONTEXT_POLICIES`), with
+    ``T > 1`` (SP on or off; the model group on the network where ``T·C > local_size``)
+    :data:`TENSOR_CONTEXT_POLICIES`."""
     stage_zero = PIPELINE_ZERO if pipeline_zero else (0,)
     out = []
+    tensors = [t for t in (1, 2, 4, 8, 16) if t <= cluster.local_size and shape.heads % t == 0 and nodes % t == 0]
+    for t, c in ((t, c) for t in tensors[1:] for c in (contexts(shape, nodes) if context else ())
+                 if nodes % (t * c) == 0):
+        # Megatron's pairs beside a context axis: both groups inside a node where T·C <= local_size (context the
+        # mesh's last axis, model next); past it the model group spans nodes and plan() puts its collectives on the
+        # network (and the context group's too where C > local_size).
+        data = nodes // (t * c)
+        for m in MICRO:
+            if global_batch % (data * m):
+                continue
+            for zero in ((0, 1, 2, 3) if data > 1 else (0,)):
+                for policy in (p for p in policies if p in TENSOR_CONTEXT_POLICIES):
+                    for sp in (False, True):
+                        if sp and shape.seq % (t * c):
+                            continue
+                        for kind in ATTENTION_KINDS:
+                            if kind == "ulysses" and shape.heads % (t * c):
+                                continue
+                            out.append(plan(shape, cluster, nodes, global_batch, tensor=t, zero=zero, policy=policy,
+                                            sp=sp, micro=m, reduce_bytes=reduce_bytes, context=c, attention=kind))
     for c in contexts(shape, nodes) if context else ():  # dtx composes a context axis with data and fsdp axes only
         data = nodes // c
         for m in MICRO:
@@ -439,7 +508,6 @@ def candidates(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, 
                             continue
                         out.append(plan(shape, cluster, nodes, global_batch, zero=zero, policy=policy, micro=m,
                                         reduce_bytes=reduce_bytes, context=c, attention=kind))
-    tensors = [t for t in (1, 2, 4, 8, 16) if t <= cluster.local_size and shape.heads % t == 0 and nodes % t == 0]
     for t in tensors:
         for p in (q for q in range(1, shape.layers + 1) if shape.layers % q == 0 and nodes % (t * q) == 0):
             data = nodes // (t * p)
@@ -479,7 +547,8 @@ def best(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, **kwar
     """The fastest plan that fits the device's memory less :data:`MEMORY_HEADROOM` (``chosen``), the fastest one
     dtx runs (``runnable``), the fastest data-parallel plan without ZeRO or remat and whether it fits (``plain``),
     and every candidate that fits (``fitting``); the fastest that fits keeping every sequence on one device
-    (``whole``, ``C = 1``) and the one of those needing the least memory (``least``, fitting or not)."""
+    (``whole``, ``C = 1``) and the one of those needing the least memory (``least``, fitting or not); the fastest
+    context plan that fits without a model axis (``untensored``, ``C > 1``, ``T = 1``)."""
     every = candidates(shape, cluster, nodes, global_batch, **kwargs)
     fitting = sorted((p for p in every if fits(p, cluster)), key=_key)
     whole = [p for p in every if p.context == 1]
@@ -488,6 +557,7 @@ def best(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, **kwar
     return dict(chosen=fitting[0] if fitting else None, fastest=min(every, key=_key, default=None),
                 runnable=next((p for p in fitting if p.runnable), None), plain=plain, fitting=fitting,
                 whole=next((p for p in fitting if p.context == 1), None),
+                untensored=next((p for p in fitting if p.context > 1 and p.tensor == 1), None),
                 least=min(whole, key=lambda p: p.memory_bytes, default=None))
 
 
@@ -521,23 +591,28 @@ def why(found: dict, cluster: Cluster) -> str:
 
 def variant(p: LMPlan, cluster: Cluster, attention: str) -> LMPlan | None:
     """The context plan ``p`` (GPU terms) with the kernel ``attention`` instead, or None where it cannot run
-    (Ulysses: heads not divisible by ``C``): only its context collectives and its gathered keys and values differ."""
-    if attention == "ulysses" and p.shape.heads % p.context:
+    (Ulysses: heads not divisible by ``T·C``): only its context collectives and its gathered keys and values differ."""
+    if attention == "ulysses" and p.shape.heads % (p.tensor * p.context):
         return None
     b = p.global_batch // (p.data * p.micro)
-    sent, seconds = context_collectives(p.shape, cluster, b, p.micro, p.context, attention, p.policy)
-    memory = memory_terms(p.shape, b, p.data, 1, p.zero, p.policy, False, p.micro, "gpu", p.context, attention)
+    sent, seconds = context_collectives(p.shape, cluster, b, p.micro, p.context, attention, p.policy,
+                                        tensor=p.tensor)
+    memory = memory_terms(p.shape, b, p.data, p.tensor, p.zero, p.policy, p.sp, p.micro, "gpu", p.context,
+                          attention)
     return dataclasses.replace(p, attention=attention, context_bytes=sent, context_s=seconds, memory=memory)
 
 
 def _why_context(found: dict, cluster: Cluster) -> str:
     """Why a context plan: why the sequence is split (``C = 1`` does not fit, or is slower), then why this kernel —
     bytes (Ulysses sends ``C/2`` times fewer), memory (the all-gather holds the whole sequence's keys and values),
-    head count (Ulysses needs heads divisible by ``C``), messages (the ring sends ``4(C − 1)`` a block, the others
-    4 or 8)."""
+    head count (Ulysses needs heads divisible by ``T·C``), messages (the ring sends ``4(C − 1)`` a block, the others
+    4 or 8). With ``T > 1`` also why a model axis beside the context one (against the fastest context plan with
+    ``T = 1``: :func:`best`'s ``untensored``) and where its groups run (both inside a node when
+    ``T·C ≤ local_size``)."""
     chosen, whole, least = found["chosen"], found["whole"], found["least"]
     room = usable(cluster) / 2**30
     c, link = chosen.context, "NVLink inside a node" if chosen.context <= cluster.local_size else "the network"
+    t = chosen.tensor
     if whole is None:
         head = (f"no plan keeping each sequence on one device fits ({least.text()} needs "
                 f"{least.memory_bytes / 2**30:.1f} of {room:.1f} GiB)" if least is not None else
@@ -547,13 +622,25 @@ def _why_context(found: dict, cluster: Cluster) -> str:
                 f"({whole.text()}, {whole.time * 1e3:.4g} ms)")
     head += (f"; {chosen.text()} splits each sequence over {c} devices on {link} "
              f"({chosen.memory_bytes / 2**30:.1f} GiB, context collectives {chosen.context_s * 1e3:.3g} ms)")
+    if t > 1:
+        inside = group_per_node(cluster, (chosen.data, t, c), "t") == t
+        where = ("both groups inside a node" if inside and c <= cluster.local_size else
+                 "the model group inside a node" if inside else "the model group over the network")
+        head += (f" and each block's heads over {t} ({where}, "
+                 f"tensor collectives {chosen.tensor_s * 1e3:.3g} ms, each device's attention over its "
+                 f"{chosen.shape.heads // t} heads)")
+        alone = found.get("untensored")
+        head += (f", {alone.time / chosen.time:.3f}x faster than the fastest context plan without a model axis "
+                 f"({alone.text()}, {alone.time * 1e3:.4g} ms, {alone.memory_bytes / 2**30:.1f} GiB)"
+                 if alone is not None else ", where no context plan without a model axis fits")
     reasons = []
     for kind in ATTENTION_KINDS:
         if kind == chosen.attention:
             continue
         other = variant(chosen, cluster, kind)
         if other is None:
-            reasons.append(f"Ulysses needs the {chosen.shape.heads} heads divisible by {c}")
+            reasons.append(f"Ulysses needs the {chosen.shape.heads} heads divisible by {t * c}"
+                           + (f" (model {t} x context {c})" if t > 1 else ""))
         elif not fits(other, cluster):
             reasons.append(f"{kind} needs {other.memory_bytes / 2**30:.1f} GiB (the whole sequence's keys and values)"
                            if kind == "allgather" else f"{kind} needs {other.memory_bytes / 2**30:.1f} GiB")
@@ -583,13 +670,15 @@ def recomputes(policy: str, tensor: int) -> str:
     return policy
 
 
-def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x: int) -> tuple[float, int]:
+def _tensor_bytes(shape: LMShape, b: int, tensor: int, sp: bool, policy: str, x: int,
+                  positions: int | None = None) -> tuple[float, int]:
     """Bytes one device sends over ``model`` per micro-batch, and how many collectives: the blocks'
     (:func:`dtx.parallel.tensor.costs.block_bytes`; under ``full`` the forward ones again) and the ends' (the token ids and
-    the head's input gradient: :mod:`dtx.parallel.tensor.costs`'s docstring)."""
+    the head's input gradient: :mod:`dtx.parallel.tensor.costs`'s docstring), on ``positions`` a sequence (a
+    device's ``S/C`` beside a context axis; ``S`` when not given)."""
     if tensor == 1:
         return 0.0, 0
-    s, d, send = shape.seq, shape.width, tensor_model.bytes_sent
+    s, d, send = positions or shape.seq, shape.width, tensor_model.bytes_sent
     block = tensor_model.block_bytes(b, s, d, tensor, sp, x)
     # The recomputed forward re-runs the block's forward collectives but the MLP's closing one, whose output only
     # the residual sum uses (XLA drops it as dead code): TP one all-reduce, SP one reduce-scatter, two all-gathers.
@@ -675,3 +764,64 @@ def _context_gradients(shape: LMShape, cluster: Cluster, held: float, data: int,
     sent = send("all-reduce", both, context) + (send("all-reduce", both, data) if data > 1 else 0.0)
     seconds = cluster.allreduce_time(both, context, inside) + cluster.allreduce_time(both, data, across)
     return micro * sent, micro * seconds
+
+
+def group_per_node(cluster: Cluster, sizes: tuple[int, int, int], axes: str) -> int:
+    """How many devices of one ``axes`` group (letters of ``"dtc"``: data, model, context) a node holds on the mesh
+    ``(data|fsdp, model, context)`` of ``sizes`` (:meth:`LMPlan.axes`: context the fastest-varying, then model, then
+    data; each node ``local_size`` consecutive devices): the group of device 0, counted below ``local_size``."""
+    data, tensor, context = sizes
+    strides = dict(d=(data, tensor * context), t=(tensor, context), c=(context, 1))
+    ids = [0]
+    for axis in axes:
+        size, stride = strides[axis]
+        ids = [i + k * stride for i in ids for k in range(size)]
+    return max(1, sum(i < cluster.local_size for i in ids))
+
+
+def _tensor_context_gradients(shape: LMShape, cluster: Cluster, held: float, data: int, tensor: int, context: int,
+                              zero: int, sp: bool, x: int, micro: int, b: int) -> tuple[float, float]:
+    """The gradients of a plan with Megatron's pairs over ``model`` beside a ``context`` axis (``T, C > 1``), as the
+    compiled step reduces them (read from the compiled twins' collectives, :data:`dtx.tools.lm_sim.CONTEXT_KINDS`'s
+    T×C rows, and from D4×T2×C2, D2×T4×C2 with and without SP and ZeRO on 16 devices, where the groups' sizes tell
+    the axes apart). The positions of the residual stream split over ``G`` devices: ``C``, or ``T·C`` under SP
+    (Korthikanti et al. 2022). Without ZeRO, per micro-batch (the step accumulates in the global view): the tied
+    head's gradient over data × model (its examples) and over context (its positions), the lookup's with the
+    replicated parameters (positions whole, LayerNorms, row biases) over ``G`` and again, with the ``S/G`` rows of
+    the position table a device holds, over data; the split blocks' ``1/T`` over data × context in one all-reduce.
+    Under ZeRO (each stage alike: XLA:CPU reduces whole and slices) the head's gradient whole over data, its ``1/D``
+    slice over model × context; the lookup's ``1/D`` slice (its rows exchanged over data in an all-to-all and
+    gathered over ``G``) with the replicated ``1/D`` over ``G`` (without SP a second ``1/D`` slice of the table over
+    context), the replicated parameters and the position rows over data, the split blocks over data × context; and
+    once a step the updated ``1/D`` slices all-gathered over data."""
+    s, d = shape.seq, shape.width
+    sizes = (data, tensor, context)
+    table, positions = shape.vocab * d * x, s * d * x
+    rest = (2 * d + 6 * shape.layers * d) * x  # the final LayerNorm; each block's two LayerNorms and row biases
+    split = held * x - table - positions - rest  # the blocks' split kernels and column biases, 1/T
+    stream = "tc" if sp else "c"
+    g = tensor * context if sp else context
+    if zero:
+        each = [("all-reduce", table, "d"), ("all-reduce", table / data, "tc"),
+                ("all-reduce", table / data + positions / data + rest, stream),
+                ("all-reduce", rest + positions / g, "d"), ("all-reduce", split, "dc"),
+                ("all-to-all", 2 * b * s // context * d * x, "d"), ("all-gather", b * s // g * d * x, stream)]
+        each += [] if sp else [("all-reduce", table / data, "c")]
+        once = [("all-gather", held * x / data, "d")]
+    else:
+        each = [("all-reduce", table, "dt"), ("all-reduce", table, "c"), ("all-reduce", table + rest + positions,
+                                                                           stream),
+                ("all-reduce", table + rest + positions / g, "d"), ("all-reduce", split, "dc")]
+        once = []
+    sent = seconds = 0.0
+    for times, ops in ((micro, each), (1, once)):
+        for kind, nbytes, axes in ops:
+            group = math.prod(dict(d=data, t=tensor, c=context)[a] for a in axes)
+            if group == 1:
+                continue
+            sent += times * tensor_model.bytes_sent(kind, int(nbytes // x) * x, group)
+            local = group_per_node(cluster, sizes, axes)
+            # an all-reduce's time; an all-gather of the gathered bytes, or an all-to-all, half of one
+            whole = nbytes * group if kind == "all-gather" else nbytes
+            seconds += times * cluster.allreduce_time(whole, group, local) * (1.0 if kind == "all-reduce" else 0.5)
+    return sent, seconds

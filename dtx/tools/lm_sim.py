@@ -6,7 +6,8 @@ Per node count: the fastest plan that fits the device's memory, why, and the ``d
 (nothing runs), every plan it printed of 2 up to ``--devices`` nodes (8 unless given: ``--devices 64`` compiles the
 64-node plans on 64, their twin's batch scaled by ``N/8``) and, on 8, one of
 each kind dtx runs (data, ZeRO over an ``fsdp`` axis, tensor, SP, ZeRO with tensor, each remat policy, a pipeline of ``M = P``
-micro-batches with its stages split over ``model``, without and with SP, and with ZeRO-1), as overrides of the
+micro-batches with its stages split over ``model``, without and with SP, and with ZeRO-1; and the context kinds,
+:data:`CONTEXT_KINDS`, data × context and tensor × context), as overrides of the
 experiment at a width-scaled shape (:data:`TWIN`, the printed overrides' batch and accumulation set to the
 twin's), and holds each one's per-device FLOPs (XLA's cost analysis) and bytes sent (the HLO's collectives,
 loop trip counts included: :mod:`dtx.comm.hlo`; a pipeline's as its last stage runs them, its FLOPs from that
@@ -47,7 +48,13 @@ CPU_CONTEXT_ELEMENT = 4
 CONTEXT_KINDS = ((1, 0, "none", False, 1, 4, "ring"), (1, 0, "none", False, 1, 8, "ring"),
                  (1, 0, "none", False, 1, 2, "allgather"), (1, 0, "none", False, 1, 4, "ulysses"),
                  (1, 1, "none", False, 1, 4, "ring"), (1, 3, "none", False, 1, 4, "ring"),
-                 (1, 0, "full", False, 1, 4, "ring"), (1, 0, "dots", False, 1, 4, "ring"))
+                 (1, 0, "full", False, 1, 4, "ring"), (1, 0, "dots", False, 1, 4, "ring"),
+                 # Megatron's pairs beside the context axis (T x C, P = 1, no remat: dtx refuses it there): the
+                 # twins the T x C gradients were read from (dtx.perf.lm_plan._tensor_context_gradients), TP and SP,
+                 # each kernel, ZeRO-1 and ZeRO-3 over fsdp.
+                 (2, 0, "none", False, 1, 4, "ring"), (2, 0, "none", True, 1, 2, "ring"),
+                 (2, 0, "none", False, 1, 2, "ulysses"), (2, 1, "none", False, 1, 2, "ring"),
+                 (2, 3, "none", True, 1, 2, "allgather"))
 # Context rows held out, written here before they were first compiled: other depths, widths, heads, sequence lengths
 # and batches than the twin, each kernel, ZeRO 2 and 3 (no development case has ZeRO-2), accumulation with ZeRO-3,
 # as HELD_OUT's rows: (shape, sequences, kind, micro).
@@ -55,6 +62,12 @@ CONTEXT_HELD_OUT = (
     (dict(layers=4, width=192, heads=6, seq=96), 16, (1, 2, "none", False, 1, 2, "ulysses"), 1),
     (dict(layers=2, width=128, heads=4, seq=256), 8, (1, 3, "dots", False, 1, 4, "allgather"), 2),
     (dict(layers=3, width=320, heads=10, seq=64), 16, (1, 0, "full", False, 1, 8, "ring"), 1),
+    # T x C rows (Megatron's pairs beside the context axis), written here before they were first compiled: another
+    # depth, width, head count (12: Ulysses over T·C = 4), sequence length and batch each, ZeRO-2 (no development T x C
+    # twin has it), accumulation (M = 2; none has it either) and T = 4.
+    (dict(layers=3, width=192, heads=12, seq=96), 16, (2, 2, "none", True, 1, 2, "ulysses"), 1),
+    (dict(layers=2, width=320, heads=10, seq=64), 16, (2, 0, "none", False, 1, 4, "allgather"), 2),
+    (dict(layers=4, width=128, heads=4, seq=256), 8, (4, 0, "none", True, 1, 2, "ring"), 1),
 )
 # The kinds whose compiles at the twin the planner's constants were read from (tests/test_lm_plan.py's docstring:
 # ELEMENTWISE, the bytes' rules; lm_pipeline's stage terms from the pipelines): --verify marks their rows "fitted".
@@ -151,9 +164,11 @@ def compiles_at(shape: lm_plan.LMShape, kind: tuple) -> bool:
     Ulysses, its heads."""
     if shape.layers % kind[4]:
         return False
-    if len(kind) > 5:
+    if len(kind) > 5:  # Ulysses splits a device's h/T heads over C; SP a context chunk's positions over T
         context, attention = kind[5:]
-        return shape.seq % (2 * context) == 0 and (attention != "ulysses" or shape.heads % context == 0)
+        tensor, sp = kind[0], kind[3]
+        return (shape.seq % (2 * context) == 0 and (attention != "ulysses" or shape.heads % (tensor * context) == 0)
+                and (not sp or shape.seq % (tensor * context) == 0))
     return True
 
 
