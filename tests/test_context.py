@@ -187,7 +187,7 @@ STEPS = 20
 PAD = 0  # token id 0 is padding: each sequence ends in a run of it, which the loss does not score
 
 
-def _train(mesh, layout_name, accum_steps=1, **settings):
+def _train(mesh, layout_name, accum_steps=1, remat="none", **settings):
     """20 steps of the tiny transformer LM under the jit driver, its sequences padded at the end (3 to 10 padding
     tokens, unscored: next_token's pad_id): ``(initial params, final params, compiled step, final params as
     placed)``."""
@@ -199,7 +199,7 @@ def _train(mesh, layout_name, accum_steps=1, **settings):
     from dtx.step import StepSpec, make_train_step
     from dtx.step.state import abstract_train_state, init_train_state
 
-    model, tx = build_model("transformer", **LM), optax.sgd(0.1, momentum=0.9)
+    model, tx = build_model("transformer", **LM, remat=remat), optax.sgd(0.1, momentum=0.9)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, LM["num_classes"], size=(16, LM["max_len"] + 1)).astype(np.int32)
     for row, pad in enumerate(rng.integers(3, 11, size=16)):
@@ -233,18 +233,20 @@ def trained(mesh):
             "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp),
             "tp+sp-ring": _train(mesh_lib.make_mesh(tensor), megatron, accum_steps=2, attention="ring",
                                  sequence_parallel=True),
-            "tp-ulysses": _train(mesh_lib.make_mesh(tensor), megatron, attention="ulysses")}
+            "tp-ulysses": _train(mesh_lib.make_mesh(tensor), megatron, attention="ulysses"),
+            "tp-remat": _train(mesh_lib.make_mesh(tensor), megatron, remat="dots", attention="allgather")}
 
 
 @pytest.mark.parametrize("kind", [*cp.KINDS, "ring-contiguous", "ring-accumulating", "fsdp", "tp+sp-ring",
-                                  "tp-ulysses"])
+                                  "tp-ulysses", "tp-remat"])
 def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
     """data 2 x context 4, each kernel on the load-balanced layout (context.balance, the default: the batch's
     positions permuted, the model told their global positions), the ring on the contiguous one and accumulating 2
     micro-batches (in the global view: no per-shard map around a layout that moves activations), fsdp 2 x
     context 4 (ZeRO-3 over fsdp, the ring), and data 2 x context 2 x model 2 with Megatron's pairs over model (TP +
     SP with the ring, accumulating 2 micro-batches: positions over context and model between the pairs; TP with
-    Ulysses over each device's 2 heads), with causal masks and padding: the parameters after 20 SGD-momentum
+    Ulysses over each device's 2 heads; TP with the all-gather and remat.policy=dots, whose blocks run lifted by
+    nn.remat), with causal masks and padding: the parameters after 20 SGD-momentum
     steps equal one device's, and under
     FSDP they are split over fsdp alone. Tolerance: a
     gradient sums B·S = 256 token terms through the model's 2 blocks, so its rounding is that of such sums at the

@@ -147,12 +147,12 @@ class TensorLayout:
             module = context.module
             if inside or not args:
                 return next_fun(*args, **kwargs)
-            if self.context is not None:  # the model: the balanced sequence's global positions (positions=)
-                kwargs = self.context.root_kwargs(module, args, kwargs)
             if context.method_name == "attend" and isinstance(module, nn.Embed) and getattr(args[0], "ndim", 0) == 3:
                 return head(next_fun, args, kwargs)  # a tied output layer: the head's layout
-            if context.method_name != "__call__":
+            if context.method_name != "__call__":  # remat's lifted calls among them: not the model's own call
                 return next_fun(*args, **kwargs)
+            if self.context is not None:  # the model: the balanced sequence's global positions (positions=)
+                kwargs = self.context.root_kwargs(module, args, kwargs)
             path = "/".join(module.path)
             region = (self._attention if path in self.attention else self._column if path in self.columns
                       else self._row if path in self.rows else None)
