@@ -14,7 +14,7 @@ Ulysses ZeRO-2 at 4 blocks of 192, 6 heads, 96 positions (compiled here), D2×C4
 micro-batches at 2 blocks of 128, 4 heads, 256 positions, and D1×C8 ring ``full`` at 3 blocks of 320, 10 heads, 64
 positions (held through the published table below).
 
-Tensor × context (Megatron's pairs over ``model`` beside the context axis, ``P = 1``, no remat policy): the T×C
+Tensor × context (Megatron's pairs over ``model`` beside the context axis, ``P = 1``, each remat policy): the T×C
 gradients were read from CONTEXT_KINDS' T×C twins (D1×T2×C4 ring, D2×T2+SP×C2 ring, D2×T2×C2 Ulysses, D2×T2×C2
 ring ZeRO-1, D2×T2+SP×C2 all-gather ZeRO-3) and from D4×T2×C2 and D2×T4×C2 with and without SP and ZeRO on 16
 emulated devices (where the groups' sizes tell the axes apart); the held-out T×C rows of CONTEXT_HELD_OUT
@@ -141,13 +141,14 @@ def test_printed_context_overrides_load_and_cli_prints_them(capsys):
     assert simulate_main(["--model", GPT2, "--cluster", "h100_nvlink_ndr", "--nodes", "64", "--global-batch", "64",
                           "--seq-len", "524288"]) == 0
     out = capsys.readouterr().out
-    assert "524288 positions" in out and "D8xC8(allgather)" in out and "Ulysses needs the 12 heads" in out
+    assert "524288 positions" in out and "D8xT2+SPxC4(allgather) remat dots" in out
     line = next(row for row in out.splitlines() if "dtx train ..." in row)
     assert "--config.context.attention=allgather" in line and "--config.driver=jit" in line
     config = config_lib.load(GPT2, shlex.split(line.split("dtx train ...", 1)[1]))
-    assert tuple(map(tuple, config.mesh)) == (("fsdp", 8), ("context", 8)) and config.context.attention == "allgather"
+    assert tuple(map(tuple, config.mesh)) == (("data", 8), ("model", 2), ("context", 4))
+    assert config.context.attention == "allgather" and config.remat.policy == "dots"
     layout = parallel.configured(config)
-    assert layout.name == "context" and layout.zero_stage == 1
+    assert layout.name == "context" and layout.pairs and layout.zero_stage == 0
     assert simulate_main(["--model", "vgg_a", "--cluster", "h100_nvlink_ndr", "--seq-len", "4096"]) == 2
     assert "--seq-len" in capsys.readouterr().err
 
@@ -186,20 +187,20 @@ def test_tensor_by_context_bytes_are_both_layouts_block_bytes(kernel, sp):
 def test_ulysses_with_tensor_needs_the_heads_to_divide_by_t_times_c():
     """Ulysses splits a device's ``h/T`` heads over ``C``: it is never a candidate where ``T·C`` does not divide the
     heads (GPT-2 small's 12 at T2×C4, T4×C2), nor chosen there, and plan() refuses it as dtx's config check does;
-    SP needs the positions to divide by ``T·C``. No T×C candidate carries a remat policy (dtx refuses it there)."""
+    SP needs the positions to divide by ``T·C``. T×C candidates carry each remat policy."""
     every = lm_plan.candidates(at(SMALL, 8192), H100, 64, 64)
     mixed = [p for p in every if p.tensor > 1 and p.context > 1]
     assert {(2, 2, "ulysses"), (2, 4, "ring"), (4, 2, "allgather")} <= {(p.tensor, p.context, p.attention)
                                                                       for p in mixed}
     assert all(SMALL.heads % (p.tensor * p.context) == 0 for p in mixed if p.attention == "ulysses")
-    assert all(p.policy in lm_plan.TENSOR_CONTEXT_POLICIES for p in mixed)
+    assert {p.policy for p in mixed} == set(lm_plan.TENSOR_CONTEXT_POLICIES) == set(lm_plan.POLICIES)
     for seq, nodes, batch in ((16384, 8, 32), (65536, 64, 64)):
         chosen = lm_plan.best(at(SMALL, seq), H100, nodes, batch, policies=("none",))["chosen"]
         assert chosen.attention != "ulysses" or SMALL.heads % (chosen.tensor * chosen.context) == 0
     with pytest.raises(lm_plan.PlanError, match="heads"):
         lm_plan.plan(at(SMALL, 8192), H100, 8, 8, tensor=4, context=2, attention="ulysses")
-    with pytest.raises(lm_plan.PlanError, match="remat.policy"):
-        lm_plan.plan(at(SMALL, 8192), H100, 8, 8, tensor=2, context=2, policy="dots")
+    with pytest.raises(lm_plan.PlanError, match="remat.policy='offload'"):
+        lm_plan.plan(at(SMALL, 8192), H100, 8, 8, tensor=2, context=2, policy="offload")
     with pytest.raises(lm_plan.PlanError, match="SP splits"):
         lm_plan.plan(at(SMALL, 8196), H100, 8, 8, tensor=4, context=2, sp=True)  # 2C chunks, not T·C
 

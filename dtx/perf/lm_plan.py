@@ -72,7 +72,7 @@ shards, ``T`` tensor-parallel devices (Megatron, :mod:`dtx.parallel.tensor.layou
   the model group spans nodes (its collectives on the network) and, where ``C > local_size``, the context group
   too; the gradients as the compiled step reduces them (:func:`_tensor_context_gradients`); memory: TP's or SP's
   activations per device ``/C``, the logits ``/(T·C)``, the all-gather's gathered keys and values of ``h/T``
-  heads. No remat policy (:data:`TENSOR_CONTEXT_POLICIES`: dtx fails on it there today). ``--verify``'s T×C rows
+  heads. Each remat policy (:data:`TENSOR_CONTEXT_POLICIES`). ``--verify``'s T×C rows
   (:data:`dtx.tools.lm_sim.CONTEXT_KINDS`, ``CONTEXT_HELD_OUT``) hold FLOPs and bytes to the compiled twins.
 
 :func:`best` keeps the fastest plan that fits, its modelled memory at most ``1 − MEMORY_HEADROOM`` (90 %)
@@ -108,10 +108,10 @@ POLICIES = ("none", "dots", "full")
 # `dots` and `full` the block's recomputed forward runs the kernel's forward collectives again (the compiled twins:
 # the ring's 2(C - 1) hops each way and 2(C - 1) again, lm_sim.CONTEXT_KINDS).
 CONTEXT_POLICIES = POLICIES
-# The remat policies a plan with Megatron's pairs beside a context axis takes: none. dtx refuses remat there today (its
-# checkpointed block takes no positions= argument, which the composed context split hands the balanced sequence's
-# global positions to: compiling the twin D2xT2xC2 under `full` or `dots` raises dtx.parallel.context.ContextError).
-TENSOR_CONTEXT_POLICIES = ("none",)
+# The remat policies a plan with Megatron's pairs beside a context axis takes: all three (the twins D2xT2xC2 ring
+# under `dots` and D2xT2+SPxC2 all-gather under `full`, lm_sim.CONTEXT_KINDS, read FLOPs 1.008 and 1.006, bytes 1.000,
+# memory 1.02 of the model: the tensor pairs' and the kernel's recomputed forward collectives as each alone).
+TENSOR_CONTEXT_POLICIES = POLICIES
 # The ZeRO stages dtx's pipeline runs over an fsdp axis (dtx.parallel.pipeline.zero; stage 2 is refused there: a
 # pipeline accumulates its gradient row whole over the micro-batches and reduces it once, which is stage 1's).
 PIPELINE_ZERO = (0, 1, 3)
@@ -366,7 +366,7 @@ def check_context(shape: LMShape, context: int, attention: str, tensor: int = 1,
     fsdp and (Megatron's pairs) model axes beside it, no stages (:func:`dtx.parallel.compose`), a known kernel, the
     sequence in ``2C`` chunks (the balanced layout, :func:`dtx.parallel.context.attention.order`), for Ulysses heads
     divisible by ``T·C`` (it splits a device's ``h/T`` heads over ``C``) and under SP positions divisible by ``T·C``
-    (``S/(C·T)`` a device between the pairs); beside a model axis no remat policy (:data:`TENSOR_CONTEXT_POLICIES`)."""
+    (``S/(C·T)`` a device between the pairs); beside a model axis the remat policies of :data:`TENSOR_CONTEXT_POLICIES`."""
     if stages > 1:
         raise PlanError(f"a context axis composes with data, fsdp and model axes (dtx.parallel.compose), not with "
                         f"{stages} stages (a pipeline's stages run whole sequences)")
@@ -378,8 +378,8 @@ def check_context(shape: LMShape, context: int, attention: str, tensor: int = 1,
         raise PlanError(f"Ulysses splits the {shape.heads} heads over {tensor * context} devices (model {tensor} x "
                         f"context {context}): they do not divide")
     if tensor > 1 and policy not in TENSOR_CONTEXT_POLICIES:
-        raise PlanError(f"remat.policy={policy!r} beside model {tensor} x context {context}: dtx fails on it there "
-                        "(the checkpointed block takes no positions= argument); plan it with policy 'none'")
+        raise PlanError(f"remat.policy={policy!r} beside model {tensor} x context {context}: one of "
+                        f"{', '.join(TENSOR_CONTEXT_POLICIES)}")
     if sp and shape.seq % (tensor * context):
         raise PlanError(f"SP splits the {shape.seq} positions over model {tensor} x context {context}: they do not "
                         "divide")

@@ -49,12 +49,14 @@ CONTEXT_KINDS = ((1, 0, "none", False, 1, 4, "ring"), (1, 0, "none", False, 1, 8
                  (1, 0, "none", False, 1, 2, "allgather"), (1, 0, "none", False, 1, 4, "ulysses"),
                  (1, 1, "none", False, 1, 4, "ring"), (1, 3, "none", False, 1, 4, "ring"),
                  (1, 0, "full", False, 1, 4, "ring"), (1, 0, "dots", False, 1, 4, "ring"),
-                 # Megatron's pairs beside the context axis (T x C, P = 1, no remat: dtx refuses it there): the
-                 # twins the T x C gradients were read from (dtx.perf.lm_plan._tensor_context_gradients), TP and SP,
-                 # each kernel, ZeRO-1 and ZeRO-3 over fsdp.
+                 # Megatron's pairs beside the context axis (T x C, P = 1): the twins the T x C gradients were read
+                 # from (dtx.perf.lm_plan._tensor_context_gradients), TP and SP, each kernel, ZeRO-1 and ZeRO-3 over
+                 # fsdp; and under remat dots and full (compiled after the tensor layout's fix for remat's lifted
+                 # calls, to check the recomputed collectives: nothing was read from them).
                  (2, 0, "none", False, 1, 4, "ring"), (2, 0, "none", True, 1, 2, "ring"),
                  (2, 0, "none", False, 1, 2, "ulysses"), (2, 1, "none", False, 1, 2, "ring"),
-                 (2, 3, "none", True, 1, 2, "allgather"))
+                 (2, 3, "none", True, 1, 2, "allgather"), (2, 0, "dots", False, 1, 2, "ring"),
+                 (2, 0, "full", True, 1, 2, "allgather"))
 # Context rows held out, written here before they were first compiled: other depths, widths, heads, sequence lengths
 # and batches than the twin, each kernel, ZeRO 2 and 3 (no development case has ZeRO-2), accumulation with ZeRO-3,
 # as HELD_OUT's rows: (shape, sequences, kind, micro).
