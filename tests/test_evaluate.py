@@ -167,8 +167,12 @@ def test_export_loads_into_plain_flax_with_identical_logits(run, tmp_path, capsy
     variables = jax.device_get({"params": restored.state.params, **restored.state.model_state})
     expected = np.asarray(restored.parts.model.apply(variables, inputs, train=False))
     np.save(tmp_path / "inputs.npy", inputs)
-    # A fresh interpreter that imports flax and numpy only, as a user without dtx would.
+    # A fresh interpreter that imports flax and numpy only, as a user without dtx would. It keeps this process's
+    # XLA flags but a device count: the same flags compile the same code (a run of the suite under
+    # --xla_cpu_max_isa=AVX read logits 1.8e-7 apart when the child dropped them all), so the logits are identical.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update({"XLA_FLAGS": " ".join(flags)} if flags else {})
     subprocess.run([sys.executable, "-c", LOAD, str(out), str(tmp_path / "inputs.npy"), str(tmp_path / "logits.npy")],
                    check=True, env={**env, "JAX_PLATFORMS": "cpu"}, cwd=tmp_path, timeout=120)
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy"), expected)
