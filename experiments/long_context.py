@@ -26,24 +26,15 @@ Measured on a 2-core x86_64 host (jax 0.10.2), tests/test_long_context.py holdin
   accuracy 0.397 on the 22 test windows (tiny_lm.py, 300 steps of 64-byte windows: 8.07).
 """
 
-from ml_collections import ConfigDict
-
-from dtx.config import base_config
+from dtx.experiments import tiny_lm
 
 SEQ_LEN = 2048
 
 
 def get_config():
-    config = base_config()
-    config.dataset.name = "python_docs"
+    config = tiny_lm.get_config()  # its model, corpus and optimizer; the sequence 32 times longer
     config.dataset.seq_len = SEQ_LEN
-    config.task.name = "next_token"
-    config.model = ConfigDict(dict(name="transformer", num_layers=2, d_model=64, num_heads=4, mlp_ratio=4,
-                                   max_len=SEQ_LEN, dropout_rate=0.0))
-    config.optimizer.name = "adamw"
-    config.optimizer.learning_rate = 3e-3
-    config.optimizer.weight_decay = 0.01
-    config.optimizer.schedule = "cosine"
+    config.model.max_len = SEQ_LEN
     config.optimizer.warmup_steps = 10
     config.global_batch_size = 8
     config.eval_batch_size = 16
