@@ -471,7 +471,7 @@ def _modelled(positions: int, size: int, kind: str) -> float:
 
     model = build_model("transformer", **{**LM, "max_len": positions})
     mesh = mesh_lib.make_mesh([("data", 2), (CONTEXT_AXIS, size)], devices=jax.devices()[:2 * size])
-    shape, extra = ContextSplit(mesh, kind).memory(model, jax.ShapeDtypeStruct((4, positions), jnp.int32),
+    shape, _, extra = ContextSplit(mesh, kind).memory(model, jax.ShapeDtypeStruct((4, positions), jnp.int32),
                                                    jnp.float32)
     found = memory_lib.estimate_model(model, shape, "data", dtype=jnp.int32, nodes=2, global_batch=4,
                                       optimizer="sgd")

@@ -79,7 +79,7 @@ def test_the_compiled_context_8_step_fits_the_limit():
     tokens = jax.ShapeDtypeStruct(example.shape, jnp.int32, sharding=mesh_lib.batch_sharding(mesh))
     peak = memory_lib.compiled_peak(flops_lib.compile_to_read(step.lower(state, {"inputs": tokens,
                                                                                  "labels": tokens})))
-    shape, extra = placement.activations.memory(model, example, policy.compute)
+    shape, _, extra = placement.activations.memory(model, example, policy.compute)
     estimate = memory_lib.estimate_model(model, shape, "data", dtype=jnp.int32, nodes=1,
                                          global_batch=config.global_batch_size, optimizer="adamw", policy=policy)
     modelled = estimate.total + extra(config.global_batch_size)

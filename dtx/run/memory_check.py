@@ -88,8 +88,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     own = getattr(layout, "memory", None)
     shape, extra, sharing = example.shape[1:], None, 1
     if own is not None:
-        shape, extra = own(model, example, policy.compute)
-        sharing = layout.size
+        shape, sharing, extra = own(model, example, policy.compute)
     devices = mesh.size // sharing  # the devices that hold distinct examples
     common = dict(nodes=devices, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
                   policy=policy, accum_steps=micro_batches(config),

@@ -27,6 +27,7 @@ scaled by what XLA:CPU was read to keep of it (:data:`KEPT`).
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import flax.linen as nn
@@ -60,6 +61,7 @@ def block_bytes(kind: str, examples: int, positions: int, width: int, size: int,
 KEPT = dict(ring=0.811, allgather=0.611, ulysses=0.834)
 
 
+@functools.lru_cache(maxsize=256)  # the memory check asks again for each batch it tries; a block's calls repeat
 def kept_bytes(kind: str, examples: int, positions: int, heads: int, head_dim: int, size: int,
                dtype=jnp.float32) -> int:
     """Bytes of the residuals autodiff keeps on one device for kernel ``kind``'s backward pass, ``examples`` of
@@ -96,6 +98,8 @@ def memory_bytes(kind: str, calls, examples: int, positions: int, size: int, dty
     (``(heads, head_dim)``), :data:`KEPT` of what the kernel's residuals keep beyond one device's attention over
     ``S/C`` positions — the key and value chunks the ring received, the gathered keys and values, Ulysses' whole
     sequence of ``h/C`` heads, and the ``S/C × S`` scores' softmax statistics."""
-    extra = sum(kept_bytes(kind, examples, positions, h, d, size, dtype)
-                - kept_bytes(None, examples, positions // size, h, d, 1, dtype) for h, d in calls)
+    dtype = jnp.dtype(dtype)
+    extra = sum(count * (kept_bytes(kind, examples, positions, h, d, size, dtype)
+                         - kept_bytes(None, examples, positions // size, h, d, 1, dtype))
+                for (h, d), count in collections.Counter(calls).items())
     return KEPT[kind] * extra

@@ -108,11 +108,12 @@ class ContextSplit:
     def size(self) -> int:
         return self.mesh.shape[CONTEXT_AXIS]
 
-    def memory(self, model: nn.Module, example, dtype) -> tuple[tuple[int, ...], float]:
-        """What the memory model (:mod:`dtx.run.memory_check`) estimates a device as: one example's input at its
-        ``S/C`` positions (the model's data-parallel estimate there), and the bytes its attention adds beyond
-        that (:func:`dtx.parallel.context.costs.memory_bytes`, per attention call of ``model`` on ``example``,
-        examples per device ``examples``: the caller's)."""
+    def memory(self, model: nn.Module, example, dtype):
+        """What the memory model (:mod:`dtx.run.memory_check`) estimates a device as: ``(shape, sharing, extra)``,
+        one example's input at its ``S/C`` positions (the model's data-parallel estimate there), the devices that
+        share each example (the axis's ``C``), and ``extra(examples)``, the bytes its attention adds beyond that
+        (:func:`dtx.parallel.context.costs.memory_bytes`, per attention call of ``model`` on ``example``, with
+        the caller's examples per device)."""
         from dtx.parallel.context import costs
 
         positions = example.shape[1]
@@ -121,7 +122,7 @@ class ContextSplit:
         def extra(examples: int) -> float:
             return costs.memory_bytes(self.attention, calls, examples, positions, self.size, dtype)
 
-        return (positions // self.size, *example.shape[2:]), extra
+        return (positions // self.size, *example.shape[2:]), self.size, extra
 
     def prepare(self, batch):
         """The batch as the devices hold it (the drivers call this first): balanced, every array of the inputs'

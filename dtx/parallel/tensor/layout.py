@@ -197,7 +197,7 @@ class TensorLayout:
                     else f"the {MODEL!r} axis of size {size}")
             raise PartitionError(
                 f"tensor.sequence_parallel=True splits layer {layer!r}'s {length} positions over {over}, which "
-                "does not divide them; use a sequence length that {size} divides "
+                f"does not divide them; use a sequence length that {size} divides "
                 f"(dataset.seq_len, e.g. {fits}), or tensor.sequence_parallel=False")
 
     def _projections(self, x, layers, dtype, precision):
