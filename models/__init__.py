@@ -13,14 +13,17 @@ fills ``num_classes``, ``dtype``, ``param_dtype`` and ``norm_axis_name`` where t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import flax.linen as nn
 import numpy as np
 
+from dtx import mesh as mesh_lib
 from dtx.config import ConfigError, is_import_path, parameters, register_check, register_family, resolve
 
 from .lenet import LeNet
 from .mlp import MLP
+from .moe import check_settings as check_moe
 from .remat import check_policy
 from .overfeat import OverFeatFast
 from .resnet import ResNet18, ResNet50
@@ -77,10 +80,28 @@ def model_fields(name: str) -> dict[str, object]:
         except ConfigError as e:
             raise ModelConfigError(str(e)) from None
     return {
-        f.name: f.default
+        f.name: _setting(f.default)
         for f in dataclasses.fields(cls)
         if f.init and f.name not in _RESERVED and f.default is not dataclasses.MISSING
     }
+
+
+def _setting(default):
+    """A field's default as a config value: a settings dataclass (the transformer's ``moe``) as a nested block."""
+    return dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default
+
+
+def _nested(cls: type, key: str, value):
+    """A nested block's ``value`` (a mapping) as field ``key``'s settings dataclass, its unknown keys refused."""
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+    if not (dataclasses.is_dataclass(default) and isinstance(value, Mapping)):
+        return value
+    names = [f.name for f in dataclasses.fields(default)]
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ModelConfigError(f"model.{key} has no setting {unknown[0]!r} (config key model.{key}.{unknown[0]}); "
+                               f"valid settings: {', '.join(names)}")
+    return dataclasses.replace(default, **value)
 
 
 def build_model(name: str, **kwargs) -> nn.Module:
@@ -95,6 +116,8 @@ def build_model(name: str, **kwargs) -> nn.Module:
     if unknown:
         raise ModelConfigError(_no_setting(name, unknown[0], settings))
     declared = {f.name for f in dataclasses.fields(cls) if f.init}
+    if not is_import_path(name):
+        kwargs = {key: _nested(cls, key, value) for key, value in kwargs.items()}
     for key in sorted(set(kwargs) & set(_SUPPLIED) - declared):
         value = kwargs.pop(key)
         if key == "remat" and value != "none":
@@ -139,7 +162,41 @@ def check_config(config) -> None:
         raise ModelConfigError(_no_remat(block.name, policy))
     if not is_import_path(block.name):  # your own class checks its own fields
         for key, default in settings.items():
-            _check_integers(f"model.{key}", block.get(key, default), default)
+            if isinstance(default, dict):
+                for inner, value in default.items():
+                    _check_integers(f"model.{key}.{inner}", block[key].get(inner, value), value)
+            else:
+                _check_integers(f"model.{key}", block.get(key, default), default)
+    if isinstance(settings.get("moe"), dict):
+        check_moe_config(config)
+
+
+# What a mixture of experts composes with today: data replicas (data, node, local, fsdp) under these layouts.
+# The experts' own axis, tensor-split experts, pipeline stages and context splits are not built yet.
+MOE_LAYOUTS = ("data", "zero1", "zero2", "fsdp")
+
+
+def check_moe_config(config) -> None:
+    """``model.moe``: settings that can route (:func:`dtx.models.moe.check_settings`), on a mesh and layout that
+    carry them — every axis a data-replica axis, ``parallel.name`` one of :data:`MOE_LAYOUTS`."""
+    moe = _nested(model_class(config.model.name), "moe", config.model.moe.to_dict())
+    try:
+        check_moe(moe)
+    except ValueError as error:
+        raise ModelConfigError(str(error)) from None
+    if not moe.experts:
+        return
+    layout = config.parallel.name if "parallel" in config else "data"
+    if layout not in MOE_LAYOUTS:
+        raise ModelConfigError(f"model.moe.experts={moe.experts} with parallel.name={layout!r}: a mixture of experts "
+                               f"runs under {', '.join(MOE_LAYOUTS)} (its experts whole on every device; no expert "
+                               "axis, tensor-split experts or pipeline stages yet); use --config.parallel.name=data, "
+                               "or --config.model.moe.experts=0")
+    others = [name for name, _ in config.get("mesh", ()) if name in mesh_lib.AXES and not mesh_lib.AXES[name].replicas]
+    if others:
+        raise ModelConfigError(f"model.moe.experts={moe.experts} on a mesh with the {others[0]!r} axis: a mixture of "
+                               "experts runs on data-replica axes (data, node, local, fsdp) only so far; use "
+                               "--config.mesh='((\"data\", -1),)', or --config.model.moe.experts=0")
 
 
 def _integer(value) -> bool:

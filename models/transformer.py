@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .moe import MoE, MoESettings, check_settings
 from .remat import check_policy, checkpoint_policy
 
 
@@ -27,6 +29,7 @@ class Block(nn.Module):
     Attention is :func:`causal_attention` (``jax.nn.dot_product_attention``) unless dropout on the attention
     weights is on (``dropout_rate > 0`` while training), which it does not do: then flax's own
     ``nn.dot_product_attention`` with the causal ``mask`` and weight dropout. Both have the same parameters.
+    With ``moe`` the MLP is a mixture of experts of those settings (:class:`dtx.models.moe.MoE`, named ``moe``).
     """
 
     d_model: int
@@ -35,6 +38,7 @@ class Block(nn.Module):
     dropout_rate: float
     dtype: Any
     param_dtype: Any
+    moe: MoESettings | None = None
 
     @nn.compact
     def __call__(self, x, mask, train: bool):
@@ -49,8 +53,11 @@ class Block(nn.Module):
                                                 name="MultiHeadDotProductAttention_0", **dense)(h, h)
         x = x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
         h = nn.LayerNorm(**dense)(x)
-        h = nn.gelu(nn.Dense(self.mlp_ratio * self.d_model, **dense)(h))
-        h = nn.Dense(self.d_model, **dense)(h)
+        if self.moe is None:
+            h = nn.gelu(nn.Dense(self.mlp_ratio * self.d_model, **dense)(h))
+            h = nn.Dense(self.d_model, **dense)(h)
+        else:
+            h = MoE.of(self.moe, mlp_ratio=self.mlp_ratio, name="moe", **dense)(h, train)
         return x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
 
 
@@ -74,6 +81,9 @@ class Transformer(nn.Module):
         bias), else a Dense layer of its own.
       remat: the rematerialisation policy of each block (:mod:`dtx.models.remat`: ``none``, ``full``, ``dots``,
         ``offload``); a run setting, ``remat.policy``, that dtx passes in (not a key of the ``model`` block).
+      moe: mixture-of-experts MLPs (:class:`dtx.models.moe.MoESettings`, the ``model.moe`` block: ``experts``,
+        ``top_k``, ``every``, ``capacity_factor``, ``aux_weight``, ``z_weight``, ``balance``, ``bias_rate``;
+        docs/moe.md); ``experts=0`` (the default) keeps every MLP dense. A mapping of those keys is taken too.
     """
 
     num_layers: int = 2
@@ -87,6 +97,12 @@ class Transformer(nn.Module):
     param_dtype: Any = jnp.float32
     tie_embeddings: bool = False
     remat: str = "none"
+    moe: MoESettings = MoESettings()
+
+    def __post_init__(self):
+        if isinstance(self.moe, Mapping):  # a config block, or an exported model's JSON
+            object.__setattr__(self, "moe", MoESettings(**self.moe))
+        super().__post_init__()
 
     @property
     def reuses_parameters(self) -> bool:
@@ -105,6 +121,10 @@ class Transformer(nn.Module):
             raise ValueError("model.tie_embeddings=True: under a pipeline the embedding lives on the first stage and "
                              "the output layer on the last, so they cannot be one matrix; set "
                              "--config.model.tie_embeddings=False for parallel.name=pipeline")
+        if self.moe.experts:
+            raise ValueError(f"model.moe.experts={self.moe.experts}: pipeline stages collect no balancing losses and "
+                             "no bias updates from a mixture of experts; set --config.model.moe.experts=0 for "
+                             "parallel.name=pipeline")
         if self.dropout_rate:
             raise ValueError(f"model.dropout_rate={self.dropout_rate}: pipeline stages draw no dropout masks (one "
                              "device's would differ from the micro-batches'); set --config.model.dropout_rate=0 for "
@@ -139,6 +159,7 @@ class Transformer(nn.Module):
                              "model.max_len or shorten the sequences (dataset.seq_len)")
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
+        check_settings(self.moe)
         embed = nn.Embed(self.num_classes, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
         x = embed(tokens)
         table = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.d_model),
@@ -151,8 +172,9 @@ class Transformer(nn.Module):
         # CheckpointBlock); train (argument 3, self counted) is static: it chooses the attention function.
         block = Block if policy is None else nn.remat(Block, policy=policy, static_argnums=(3,))
         for i in range(self.num_layers):
+            moe = self.moe if self.moe.layer(i) else None
             x = block(self.d_model, self.num_heads, self.mlp_ratio, self.dropout_rate, self.dtype,
-                      self.param_dtype, name=f"Block_{i}")(x, mask, train)
+                      self.param_dtype, moe, name=f"Block_{i}")(x, mask, train)
         x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
         if self.tie_embeddings:
             return embed.attend(x)

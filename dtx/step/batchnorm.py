@@ -54,7 +54,8 @@ def synchronise(model: nn.Module, axes: tuple[str, ...]) -> Any:
 
 
 def interceptor(axes: tuple[str, ...]):
-    """A flax method interceptor: ``nn.BatchNorm.__call__`` with ``axis_name=None`` runs with ``axes``.
+    """A flax method interceptor: ``nn.BatchNorm.__call__`` (or that of a module with :func:`synchronised_statistics`)
+    with ``axis_name=None`` runs with ``axes``.
 
     The layer is cloned onto its own scope (the same variables, the same
     ``batch_stats`` to update) with only ``axis_name`` changed; flax then
@@ -65,20 +66,26 @@ def interceptor(axes: tuple[str, ...]):
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
-        if not isinstance(module, nn.BatchNorm) or context.method_name != "__call__":
+        if not synchronised_statistics(module) or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         if module.axis_name is None:
             return module.clone(parent=module.scope, axis_name=axes)(*args, **kwargs)
         if _as_tuple(module.axis_name) != wanted:
             path = "/".join(module.scope.path) if module.scope is not None else module.name
             raise NormSyncError(
-                f"nn.BatchNorm at {path!r} sets axis_name={module.axis_name!r}, but the shard_map driver splits "
+                f"{type(module).__name__} at {path!r} sets axis_name={module.axis_name!r}, but the shard_map driver splits "
                 f"the batch over {wanted}; leave axis_name unset (dtx then averages its statistics over the "
                 f"global batch), or use --config.driver=jit (make_train_step(..., driver='jit')), where XLA "
                 "averages them with no axis name")
         return next_fun(*args, **kwargs)
 
     return intercept
+
+
+def synchronised_statistics(module) -> bool:
+    """Whether ``module`` takes statistics over the batch by ``axis_name``: an ``nn.BatchNorm``, or a module that
+    declares ``batch_statistics = True`` (a mixture of experts' loads, :mod:`dtx.models.moe`)."""
+    return isinstance(module, nn.BatchNorm) or getattr(module, "batch_statistics", False) is True
 
 
 class _Synchronised:

@@ -48,6 +48,7 @@ from dtx.data.loader import Batch
 from dtx.precision import Policy, all_finite, select_tree
 from dtx.step import accumulate, batchnorm
 from dtx.data.tasks import Task
+from dtx.models import sown
 
 Metrics = dict[str, jax.Array]
 
@@ -275,16 +276,22 @@ def make_reduce(compressor, policy: Policy, scaler, loss_scale, comm: comm_lib.C
 
 def make_loss_fn(model, policy: Policy, task: Task, layout, mutable: list, denominator, scale=lambda loss: loss):
     """``(params, model_state, micro_batch, rng) -> (scaled loss, (loss, metrics, model_state))``: the
-    forward pass in the policy's compute dtype inside the activation ``layout``, scored by the task."""
+    forward pass in the policy's compute dtype inside the activation ``layout``, scored by the task.
+
+    What the model sows (:mod:`dtx.models.sown`: a mixture of experts' balancing losses and records) is taken
+    out of its state: the losses are added to the task's loss before differentiating, the records join the
+    task's metrics; ``loss`` stays the task's, so that it compares with ``test_loss``."""
 
     def loss_fn(params, model_state, micro, micro_rng):
         variables = {"params": policy.cast_to_compute(params), **model_state}
         inputs = policy.cast_to_compute(micro["inputs"])
         with layout():
-            out = model.apply(variables, inputs, train=True, mutable=mutable or False, rngs={"dropout": micro_rng})
-        logits, model_state = out if mutable else (out, model_state)
+            logits, model_state = model.apply(variables, inputs, train=True, mutable=[*mutable, *sown.COLLECTIONS],
+                                              rngs={"dropout": micro_rng})
+        model_state, added, records = sown.take(model_state)
         loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(logits), micro["labels"], denominator)
-        return scale(loss), (loss, values, model_state)
+        objective = loss if added is None else loss + added
+        return scale(objective), (loss, {**values, **records}, model_state)
 
     return loss_fn
 
