@@ -371,20 +371,30 @@ def _context(layout: Layout, axes: Sequence[str], fsdp_stage: int, model_split: 
     """:func:`compose` on a mesh with a ``context`` axis: the context preset, its state split over an ``fsdp`` axis
     at ``fsdp_stage``, and with a ``model`` axis Megatron's pairs over it (``model_axis.split=megatron`` or
     ``parallel.name=tensor``: the tensor layout with every sequence split over ``context`` too,
-    :func:`dtx.parallel.context.layout.context_tensor_split`). A ``stage`` axis is refused: the pipeline's stages
-    run their layers on whole sequences."""
+    :func:`dtx.parallel.context.layout.context_tensor_split`). A ``stage`` axis makes it the pipeline with each
+    stage's sequences split over ``context`` (:mod:`dtx.parallel.pipeline.context_stages`; it borrows the
+    ``context.*`` keys), refused beside a ``model`` axis."""
     own = layout.activation_factory in (context_layout.context_split, context_layout.context_tensor_split)
+    if STAGE_AXIS in axes and (layout.replicated or own or layout.stages):
+        if mesh_lib.MODEL_AXIS in axes:
+            raise PartitionError(f"a pipeline's stages split over both {CONTEXT_AXIS!r} and 'model': each runs "
+                                 "alone inside the stages (dtx.parallel.pipeline.context_stages, tensor_stages); "
+                                 f"drop one of them from --config.mesh (context with Megatron's split runs without "
+                                 f"a {STAGE_AXIS!r} axis)")
+        pipeline = next(chosen for chosen in LAYOUTS.values() if chosen.stages)  # the stages run the kernels
+        return dataclasses.replace(pipeline, borrows=pipeline.borrows + tuple(
+            f"{LAYOUTS['context'].block}.{key}" for key in ("attention", "balance")))
     megatron_split = model_split == "megatron" or (not model_split and layout.pairs and not layout.stages)
     others = [axis for axis in axes if axis != CONTEXT_AXIS and not mesh_lib.AXES[axis].replicas
               and not (axis == mesh_lib.MODEL_AXIS and megatron_split)]
     if others or not (layout.replicated or own or megatron_split):
-        raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data and fsdp axes and "
-                             f"with Megatron's split over 'model', not with {others or [layout.name]}"
-                             + (" (a pipeline's stages run their layers on whole sequences)" if STAGE_AXIS in others
-                                else " (over 'model' it takes Megatron's pairs: model_axis.split=megatron)"
-                             if mesh_lib.MODEL_AXIS in others else "")
+        raise PartitionError(f"a {CONTEXT_AXIS!r} mesh axis (context parallelism) composes with data and fsdp axes, "
+                             f"with Megatron's split over 'model' and with pipeline stages, not with "
+                             f"{others or [layout.name]}"
+                             + (" (over 'model' it takes Megatron's pairs: model_axis.split=megatron)"
+                                if mesh_lib.MODEL_AXIS in others else "")
                              + ": use parallel.name=data on a mesh of data, fsdp, 'context' and (with "
-                             "--config.model_axis.split=megatron) model axes, or drop the context axis")
+                             "--config.model_axis.split=megatron) model or stage axes, or drop the context axis")
     if mesh_lib.FSDP_AXIS in axes and fsdp_stage not in (1, 2, 3):
         raise PartitionError(f"fsdp.zero_stage={fsdp_stage!r}: choose 1 (optimizer state), 2 (and gradients) "
                              "or 3 (and parameters)")
@@ -458,7 +468,7 @@ def check_config(config) -> None:
                 raise ConfigError(f"{layout.block}.{key}={value!r} applies to parallel.name={layout.name}, not "
                                   f"{config.parallel.name!r}{takes}: set --config.parallel.name={layout.name} or "
                                   f"leave {layout.block}.{key} at its default")
-            if value and not any(name == mesh_lib.MODEL_AXIS for name, _ in config.mesh):
+            if value and layout.pairs and not any(name == mesh_lib.MODEL_AXIS for name, _ in config.mesh):
                 raise ConfigError(f"{layout.block}.{key}={value!r} with parallel.name={config.parallel.name!r} "
                                   f"splits each stage's positions over the {mesh_lib.MODEL_AXIS!r} mesh axis, and "
                                   f"the mesh {tuple(config.mesh)} has none: add one, e.g. --config.mesh='((\"data\", "

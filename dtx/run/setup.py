@@ -215,6 +215,7 @@ def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params
             chunks=block.virtual_stages,
             per_tensor=pipeline_check.per_tensor(opt.name, opt.weight_decay, pipeline_check.zero_stage(config)),
             zero_stage=pipeline_check.zero_stage(config), sequence_parallel=config.tensor.sequence_parallel,
+            attention=config.context.attention, balance=config.context.balance,
             decay_mask=optim.path_mask(opt.exclude) if opt.weight_decay else None)
         pipeline = step_pipeline.make_pipeline(model, abstract_params, mesh, options, example=example)
     except ValueError as error:  # PipelineError, StepError: the config's fault here

@@ -75,22 +75,13 @@ class ContextSplit:
 
     def _kernel(self, query, key, value, *args, **kwargs):
         """The chosen kernel on this device's chunk, inside a region manual over the ``context`` axis."""
-        return kernels.ATTENTION[self.attention](query, key, value, axis=CONTEXT_AXIS, balanced=self.balance)
+        return local_kernel(self.attention, self.balance)(query, key, value)
 
     def local_attention(self, module: nn.Module):
         """The ``attention_fn`` of ``module`` run inside a region manual over ``context`` (a Megatron region's
         heads: :mod:`dtx.parallel.tensor.layout`): the chosen kernel, for a module that declares its own causal."""
-        self._check_causal(module)
+        check_causal(module)
         return self._kernel
-
-    def _check_causal(self, module: nn.Module) -> None:
-        if not getattr(module.attention_fn, "causal", False):
-            raise ContextError(
-                f"{module.name}: context parallelism runs causal self-attention, and its attention_fn "
-                f"{getattr(module.attention_fn, '__name__', module.attention_fn)!r} does not declare itself "
-                "causal (set attention_fn.causal = True on a causal one, as dtx.models.transformer's "
-                "causal_attention does; attention dropout, model.dropout_rate > 0, uses flax's masked "
-                "attention instead: set model.dropout_rate=0) or drop the context axis")
 
     def root_kwargs(self, module: nn.Module, args, kwargs) -> dict:
         """``kwargs`` of a module's call, with ``positions=`` the balanced sequence's global positions where the
@@ -154,13 +145,42 @@ class ContextSplit:
                 return jax.tree.map(constrain, next_fun(*args, **rooted))
             if isinstance(module, nn.MultiHeadDotProductAttention) and \
                     getattr(module.attention_fn, "__self__", None) is not self:  # not the clone below
-                self._check_causal(module)
-                params = module.variables["params"]
-                local = module.clone(parent=None, name=None, attention_fn=self.attention_fn)
-                return constrain(local.apply({"params": params}, *jax.tree.map(constrain, args), **kwargs))
+                check_causal(module)
+                return constrain(run_split(module, self.attention_fn, jax.tree.map(constrain, args), kwargs))
             return jax.tree.map(constrain, next_fun(*jax.tree.map(constrain, args), **kwargs))
 
         return nn.intercept_methods(intercept)
+
+
+def local_kernel(attention: str, balanced: bool = True):
+    """flax's ``attention_fn`` run by kernel ``attention`` of :mod:`~dtx.parallel.context.attention` on this device's
+    positions, inside a computation manual over ``context`` (``mask``, ``bias`` and dropout are what the
+    declared-causal function it replaces ignores too)."""
+    kernel = kernels.ATTENTION[attention]
+
+    def attention_fn(query, key, value, *args, **kwargs):
+        return kernel(query, key, value, axis=CONTEXT_AXIS, balanced=balanced)
+
+    attention_fn.context_kernel = True  # a clone already running it is not intercepted again
+    return attention_fn
+
+
+def check_causal(module: nn.Module) -> None:
+    """Refuse ``module`` (a flax attention) unless its ``attention_fn`` declares itself causal: the kernels compute
+    causal self-attention only."""
+    if not getattr(module.attention_fn, "causal", False):
+        raise ContextError(
+            f"{module.name}: context parallelism runs causal self-attention, and its attention_fn "
+            f"{getattr(module.attention_fn, '__name__', module.attention_fn)!r} does not declare itself "
+            "causal (set attention_fn.causal = True on a causal one, as dtx.models.transformer's "
+            "causal_attention does; attention dropout, model.dropout_rate > 0, uses flax's masked "
+            "attention instead: set model.dropout_rate=0) or drop the context axis")
+
+
+def run_split(module: nn.Module, attention_fn, args, kwargs):
+    """``module`` (a flax attention) called with ``attention_fn`` in place of its own, on its own parameters."""
+    local = module.clone(parent=None, name=None, attention_fn=attention_fn)
+    return local.apply({"params": module.variables["params"]}, *args, **kwargs)
 
 
 def attention_calls(model: nn.Module, example) -> list[tuple[int, int]]:

@@ -25,7 +25,9 @@ from dtx import mesh as mesh_lib
 from dtx.comm.algorithms import get_algorithm
 from dtx.config import ConfigError, base_config, register_check
 from dtx.mesh import FSDP_AXIS, MODEL_AXIS
+from dtx.parallel.context import CONTEXT_AXIS
 from dtx.parallel.layouts import LAYOUTS, configured, fsdp_stage
+from dtx.parallel.pipeline.context_stages import UNSTAGED
 from dtx.parallel.pipeline.schedules import CHUNKED, SCHEDULES
 from dtx.parallel.pipeline.stages import STAGE_AXIS
 from dtx.precision import parse_policy
@@ -227,7 +229,8 @@ def micro_batches(config) -> int:
 @register_check
 def check_config(config) -> None:
     """``pipeline.*`` only with ``parallel.name=pipeline``; there ``grad_accum_steps`` is 1 or ``M`` (module
-    docstring) and ``M >= 1``."""
+    docstring), ``M >= 1``, and with a ``context`` axis a kernel the stages can run
+    (:data:`dtx.parallel.pipeline.context_stages.UNSTAGED`)."""
     block, defaults = config.pipeline, base_config().pipeline
     if not _staged(config):
         changed = [f"pipeline.{key}={block[key]!r}" for key in block if tuple(np.atleast_1d(block[key])) !=
@@ -237,6 +240,9 @@ def check_config(config) -> None:
                               f"'stage' mesh axis), not {config.parallel.name}: set --config.parallel.name=pipeline "
                               "or leave pipeline.* at the defaults")
         return
+    attention = config.context.attention
+    if any(name == CONTEXT_AXIS for name, _ in config.mesh) and attention in UNSTAGED:
+        raise ConfigError(UNSTAGED[attention])
     stage = zero_stage(config)
     if stage not in (0, 1, 3):  # the rest of zero_problems needs the mesh's sizes: refused with the others later
         raise ConfigError(zero_problems(stage, {name: size for name, size in config.mesh}, "", 0.0)[0])
@@ -257,7 +263,7 @@ def check_memory(pipeline, mesh, global_batch_size: int, example, optimizer: str
 
     if not capacity or pipeline is None:
         return
-    data = mesh.size // mesh.shape[STAGE_AXIS] // mesh.shape.get(MODEL_AXIS, 1)
+    data = _replicas(dict(mesh.shape))  # the axes that split the batch (not stage, model nor context)
     micro = global_batch_size // data // pipeline.schedule.micro
     labels = int(np.prod(pipeline.plan.layers[-1].out_shape[:-1]))  # one per example, or per token of a sequence
     example_bytes = int(np.prod(example.shape[1:])) * np.dtype(example.dtype).itemsize + 4 * labels

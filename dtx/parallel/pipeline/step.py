@@ -50,8 +50,16 @@ from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
 from dtx.data import tasks as task_lib
+from dtx.parallel.context import CONTEXT_AXIS
 from dtx.parallel.pipeline import optim as pipeline_optim
 from dtx.parallel.pipeline import zero as pipeline_zero
+from dtx.parallel.pipeline.context_stages import (
+    context_plan,
+    context_split,
+    context_traffic,
+    own_labels,
+    reduce_axes,
+)
 from dtx.parallel.pipeline.positions import (
     arriving_shape,
     own_positions,
@@ -100,7 +108,7 @@ class Pipeline:
         """The simulated clock's model: the schedule timed tick by tick (:func:`.costs.clock_model`)."""
         from dtx.parallel.pipeline import costs  # the cost model only where a clock is asked for
 
-        data = workers // self.plan.devices
+        data = workers // self.plan.devices // context_split(self.plan)  # context takes no examples
         return costs.clock_model(self.plan, self.schedule, global_batch // data // self.schedule.micro, data,
                                  cluster, stragglers)
 
@@ -170,11 +178,12 @@ def traffic(plan: StagePlan, schedule: Schedule, micro: int, mesh: Mesh, records
     micro-batch's buffer (in the policy's compute dtype), the gradient row's all-reduce over the data axes (in its
     reduce dtype; ZeRO: its reduce-scatter and a slice's all-gather, :func:`pipeline_zero.traffic`),
     and the ``records`` float32 scalars' ``psum`` over ``stage`` and ``pmean`` over the data axes."""
-    data = math.prod(mesh.shape[a] for a in data_axes(mesh))
+    data = math.prod(mesh.shape[a] for a in data_axes(mesh) + reduce_axes(plan))  # context: averaged as data
     split = pipeline_zero.data_size(mesh)  # the devices ZeRO splits the row over (the fsdp axes, or all data axes)
     group = math.prod(mesh.shape[a] for a in _group(mesh))
     sent = costmodel.add_traffic(*(costmodel.all_gather_traffic(n, group) for n in batch_bytes),
-                                 tensor_traffic(plan, schedule, micro, jnp.dtype(policy.compute).itemsize))
+                                 tensor_traffic(plan, schedule, micro, jnp.dtype(policy.compute).itemsize),
+                                 context_traffic(plan, schedule, micro, jnp.dtype(policy.compute).itemsize))
     sent = costmodel.add_traffic(sent, costmodel.Traffic(schedule.messages,
                                                          schedule.messages * plan.message_bytes(
                                                              micro, jnp.dtype(policy.compute).itemsize)))
@@ -223,7 +232,7 @@ def slot_functions(plan: StagePlan, task: task_lib.Task, m_count: int, policy: P
             zero = jnp.zeros((), jnp.float32)
             y = y.reshape((y.shape[0], -1))
             return jnp.pad(y, ((0, 0), (0, width - y.shape[1]))), zero, {n: zero for n in names}
-        labels = own_positions(labels, split) if split > 1 else labels
+        labels = own_positions(labels, split) if split > 1 else own_labels(plan, labels)
         loss, values = task_lib.batch_mean_terms(task, policy.cast_to_output(y), labels, None)
         loss = loss / split  # SP: summed over model with the metrics (every device scores as many positions)
         values = {n: lax.stop_gradient(v).astype(jnp.float32) / split for n, v in values.items()}
@@ -249,10 +258,12 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
     plan, schedule = pipeline.plan, pipeline.schedule
     task, policy, scaler = pipeline.task or task_lib.classification(), pipeline.policy, pipeline.loss_scaler
     axes = data_axes(mesh)
+    # context: each device's loss and gradient are its 1/C of the tokens', averaged with the data replicas'
+    reduced = axes + reduce_axes(plan)
     sliced = bool(pipeline.zero_stage and axes)  # ZeRO: the row's optimizer state and update split over axes
     split_rows = sliced and pipeline.zero_stage == 3  # ZeRO-3: the parameter rows too, gathered once per step
-    zero_axes, replicas = pipeline_zero.zero_axes(mesh), pipeline_zero.unsplit_axes(mesh)
-    data_size = math.prod(mesh.shape[a] for a in axes)
+    zero_axes, replicas = pipeline_zero.zero_axes(mesh), pipeline_zero.unsplit_axes(mesh) + reduce_axes(plan)
+    data_size = math.prod(mesh.shape[a] for a in reduced)
     # ZeRO's reduce-scatter already summed the row in the reduce dtype: the body's reduction then only unscales it
     reduced_policy = dataclasses.replace(policy, reduce=policy.params)
     p, m_count, width, slots = plan.devices, schedule.micro, plan.width, schedule.slots
@@ -347,9 +358,9 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         # and the reduction then has nothing left to send.
         if sliced:  # ZeRO: this data rank's slice of the row's mean, one reduce-scatter (HSDP: then the replicas')
             grads = pipeline_zero.reduce_scatter(grads, zero_axes, policy, replicas)
-        comm = (comm_lib.CommContext(axes, data_size, lambda tree: lax.pmean(tree, axes)) if axes and not sliced
-                else comm_lib.compiler(1))
-        reduce = body.make_reduce(compress.none(), policy if axes and not sliced else reduced_policy, scaler,
+        comm = (comm_lib.CommContext(reduced, data_size, lambda tree: lax.pmean(tree, reduced))
+                if reduced and not sliced else comm_lib.compiler(1))
+        reduce = body.make_reduce(compress.none(), policy if reduced and not sliced else reduced_policy, scaler,
                                   state.loss_scale, comm, False)
         grads, _, _ = reduce(grads, {}, None)
         # The last stage alone scored the micro-batches, the others add zeros: summed over stage (and model under
@@ -358,7 +369,7 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         overflow = [1.0 - all_finite(grads).astype(jnp.float32)] if scaler.enabled else []
         scalars = lax.psum(jnp.stack([loss / m_count, *(values[n] / m_count for n in names), *overflow]),
                            (STAGE_AXIS, MODEL) if positions_split(plan) > 1 else STAGE_AXIS)
-        mean = body.averages(axes, scalars[0], {n: scalars[1 + i] for i, n in enumerate(names)},
+        mean = body.averages(reduced, scalars[0], {n: scalars[1 + i] for i, n in enumerate(names)},
                              (scalars[-1] == 0) if scaler.enabled else None, {})
         if sliced:  # the slice updated with its slice of the state, then (ZeRO-1) the rows all-gathered
             params, opt_state = pipeline_zero.update(tx, grads, state.opt_state, state.params, zero_axes,
@@ -411,6 +422,9 @@ class StageOptions:
         (:mod:`dtx.parallel.pipeline.zero`; the rows padded to split over them).
       sequence_parallel: with a ``model`` axis, each stage's stream split over it by positions too
         (``tensor.sequence_parallel``, :mod:`dtx.parallel.pipeline.tensor_stages`).
+      attention, balance: with a ``context`` axis, the kernel its stages' attention runs (``context.attention``)
+        and whether each device holds two balanced chunks of every sequence (``context.balance``,
+        :mod:`dtx.parallel.pipeline.context_stages`).
       decay_mask: the optimizer's weight-decay mask function (:func:`dtx.optim.path_mask`), which ZeRO-1 lays out
         as a row; a function, so left out of comparisons.
     """
@@ -422,6 +436,8 @@ class StageOptions:
     per_tensor: bool = False
     zero_stage: int = 0
     sequence_parallel: bool = False
+    attention: str = "ring"
+    balance: bool = True
     decay_mask: Callable | None = dataclasses.field(default=None, compare=False)
 
 
@@ -438,6 +454,13 @@ def make_pipeline(model, abstract_params, mesh: Mesh, options: StageOptions = St
         raise StepError(f"parallel.name='pipeline' needs a {STAGE_AXIS!r} mesh axis, e.g. "
                         f"--config.mesh='((\"{STAGE_AXIS}\", 2), (\"data\", -1))'; the mesh is {dict(mesh.shape)}")
     plan = make_plan(model, abstract_params, stages, options.boundaries, options.chunks, example)
+    if CONTEXT_AXIS in mesh.axis_names and MODEL in mesh.axis_names:
+        raise StepError(f"a pipeline's stages split over both {CONTEXT_AXIS!r} and {MODEL!r}: each runs alone "
+                        "(dtx.parallel.pipeline.context_stages, tensor_stages), not both inside one stage; drop "
+                        f"one of the axes from --config.mesh (context with tensor parallelism runs without a "
+                        f"{STAGE_AXIS!r} axis)")
+    if CONTEXT_AXIS in mesh.axis_names:  # every sequence split over context inside each stage
+        plan = context_plan(plan, abstract_params, mesh.shape[CONTEXT_AXIS], options.attention, options.balance)
     if MODEL in mesh.axis_names:  # each stage's blocks split over model (Megatron; LARS/LAMB: pipeline_check)
         # sequence_parallel (tensor.sequence_parallel): each stage's stream split over model by positions too
         plan = split_plan(plan, abstract_params, mesh, example, options.sequence_parallel)

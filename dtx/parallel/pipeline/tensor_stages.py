@@ -369,21 +369,22 @@ def tensor_traffic(plan: StagePlan, schedule, micro: int, itemsize: int):
 _BRANCH = re.compile(r"branch_(\d+)_fun/(jvp\(|transpose\(jvp\()?\w+\)*/")
 
 
-def step_bytes(collectives, schedule, tensor: int) -> int:
+def step_bytes(collectives, schedule, group: int) -> int:
     """Bytes one device of the busiest stage sends per step, from a compiled split pipeline's collectives
     (:func:`dtx.comm.hlo.collectives`). Every device's program holds every stage's slots, each inside its phases'
-    loops, so the all-reduces over ``model`` (in a stage's ``lax.switch`` branch) are counted as that stage runs
-    them: their trips times ``M`` over the slot's ticks (the rest of the ticks are idle); the other collectives
-    (``ppermute``, the gradient all-reduce, the batch's all-gather) run on every device as the program reads."""
+    loops, so the collectives over the axis that splits the stages (``model``, or ``context``:
+    :mod:`dtx.parallel.pipeline.context_stages`; ``group`` devices) in a stage's ``lax.switch`` branch are counted
+    as that stage runs them: their trips times ``M`` over the slot's ticks (the rest of the ticks are idle); the
+    other collectives (``ppermute``, the gradient all-reduce, the batch's all-gather) run on every device as the
+    program reads."""
     every, stages = 0, {}
     for c in collectives:
         m = ([None] + list(_BRANCH.finditer(c.op_name)))[-1]  # the innermost branch: the stage's
-        if c.kind in ("all-reduce", "reduce-scatter", "all-gather") and c.group_size == tensor and tensor > 1 \
-                and m and "conditional" == c.context:
+        if c.kind in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all") and c.group_size == group \
+                and group > 1 and m and "conditional" == c.context:
             kind = "forward" if m.group(2) is None else "backward"
             stage = int(m.group(1))
             stages[stage] = stages.get(stage, 0) + c.bytes_sent * c.trips * schedule.micro / schedule.slot_ticks(kind)
         else:
             every += c.bytes_sent * (c.trips or 1)
     return every + round(max(stages.values(), default=0))
-
