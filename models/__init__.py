@@ -94,6 +94,8 @@ def _setting(default):
 def _nested(cls: type, key: str, value):
     """A nested block's ``value`` (a mapping) as field ``key``'s settings dataclass, its unknown keys refused."""
     default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+    if hasattr(value, "to_dict"):  # a ConfigDict (no Mapping)
+        value = value.to_dict()
     if not (dataclasses.is_dataclass(default) and isinstance(value, Mapping)):
         return value
     names = [f.name for f in dataclasses.fields(default)]
@@ -162,12 +164,12 @@ def check_config(config) -> None:
         raise ModelConfigError(_no_remat(block.name, policy))
     if not is_import_path(block.name):  # your own class checks its own fields
         for key, default in settings.items():
-            if isinstance(default, dict):
+            if isinstance(default, dict):  # a nested block (the transformer's moe), as far as the block sets it
                 for inner, value in default.items():
-                    _check_integers(f"model.{key}.{inner}", block[key].get(inner, value), value)
+                    _check_integers(f"model.{key}.{inner}", (block.get(key) or {}).get(inner, value), value)
             else:
                 _check_integers(f"model.{key}", block.get(key, default), default)
-    if isinstance(settings.get("moe"), dict):
+    if isinstance(settings.get("moe"), dict) and block.get("moe") is not None:
         check_moe_config(config)
 
 
@@ -179,7 +181,7 @@ MOE_LAYOUTS = ("data", "zero1", "zero2", "fsdp")
 def check_moe_config(config) -> None:
     """``model.moe``: settings that can route (:func:`dtx.models.moe.check_settings`), on a mesh and layout that
     carry them — every axis a data-replica axis, ``parallel.name`` one of :data:`MOE_LAYOUTS`."""
-    moe = _nested(model_class(config.model.name), "moe", config.model.moe.to_dict())
+    moe = _nested(model_class(config.model.name), "moe", config.model.moe)
     try:
         check_moe(moe)
     except ValueError as error:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -100,8 +99,8 @@ class Transformer(nn.Module):
     moe: MoESettings = MoESettings()
 
     def __post_init__(self):
-        if isinstance(self.moe, Mapping):  # a config block, or an exported model's JSON
-            object.__setattr__(self, "moe", MoESettings(**self.moe))
+        if not isinstance(self.moe, MoESettings):  # a mapping: a config block, or an exported model's JSON
+            object.__setattr__(self, "moe", MoESettings(**{key: self.moe[key] for key in self.moe.keys()}))
         super().__post_init__()
 
     @property

@@ -36,8 +36,10 @@ def check_numbers(config: ConfigDict) -> None:
         if key in _FRACTIONS and not 0 <= value < 1:
             raise ConfigError(f"{key}={value!r} must be in [0, 1); set --config.{key}, e.g. 0.9")
     # Model sizes: every integer of a built-in model's block is a width, count or size, so >= 1 (your own
-    # model's, chosen by import path, may mean anything: its class checks them).
-    for key, value in _leaves(config.model, "model") if ":" not in str(config.model.get("name")) else ():
+    # model's, chosen by import path, may mean anything: its class checks them). A nested block is a part's own
+    # settings, checked by the model (the transformer's model.moe, whose experts=0 means dense MLPs).
+    top = [(f"model.{key}", value) for key, value in config.model.items() if not isinstance(value, ConfigDict)]
+    for key, value in top if ":" not in str(config.model.get("name")) else ():
         for number in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(number, int) and not isinstance(number, bool) and number < 1:
                 raise ConfigError(f"{key}={value!r}: widths and sizes must be >= 1; fix --config.{key}")
