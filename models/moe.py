@@ -42,7 +42,7 @@ times faster than compute. This layer follows the transformer MoEs that came aft
 
 Records, per layer, while training (:mod:`dtx.models.sown`): ``dropped``, the fraction of the ``tokens ·
 top_k`` assignments that found their bucket full; ``load_max``, the busiest expert's assignments over the mean
-(1 when even, ``experts`` when one expert takes everything; over the whole batch); ``aux_loss`` and ``z_loss``,
+(1 when even, ``experts / top_k`` when one expert is in every token's choice; over the whole batch); ``aux_loss`` and ``z_loss``,
 unweighted.
 """
 
