@@ -95,7 +95,7 @@ def test_ulysses_needs_the_heads_to_divide():
         lm_plan.plan(at(SMALL, 8192), H100, 8, 8, context=8, attention="ulysses")
     with pytest.raises(lm_plan.PlanError, match="2 x 16 chunks"):  # the balanced layout: 2C chunks
         lm_plan.plan(at(SMALL, 1040), H100, 16, 16, context=16)
-    with pytest.raises(lm_plan.PlanError, match="stages"):  # dtx refuses a stage axis beside context
+    with pytest.raises(lm_plan.PlanError, match="stages"):  # the planner does not model stages beside context
         lm_plan.plan(at(SMALL, 8192), H100, 8, 8, context=2, stages=2)
 
 

@@ -363,13 +363,14 @@ def plan(shape: LMShape, cluster: Cluster, nodes: int, global_batch: int, *, ten
 def check_context(shape: LMShape, context: int, attention: str, tensor: int = 1, stages: int = 1,
                   sp: bool = False, policy: str = "none") -> None:
     """What a context axis of ``context`` devices needs (docs/context_parallel.md), refused as dtx refuses it: data,
-    fsdp and (Megatron's pairs) model axes beside it, no stages (:func:`dtx.parallel.compose`), a known kernel, the
+    fsdp and (Megatron's pairs) model axes beside it, no stages (not modelled here), a known kernel, the
     sequence in ``2C`` chunks (the balanced layout, :func:`dtx.parallel.context.attention.order`), for Ulysses heads
     divisible by ``T·C`` (it splits a device's ``h/T`` heads over ``C``) and under SP positions divisible by ``T·C``
     (``S/(C·T)`` a device between the pairs); beside a model axis the remat policies of :data:`TENSOR_CONTEXT_POLICIES`."""
     if stages > 1:
-        raise PlanError(f"a context axis composes with data, fsdp and model axes (dtx.parallel.compose), not with "
-                        f"{stages} stages (a pipeline's stages run whole sequences)")
+        raise PlanError(f"the planner plans a context axis beside data, fsdp and model axes, not beside {stages} "
+                        "stages (dtx runs them, dtx.parallel.pipeline.context_stages, but their costs are not "
+                        "modelled here)")
     if attention not in ATTENTION_KINDS:
         raise PlanError(f"context.attention={attention!r}: one of {', '.join(ATTENTION_KINDS)}")
     if shape.seq % (2 * context):
