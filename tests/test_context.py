@@ -187,7 +187,7 @@ STEPS = 20
 PAD = 0  # token id 0 is padding: each sequence ends in a run of it, which the loss does not score
 
 
-def _train(mesh, layout_name, accum_steps=1, remat="none", **settings):
+def _train(mesh, layout_name, accum_steps=1, remat="none", tx=None, **settings):
     """20 steps of the tiny transformer LM under the jit driver, its sequences padded at the end (3 to 10 padding
     tokens, unscored: next_token's pad_id): ``(initial params, final params, compiled step, final params as
     placed)``."""
@@ -199,7 +199,7 @@ def _train(mesh, layout_name, accum_steps=1, remat="none", **settings):
     from dtx.step import StepSpec, make_train_step
     from dtx.step.state import abstract_train_state, init_train_state
 
-    model, tx = build_model("transformer", **LM, remat=remat), optax.sgd(0.1, momentum=0.9)
+    model, tx = build_model("transformer", **LM, remat=remat), tx or optax.sgd(0.1, momentum=0.9)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, LM["num_classes"], size=(16, LM["max_len"] + 1)).astype(np.int32)
     for row, pad in enumerate(rng.integers(3, 11, size=16)):
@@ -211,12 +211,13 @@ def _train(mesh, layout_name, accum_steps=1, remat="none", **settings):
     start = jax.device_get(state.params)
     step = make_train_step(model, tx, mesh, StepSpec(driver="jit", placement=placement,
                                                      task=tasks.next_token(pad_id=PAD), donate=False,
-                                                     accum_steps=accum_steps))
+                                                     accum_steps=accum_steps, grad_norm=True))
     compiled = step.lower(state, batch).compile()
+    norms = []
     for _ in range(STEPS):
         state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-    return start, jax.device_get(state.params), compiled, state.params
+        norms.append(float(metrics["grad_norm"]))  # waits on the step
+    return start, jax.device_get(state.params), compiled, state.params, norms
 
 
 @pytest.fixture(scope="module")
@@ -224,10 +225,15 @@ def trained(mesh):
     from dtx import parallel
 
     one = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
+    from dtx import optim
+
+    lars = optim.make_optimizer("lars", 2.0, momentum=0.9)  # trust ratios from each whole tensor's norm
     fsdp = parallel.compose(parallel.get_layout("data"), ["fsdp", CONTEXT_AXIS], 3)  # FSDP x context
     tensor = [("data", 2), (CONTEXT_AXIS, 2), ("model", 2)]  # Megatron x context (model_axis.split=megatron)
     megatron = parallel.compose(parallel.get_layout("data"), [name for name, _ in tensor], 3, "megatron")
-    return {"one": _train(one, "data"), **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS},
+    return {"one": _train(one, "data"), "one-lars": _train(one, "data", tx=lars),
+            "lars": _train(mesh, "context", tx=lars, attention="allgather"),
+            **{kind: _train(mesh, "context", attention=kind) for kind in cp.KINDS},
             "ring-contiguous": _train(mesh, "context", attention="ring", balance=False),
             "ring-accumulating": _train(mesh, "context", accum_steps=2, attention="ring"),
             "fsdp": _train(mesh_lib.make_mesh([("fsdp", 2), (CONTEXT_AXIS, C)]), fsdp),
@@ -263,6 +269,28 @@ def test_a_context_parallel_step_trains_what_one_device_trains(trained, kind):
     if kind == "fsdp":
         specs = {tuple(leaf.sharding.spec) for leaf in jax.tree.leaves(trained[kind][3])}
         assert ("fsdp",) in specs and all(set(spec) <= {None, "fsdp"} for spec in specs), specs
+
+
+def test_whole_model_reductions_see_the_whole_model(trained):
+    """Under data 2 x context 4 (the all-gather) the reductions over the whole model are one device's: LARS's
+    trust ratios (each tensor's norm, of its parameters and its gradient) give the same parameters after 20 steps, and
+    the recorded global gradient norm of every step equals one device's — each device's part of a gradient summed
+    over context before any norm is taken. Tolerances: the parameters' as the SGD runs'; a norm's relative
+    rounding that of a sum of the gradient's squares."""
+    from numerics import sum_atol
+
+    start, want, *_, want_norms = trained["one-lars"]
+    _, got, *_, got_norms = trained["lars"]
+    change = max(float(np.abs(np.asarray(w) - np.asarray(s)).max()) for w, s in
+                 zip(jax.tree.leaves(want), jax.tree.leaves(start)))
+    atol = sum_atol(None, terms=16 * LM["max_len"], depth=2 * LM["num_layers"], scale=change)
+    for path, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        np.testing.assert_allclose(g, w, rtol=0, atol=atol, err_msg=f"leaf {path}")
+    size = sum(np.size(leaf) for leaf in jax.tree.leaves(want))
+    rtol = (sum_atol(None, terms=16 * LM["max_len"], depth=2 * LM["num_layers"], scale=1.0)  # each gradient entry
+            + sum_atol(None, terms=size, scale=1.0))  # the sum of their squares
+    np.testing.assert_allclose(got_norms, want_norms, rtol=rtol)
+    np.testing.assert_allclose(trained["allgather"][4], trained["one"][4], rtol=rtol)
 
 
 def test_megatron_and_context_each_move_their_own(trained):
