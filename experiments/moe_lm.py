@@ -45,5 +45,5 @@ def get_config():
     config.model.mlp_ratio = 2  # each expert half the dense MLP's width: top-2 of them is its FLOPs
     with config.model.unlocked():
         config.model.moe = ConfigDict(dict(experts=8, top_k=2, every=1, capacity_factor=1.25, aux_weight=0.01,
-                                           z_weight=0.001, balance="aux", bias_rate=0.001))
+                                           z_weight=0.001, balance="aux", bias_rate=0.001, renormalize=True))
     return config

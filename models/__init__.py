@@ -93,7 +93,7 @@ def _setting(default):
 
 def _nested(cls: type, key: str, value):
     """A nested block's ``value`` (a mapping) as field ``key``'s settings dataclass, its unknown keys refused."""
-    default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+    default = next((f.default for f in dataclasses.fields(cls) if f.name == key), None)
     if hasattr(value, "to_dict"):  # a ConfigDict (no Mapping)
         value = value.to_dict()
     if not (dataclasses.is_dataclass(default) and isinstance(value, Mapping)):

@@ -64,20 +64,29 @@ BALANCES = ("aux", "bias")
 
 
 @dataclasses.dataclass(frozen=True)
-class MoESettings:
-    """The zoo transformer's ``model.moe`` block (:class:`dtx.models.transformer.Transformer`).
+class Routing:
+    """How an :class:`MoE` routes and balances (module docstring): experts per token, the capacity factor (0:
+    dropless), the weights of the load-balancing loss and the router z-loss, ``balance`` (``"aux"``, or ``"bias"``
+    for DeepSeek-V3's selection bias as well) with the bias's step, and whether the gates are renormalised over the
+    chosen experts (Mixtral) or the raw probabilities (Switch)."""
 
-    ``experts`` 0 keeps every MLP dense; otherwise every ``every``-th block's MLP (blocks ``every − 1``,
-    ``2·every − 1``, ...) is an :class:`MoE` with these settings."""
-
-    experts: int = 0
     top_k: int = 2
-    every: int = 1
     capacity_factor: float = 1.25
     aux_weight: float = 0.01
     z_weight: float = 0.001
     balance: str = "aux"
     bias_rate: float = 0.001
+    renormalize: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESettings(Routing):
+    """The zoo transformer's ``model.moe`` block (:class:`dtx.models.transformer.Transformer`): the routing, the
+    number of experts and which blocks have them. ``experts`` 0 keeps every MLP dense; otherwise every
+    ``every``-th block's MLP (blocks ``every − 1``, ``2·every − 1``, ...) is an :class:`MoE` with these settings."""
+
+    experts: int = 0
+    every: int = 1
 
     def layer(self, block: int) -> bool:
         """Whether block ``block`` (from 0) has an MoE MLP."""
@@ -189,44 +198,28 @@ class MoE(nn.Module):
 
     Attributes:
       experts: E, the expert MLPs.
-      top_k: experts per token.
+      routing: experts per token, capacity, balancing (:class:`Routing`), e.g.
+        ``MoE(8, Routing(top_k=2, capacity_factor=1.0, balance="bias"))``.
       mlp_ratio: each expert's hidden width as a multiple of ``d``.
-      capacity_factor: slots per expert over an even share of a group's assignments; 0: dropless.
-      aux_weight / z_weight: the weights of the load-balancing loss and the router z-loss in the training loss.
-      balance: ``"aux"`` (the loss alone) or ``"bias"`` (DeepSeek-V3's selection bias as well).
-      bias_rate: the bias's step per training pass.
-      renormalize: gates renormalised over the chosen experts (Mixtral) or the raw probabilities (Switch).
       axis_name: the mesh axes the loads are summed over (the bias's update, ``load_max``); dtx's ``shard_map``
         driver sets it to the batch axes, as for batch norm (:mod:`dtx.step.batchnorm`). Leave it None.
       dtype / param_dtype: the experts' compute and stored dtypes; the router computes in float32.
     """
 
     experts: int
-    top_k: int = 2
+    routing: Routing = Routing()
     mlp_ratio: int = 4
-    capacity_factor: float = 1.25
-    aux_weight: float = 0.01
-    z_weight: float = 0.001
-    balance: str = "aux"
-    bias_rate: float = 0.001
-    renormalize: bool = True
     axis_name: Any = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     batch_statistics: ClassVar[bool] = True  # dtx's shard_map driver fills axis_name (dtx.step.batchnorm)
 
-    @classmethod
-    def of(cls, settings: MoESettings, **kwargs) -> MoE:
-        """The layer of the transformer's ``model.moe`` block."""
-        return cls(settings.experts, settings.top_k, capacity_factor=settings.capacity_factor,
-                   aux_weight=settings.aux_weight, z_weight=settings.z_weight, balance=settings.balance,
-                   bias_rate=settings.bias_rate, **kwargs)
-
     @nn.compact
     def __call__(self, x, train: bool = False):
-        check_settings(MoESettings(self.experts, self.top_k, 1, self.capacity_factor, self.aux_weight,
-                                   self.z_weight, self.balance, self.bias_rate), type(self).__name__)
+        r = self.routing
+        check_settings(MoESettings(**{f.name: getattr(r, f.name) for f in dataclasses.fields(Routing)},
+                                   experts=self.experts), type(self).__name__)
         *_, tokens, d = x.shape
         groups = x.reshape(-1, tokens, d)
         logits = nn.Dense(self.experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
@@ -234,14 +227,14 @@ class MoE(nn.Module):
         probs = jax.nn.softmax(logits, axis=-1)
         scores = probs
         bias = None
-        if self.balance == "bias":
+        if r.balance == "bias":
             bias = self.variable(BALANCE, "bias", jnp.zeros, (self.experts,), jnp.float32)
             scores = probs + bias.value  # for the selection only: the gates stay the probabilities
-        _, chosen = lax.top_k(lax.stop_gradient(scores), self.top_k)  # (groups, tokens, k)
+        _, chosen = lax.top_k(lax.stop_gradient(scores), r.top_k)  # (groups, tokens, k)
         gates = jnp.take_along_axis(probs, chosen, axis=-1)
-        if self.renormalize:
+        if r.renormalize:
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        slots = capacity(tokens, self.experts, self.top_k, self.capacity_factor)
+        slots = capacity(tokens, self.experts, r.top_k, r.capacity_factor)
         slot, kept = assign_slots(chosen, self.experts, slots)
         buckets = dispatch(groups.astype(self.dtype), chosen, slot, kept, self.experts, slots)
         outputs = self._experts(buckets, d)
@@ -263,11 +256,12 @@ class MoE(nn.Module):
 
     def _account(self, logits, probs, chosen, kept, bias) -> None:
         """A training pass's losses, records and the bias's move (module docstring)."""
+        r = self.routing
         aux, z = switch_aux_loss(probs, chosen, self.experts), z_loss(logits)
-        if self.aux_weight:
-            sown.add_loss(self, "aux_loss", self.aux_weight * aux)
-        if self.z_weight:
-            sown.add_loss(self, "z_loss", self.z_weight * z)
+        if r.aux_weight:
+            sown.add_loss(self, "aux_loss", r.aux_weight * aux)
+        if r.z_weight:
+            sown.add_loss(self, "z_loss", r.z_weight * z)
         load = jnp.sum(jax.nn.one_hot(chosen, self.experts, dtype=jnp.float32), axis=(0, 1, 2))
         if self.axis_name is not None:  # the whole batch's loads, as one device would count them
             load = lax.psum(load, self.axis_name)
@@ -277,4 +271,4 @@ class MoE(nn.Module):
         sown.add_record(self, "aux_loss", aux)
         sown.add_record(self, "z_loss", z)
         if bias is not None and self.is_mutable_collection(BALANCE) and not self.is_initializing():
-            bias.value = bias.value + self.bias_rate * jnp.sign(mean - load)
+            bias.value = bias.value + r.bias_rate * jnp.sign(mean - load)

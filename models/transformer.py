@@ -56,7 +56,7 @@ class Block(nn.Module):
             h = nn.gelu(nn.Dense(self.mlp_ratio * self.d_model, **dense)(h))
             h = nn.Dense(self.d_model, **dense)(h)
         else:
-            h = MoE.of(self.moe, mlp_ratio=self.mlp_ratio, name="moe", **dense)(h, train)
+            h = MoE(self.moe.experts, self.moe, self.mlp_ratio, name="moe", **dense)(h, train)
         return x + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
 
 
@@ -81,8 +81,9 @@ class Transformer(nn.Module):
       remat: the rematerialisation policy of each block (:mod:`dtx.models.remat`: ``none``, ``full``, ``dots``,
         ``offload``); a run setting, ``remat.policy``, that dtx passes in (not a key of the ``model`` block).
       moe: mixture-of-experts MLPs (:class:`dtx.models.moe.MoESettings`, the ``model.moe`` block: ``experts``,
-        ``top_k``, ``every``, ``capacity_factor``, ``aux_weight``, ``z_weight``, ``balance``, ``bias_rate``;
-        docs/moe.md); ``experts=0`` (the default) keeps every MLP dense. A mapping of those keys is taken too.
+        ``every``, ``top_k``, ``capacity_factor``, ``aux_weight``, ``z_weight``, ``balance``, ``bias_rate``,
+        ``renormalize``; docs/moe.md); ``experts=0`` (the default) keeps every MLP dense. A mapping of those keys
+        is taken too.
     """
 
     num_layers: int = 2

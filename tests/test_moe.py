@@ -84,7 +84,7 @@ def reference(params, x, capacity, bias=None, renormalize=True):
 
 
 def layer(capacity_factor=0.5, balance="aux", **kwargs):
-    return moe.MoE(E, K, mlp_ratio=RATIO, capacity_factor=capacity_factor, balance=balance, **kwargs)
+    return moe.MoE(E, moe.Routing(K, capacity_factor=capacity_factor, balance=balance, **kwargs), mlp_ratio=RATIO)
 
 
 @pytest.fixture(scope="module")

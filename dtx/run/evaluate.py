@@ -398,6 +398,8 @@ def _jsonable(value, name: str):
         return [_jsonable(v, name) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v, name) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a settings block (the transformer's moe)
+        return _jsonable(dataclasses.asdict(value), name)
     try:
         return np.dtype(value).name  # jnp.float32, np.float32, "bfloat16"
     except TypeError:
