@@ -159,6 +159,8 @@ def base_config() -> ConfigDict:
     ))
     c.dataset.workers = 0  # processes that prefetch training batches (0: built in the training process)
     c.dataset.seq_len = 64  # python_docs: tokens per example
+    c.dataset.tokenizer = "bytes"  # python_docs: bytes (UTF-8, 256 ids) | bpe (byte-level BPE of vocab_size ids)
+    c.dataset.vocab_size = 0  # bpe: ids, >= 257 (a special and the 256 bytes; cached in data_dir or ~/.cache/dtx)
     c.dataset.synthetic = ConfigDict(
         dict(num_train=4096, num_test=1024, num_features=32, num_classes=10, noise=0.8, clusters_per_class=4)
     )

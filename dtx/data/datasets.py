@@ -19,7 +19,9 @@ Sources (see DATASETS):
   python_docs  byte-level language modelling on the Python documentation topics
              that ship with CPython (pydoc_data.topics, what help('topics')
              shows; offline). int32 token windows of `seq_len`, labels shifted
-             by one; the last 10% of the text is the test split; 256 classes.
+             by one; the last 10% of the text is the test split; 256 classes
+             (UTF-8 bytes), or with tokenizer="bpe" a byte-level BPE of
+             `vocab_size` ids trained on the training split (dtx.data.tokenizer).
 
 Your own arrays (in memory or memory-mapped) become a Dataset through
 dtx.data.userdata (dtx.train(..., data=...)).
@@ -30,7 +32,10 @@ import os
 
 import numpy as np
 
+from dtx.data import tokenizer as tokenizer_lib
+
 DATASETS: tuple[str, ...] = ("synthetic", "digits", "mnist", "cifar10", "python_docs")
+TEXT_DATASETS: tuple[str, ...] = ("python_docs",)  # the ones dataset.tokenizer applies to
 
 SYNTHETIC_DEFAULTS = dict(num_train=4096, num_test=1024, num_features=32,
                           num_classes=10, noise=0.8, clusters_per_class=4)
@@ -66,28 +71,54 @@ class Split:
         return len(self.labels)
 
 
+class Rows:
+    """A read-only array whose rows are converted to ``dtype`` as they are gathered (a 64-bit
+    memory-mapped file read as 32-bit, or uint16 token ids as int32, without converting, or loading, the
+    whole file)."""
+
+    def __init__(self, array: np.ndarray, dtype):
+        self.array, self.dtype = array, np.dtype(dtype)
+        self.shape, self.ndim = tuple(array.shape), len(array.shape)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index):
+        return np.asarray(self.array[index]).astype(self.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """A named dataset with train and test splits and its number of classes (the model's output
-    width: classes, vocabulary or target values). ``test`` may be None (nothing is evaluated)."""
+    width: classes, vocabulary or target values). ``test`` may be None (nothing is evaluated).
+    ``token_bytes``: for text, the UTF-8 bytes each token id spells (int, ``(num_classes,)``), from which
+    evaluation counts bits per byte (:func:`dtx.data.tasks.count_bytes`); ``None`` for other data."""
     name: str
     train: Split
     test: Split
     num_classes: int
+    token_bytes: np.ndarray | None = None
 
 
 def load_dataset(name: str, *, data_dir: str = "", seed: int = 0,
-                 synthetic: dict | None = None, seq_len: int = 64) -> Dataset:
+                 synthetic: dict | None = None, seq_len: int = 64, tokenizer: str = "bytes",
+                 vocab_size: int = 0) -> Dataset:
     """Loads dataset `name` (one of DATASETS) fully into memory.
 
     `seed` and `synthetic` (parameter overrides, keys as in SYNTHETIC_DEFAULTS)
     only affect "synthetic"; `data_dir` is required by "mnist" and "cifar10";
-    `seq_len` (tokens per example) only affects "python_docs".
+    `seq_len` (tokens per example), `tokenizer` and `vocab_size` (dtx.data.tokenizer)
+    only affect the text datasets (TEXT_DATASETS), whose BPE tokenizer and ids are
+    cached in `data_dir` when given, else in the user's cache folder.
     """
+    tokenizer_lib.check_settings(tokenizer, vocab_size, name, TEXT_DATASETS)
     if name == "synthetic":
         return _synthetic(seed, synthetic)
     if name == "python_docs":
-        return _python_docs(seq_len)
+        if tokenizer == "bytes":
+            return _python_docs(seq_len)
+        return text_dataset(name, python_docs_text(), seq_len, vocab_size,
+                            os.path.expanduser(data_dir) or tokenizer_lib.default_cache_dir())
     if name == "digits":
         return _digits()
     if name in ("mnist", "cifar10"):
@@ -362,4 +393,29 @@ def _python_docs(seq_len: int) -> Dataset:
     train, test = token_windows(tokens[:cut], seq_len), token_windows(tokens[cut:], seq_len)
     # Contiguous copies: the windows are views of one array, cheap to keep but slow to gather.
     return Dataset("python_docs", Split(np.ascontiguousarray(train.inputs), np.ascontiguousarray(train.labels)),
-                   Split(np.ascontiguousarray(test.inputs), np.ascontiguousarray(test.labels)), 256)
+                   Split(np.ascontiguousarray(test.inputs), np.ascontiguousarray(test.labels)), 256,
+                   tokenizer_lib.Tokenizer().token_bytes)
+
+
+def split_text(text: str) -> tuple[str, str]:
+    """``text`` as (train, test): the last 10% of its UTF-8 bytes held out, as the byte-level datasets cut it,
+    the cut moved forward to the next character boundary (UTF-8 continuation bytes are 0b10xxxxxx)."""
+    raw = text.encode("utf-8")
+    cut = len(raw) * 9 // 10
+    while cut < len(raw) and raw[cut] & 0xC0 == 0x80:
+        cut += 1
+    return raw[:cut].decode("utf-8"), raw[cut:].decode("utf-8")
+
+
+def text_dataset(name: str, text: str, seq_len: int, vocab_size: int, folder: str) -> Dataset:
+    """Language modelling on ``text`` with a byte-level BPE of ``vocab_size`` ids trained on its training split
+    (:func:`split_text`): tokenizer and ids cached in ``folder`` and read memory-mapped
+    (:mod:`dtx.data.tokenizer`), windows of ``seq_len`` ids cut as the byte-level ones (:func:`token_windows`),
+    gathered as int32 like them."""
+    train_text, test_text = split_text(text)
+    tokenizer = tokenizer_lib.bpe(train_text, vocab_size, folder, name)
+    splits = []
+    for split, part in (("train", train_text), ("test", test_text)):
+        windows = token_windows(tokenizer_lib.token_ids(tokenizer, part, split), seq_len)
+        splits.append(Split(Rows(windows.inputs, np.int32), Rows(windows.labels, np.int32)))
+    return Dataset(name, *splits, tokenizer.vocab_size, tokenizer.token_bytes)

@@ -37,7 +37,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from dtx.config import ConfigError, is_import_path, register_check
-from dtx.data import datasets, images, userdata
+from dtx.data import datasets, images, tokenizer, userdata
 from dtx.data.datasets import Dataset, DatasetError, Split
 from dtx.data.loader import Batch, TrainLoader, _place, epoch_permutation
 
@@ -103,8 +103,14 @@ class Augment:
 @register_check
 def check_dataset(config: ConfigDict) -> None:
     """The ``dataset`` block's grain settings, at load time: the augment keys and values, ``workers``, and
-    that both are asked of a dataset read through grain."""
+    that both are asked of a dataset read through grain; ``tokenizer`` and ``vocab_size`` of a text dataset
+    (:func:`dtx.data.tokenizer.check_settings`)."""
     block = config.dataset
+    try:
+        tokenizer.check_settings(block.get("tokenizer", "bytes"), block.get("vocab_size", 0), block.name,
+                                 datasets.TEXT_DATASETS)
+    except tokenizer.TokenizerError as error:
+        raise ConfigError(str(error)) from None
     augment = Augment.from_settings(block.get("augment"))
     workers = block.get("workers", 0)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -127,7 +133,8 @@ def load_dataset(block: ConfigDict, *, seed: int) -> Dataset:
                                f"{', '.join(datasets.DATASETS + IMAGE_DATASETS[2:])}, or your function returning "
                                "arrays as package.module:function.")
         return datasets.load_dataset(block.name, data_dir=block.data_dir, seed=seed,
-                                     synthetic=block.synthetic.to_dict(), seq_len=block.seq_len)
+                                     synthetic=block.synthetic.to_dict(), seq_len=block.seq_len,
+                                     tokenizer=block.get("tokenizer", "bytes"), vocab_size=block.get("vocab_size", 0))
     augment = Augment.from_settings(block.get("augment"))
     train, test, num_classes = images.open_sources(block.name, block.data_dir)
     for what, source in (("train", train), ("test", test)):

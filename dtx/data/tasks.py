@@ -22,6 +22,8 @@ Built-in tasks (:data:`TASKS`):
   cross-entropy per scored token) (Jelinek et al. 1977; the usual LM figure). With label
   smoothing ``test_loss`` is the smoothed training objective, not that cross-entropy:
   evaluation then also sums the unsmoothed one (``test_nll``), and ``perplexity`` = exp(``test_nll``).
+  On a text dataset evaluation also records ``test_bits_per_byte`` (:func:`count_bytes`), which
+  compares across tokenizers as perplexity per token does not.
 
 With ``label_smoothing > 0`` the loss, ``loss`` in the training records and ``test_loss`` are the
 smoothed objective (classification and next_token alike); only ``next_token`` reports a figure
@@ -73,6 +75,9 @@ class Task(NamedTuple):
       eval_metrics: ``(outputs, labels) -> {name: values}`` like ``metrics``, but summed at evaluation
         only (records ``test_<name>``), never computed in the train step (``next_token`` with label
         smoothing: ``nll``, the unsmoothed cross-entropy per token that ``perplexity`` exponentiates).
+      scores_tokens: the elements are the tokens of ``(N, T)`` labels and the unsmoothed loss (``test_nll``,
+        else ``test_loss``) is their cross-entropy in nats, so a text dataset's bytes per token turn it into
+        bits per byte (:func:`count_bytes`; ``next_token``).
     """
 
     name: str
@@ -82,6 +87,7 @@ class Task(NamedTuple):
     summarize: Callable[[dict], dict] | None = None
     check: Callable[[tuple, np.dtype], None] | None = None
     eval_metrics: Callable[[Array, Array], dict[str, Array]] | None = None
+    scores_tokens: bool = False
 
 
 def cross_entropy(logits: Array, labels: Array, label_smoothing: float = 0.0) -> Array:
@@ -200,7 +206,37 @@ def next_token(pad_id: int | None = None, label_smoothing: float = 0.0) -> Task:
                             f"{tuple(shape)}; build them as inputs = tokens[:, :-1], labels = tokens[:, 1:]")
 
     return Task("next_token", loss, metrics, valid if pad_id is not None else None, summarize, check,
-                nll if label_smoothing else None)
+                nll if label_smoothing else None, scores_tokens=True)
+
+
+def count_bytes(task: Task, token_bytes: np.ndarray | None) -> Task:
+    """``task`` with bits per byte at evaluation, for a text dataset whose token id ``i`` spells
+    ``token_bytes[i]`` UTF-8 bytes (:attr:`dtx.data.datasets.Dataset.token_bytes`); ``task`` itself for other
+    data or a task that does not score tokens (:attr:`Task.scores_tokens`).
+
+    Evaluation sums, over the scored tokens, the bytes each label token spells (``test_bytes_per_token``: their
+    mean, exact integer sums), and records ``test_bits_per_byte`` = total nats / ln 2 / total bytes = mean
+    cross-entropy per token / ln 2 / bytes per token: a figure that does not depend on the tokenizer, so runs
+    with different vocabularies compare (GPT-2 reports it for enwik8 beside perplexities per token: Radford et
+    al. 2019, Table 3). With one byte per token (``dataset.tokenizer=bytes``) it is ``test_loss / ln 2``
+    exactly. Only evaluation changes: the train step is the same program.
+    """
+    if token_bytes is None or not task.scores_tokens:
+        return task
+    table = np.asarray(token_bytes, np.int32)
+    own_metrics, own_summary = task.eval_metrics, task.summarize
+
+    def eval_metrics(outputs, labels):
+        # Padding ids may lie outside the table: look up a safe id (padding is not scored anyway).
+        spelled = jnp.asarray(table)[jnp.clip(labels, 0, len(table) - 1)]
+        return {**(own_metrics(outputs, labels) if own_metrics else {}), "bytes_per_token": spelled}
+
+    def summarize(record):
+        nats = record.get("test_nll", record["test_loss"])  # the unsmoothed cross-entropy per token
+        extra = own_summary(record) if own_summary else {}
+        return {**extra, "test_bits_per_byte": nats / math.log(2) / record["test_bytes_per_token"]}
+
+    return task._replace(eval_metrics=eval_metrics, summarize=summarize)
 
 
 TASKS: dict[str, Callable[..., Task]] = {
@@ -284,7 +320,7 @@ def valid_count(task: Task, labels: Array) -> Array:
 def eval_sums(task: Task, outputs: Array, labels: Array, mask: Array) -> dict:
     """Sums over the real (``mask``) examples' valid elements: ``loss_sum``, ``count`` (elements),
     ``examples`` and ``<metric>_sum`` for the task's ``metrics`` and ``eval_metrics`` — int32 for
-    boolean metrics, so the host's totals are exact."""
+    boolean and integer metrics, so the host's totals are exact."""
     losses = task.loss(outputs, labels)
     scored = mask.reshape(mask.shape + (1,) * (losses.ndim - 1))
     scored = jnp.broadcast_to(scored, losses.shape)
@@ -298,6 +334,8 @@ def eval_sums(task: Task, outputs: Array, labels: Array, mask: Array) -> dict:
     for name, values in values_of.items():
         if values.dtype == jnp.bool_:
             sums[f"{name}_sum"] = jnp.logical_and(scored, values).sum(dtype=jnp.int32)
+        elif jnp.issubdtype(values.dtype, jnp.integer):  # counts (bytes per token): exact
+            sums[f"{name}_sum"] = jnp.where(scored, values, 0).sum(dtype=jnp.int32)
         else:
             sums[f"{name}_sum"] = jnp.where(scored, values.astype(jnp.float32), 0.0).sum()
     return sums

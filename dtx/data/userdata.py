@@ -13,7 +13,9 @@ and a resumed run reads exactly the rows an uninterrupted one would.
   the training split, no evaluation;
 * ``{"train": <one of those>, "test": <one of those>}``, optionally with
   ``"num_classes"`` (the model's output width when the model comes from the config;
-  default: ``max(label) + 1`` for integer labels, the target width for float ones);
+  default: ``max(label) + 1`` for integer labels, the target width for float ones) and, for token
+  ids, ``"token_bytes"`` (the UTF-8 bytes each id spells: evaluation then records
+  ``test_bits_per_byte``);
 * a :class:`dtx.data.datasets.Dataset`.
 
 Or by name, from the shell: ``--config.dataset.name=package.module:function`` names your function that
@@ -39,7 +41,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from dtx.config import ConfigError, base_config, is_import_path, parameters, register_check, register_family, resolve
-from dtx.data.datasets import Dataset, Split
+from dtx.data.datasets import Dataset, Rows, Split  # noqa: F401 - Rows: read as dtx.data.userdata.Rows too
 from dtx.data.tasks import Task, TaskError
 
 _NARROW = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
@@ -50,20 +52,6 @@ class DataError(ValueError):
     """Arrays that cannot be trained as given; the message says what to change."""
 
 
-class Rows:
-    """A read-only array whose rows are converted to ``dtype`` as they are gathered (a 64-bit
-    memory-mapped file read as 32-bit without converting, or loading, the whole file)."""
-
-    def __init__(self, array: np.ndarray, dtype):
-        self.array, self.dtype = array, np.dtype(dtype)
-        self.shape, self.ndim = tuple(array.shape), len(array.shape)
-
-    def __len__(self) -> int:
-        return len(self.array)
-
-    def __getitem__(self, index):
-        return np.asarray(self.array[index]).astype(self.dtype)
-
 
 def as_dataset(data, task: Task | None, name: str = "user") -> Dataset:
     """``data`` (see the module docstring) as a :class:`Dataset`, checked against ``task`` (``None``: unchecked).
@@ -71,13 +59,17 @@ def as_dataset(data, task: Task | None, name: str = "user") -> Dataset:
     Raises :class:`DataError` (or :class:`dtx.data.tasks.TaskError`) naming the array and the fix,
     before anything is compiled.
     """
+    token_bytes = None  # text: the bytes each token id spells (bits per byte at evaluation)
     if isinstance(data, Dataset):
         train, test, num_classes, name = data.train, data.test, data.num_classes, data.name
+        token_bytes = data.token_bytes
     elif isinstance(data, Mapping) and "train" in data:
-        unknown = sorted(set(data) - {"train", "test", "num_classes"})
+        unknown = sorted(set(data) - {"train", "test", "num_classes", "token_bytes"})
         if unknown:
-            raise DataError(f"data has unknown key(s) {unknown}; use 'train', 'test' and optionally 'num_classes'")
+            raise DataError(f"data has unknown key(s) {unknown}; use 'train', 'test' and optionally 'num_classes' "
+                            "and 'token_bytes'")
         train, test, num_classes = data["train"], data.get("test"), data.get("num_classes")
+        token_bytes = data.get("token_bytes")
     else:
         train, test, num_classes = data, None, None
     train = _split(train, "train")
@@ -95,7 +87,13 @@ def as_dataset(data, task: Task | None, name: str = "user") -> Dataset:
         num_classes = _output_width(train, test)
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
         raise DataError(f"data['num_classes']={num_classes!r} must be a positive int (the model's output width)")
-    return Dataset(name, train, test, int(num_classes))
+    if token_bytes is not None:
+        token_bytes = np.asarray(token_bytes)
+        if token_bytes.shape != (num_classes,) or not np.issubdtype(token_bytes.dtype, np.integer):
+            raise DataError(f"data['token_bytes'] must hold one int per token id, shape ({num_classes},) "
+                            f"(num_classes), got {token_bytes.dtype} {token_bytes.shape}; give the UTF-8 bytes "
+                            "each id spells (dtx.data.tokenizer.Tokenizer.token_bytes), or leave it out")
+    return Dataset(name, train, test, int(num_classes), token_bytes)
 
 
 def _split(part, what: str) -> Split:

@@ -121,6 +121,12 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
         model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
         model = models.build_model(config.model.name, num_classes=dataset.num_classes, dtype=policy.compute,
                                    param_dtype=policy.params, remat=config.remat.policy, **model_kwargs)
+    elif dataset.token_bytes is not None and isinstance(getattr(model, "num_classes", None), int) \
+            and model.num_classes < dataset.num_classes:  # token ids past its logits would score garbage
+        raise config_lib.ConfigError(
+            f"the model you passed ({type(model).__name__}) has model.num_classes={model.num_classes} logits but the "
+            f"dataset's tokenizer has {dataset.num_classes} ids (dataset.vocab_size); build it with "
+            f"num_classes={dataset.num_classes} (or more), or lower --config.dataset.vocab_size to {model.num_classes}")
     elif config.remat.policy != "none" and getattr(model, "remat", "none") != config.remat.policy:
         raise config_lib.ConfigError(
             f"remat.policy={config.remat.policy!r} cannot reach the model you passed ({type(model).__name__}, "
@@ -191,9 +197,10 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
                " (XLA places the collectives that move its activations)" if layout is not None else "")
             + f"; set --config.driver={placement.layout.drivers[0]}")
     check_memory(config, model, example, policy, mesh, layout, pipeline)
+    # On text, evaluation also counts the bytes the scored tokens spell: bits per byte (the train step is unchanged).
     return Parts(policy, loss_scaler, model, tx, learning_rate, peak_lr, compressor, strategy, example, workers,
                  abstract_state, placement,
-                 task or config_task(config))
+                 tasks_lib.count_bytes(task or config_task(config), dataset.token_bytes))
 
 
 def _pipeline(config: ConfigDict, model: nn.Module, tx, example, abstract_params, mesh):
