@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from dtx.paths import path_str
@@ -152,6 +153,22 @@ def make_schedule(
         return decay
     warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
     return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def couples_tensors(tx: optax.GradientTransformation) -> bool:
+    """Whether ``tx``'s update of one tensor reads another tensor's gradient — a reduction across the model's
+    tensors, as ``optax.clip_by_global_norm`` does — read from what it does, not its name: the derivative of one
+    tensor's update with respect to another's gradient, probed at gradients large enough to clip (nothing but a
+    three-entry tree runs). A layout that updates the model in parts (a pipeline's stages) cannot run such an
+    optimizer whole; the step's own ``clip_norm`` reduces over every part there."""
+    params = {"a": jnp.ones(3, jnp.float32), "b": jnp.ones(3, jnp.float32)}
+    state = tx.init(params)
+
+    def update_a(grad_b):
+        updates, _ = tx.update({"a": jnp.full(3, 1e6, jnp.float32), "b": grad_b}, state, params)
+        return updates["a"]
+
+    return bool(jnp.any(jax.jacobian(update_a)(jnp.full(3, 1e6, jnp.float32)) != 0))
 
 
 def path_mask(exclude: str):

@@ -185,6 +185,7 @@ def base_config() -> ConfigDict:
     c.optimizer.weight_decay = 0.0
     c.optimizer.exclude = r"(^|/)(bias|scale)$"  # params without weight decay / LARS-LAMB trust ratio
     c.optimizer.trust_coefficient = 0.001  # LARS's eta
+    c.optimizer.clip_norm = 0.0  # > 0: clip the gradient by the whole model's L2 norm, in every layout (0: off)
     c.optimizer.schedule = "constant"  # constant | cosine | polynomial | step, after linear warmup
     c.optimizer.warmup_steps = 0
     c.optimizer.warmup_epochs = 0.0  # alternative to warmup_steps (Goyal et al. count warmup in epochs)

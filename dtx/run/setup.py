@@ -275,7 +275,8 @@ def step_spec(config: ConfigDict, parts: Parts, *, communicate: bool = True) -> 
     return StepSpec(driver=config.driver, policy=parts.policy, loss_scaler=parts.loss_scaler,
                     accum_steps=micro_batches(config), allreduce=config.allreduce, bucket_bytes=config.bucket_bytes,
                     strategy=parts.strategy, compressor=parts.compressor, task=parts.task, placement=parts.placement,
-                    communicate=communicate, grad_norm=config.log_grad_norm)
+                    communicate=communicate, grad_norm=config.log_grad_norm,
+                    clip_norm=float(config.optimizer.clip_norm))
 
 
 def make_step(config: ConfigDict, parts: Parts, mesh, *, communicate: bool = True):

@@ -62,6 +62,41 @@ def _identity(tree):
 
 
 @dataclasses.dataclass(frozen=True)
+class Norms:
+    """What the reduction does with the whole model's gradient norm.
+
+    Attributes:
+      record: report it (``grad_norm``).
+      clip: ``c > 0`` scales the gradient by ``min(1, c / ‖g‖)`` (Pascanu et al. 2013, arXiv 1211.5063, §3.2:
+        clipping by the global norm keeps the step's direction) and reports ``grad_norm`` and ``grad_clipped``.
+      of: ``grads -> ‖g‖``, the whole model's L2 norm from what this device holds: ``optax.tree.norm`` where the
+        reduction sees every tensor whole or as global arrays; a layout whose devices hold parts of the model (a
+        pipeline's stage rows) gives its own, which sums the parts' squares over the devices.
+    """
+
+    record: bool = False
+    clip: float = 0.0
+    of: Callable = dataclasses.field(default=optax.tree.norm, compare=False)
+
+    @classmethod
+    def of_spec(cls, spec, of: Callable | None = None) -> Norms:
+        """A step spec's (:class:`dtx.step.spec.StepSpec`): ``grad_norm`` and ``clip_norm``, with a layout's norm."""
+        return cls(bool(spec.grad_norm), float(spec.clip_norm), of or optax.tree.norm)
+
+    def apply(self, grads, stats: Metrics):
+        """``(grads, stats)``: clipped where :attr:`clip` says, with the records asked for."""
+        if not (self.record or self.clip):
+            return grads, stats
+        norm = self.of(grads)
+        stats = {**stats, "grad_norm": norm}
+        if self.clip:
+            factor = jnp.minimum(1.0, self.clip / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+            stats["grad_clipped"] = (norm > self.clip).astype(jnp.float32)
+        return grads, stats
+
+
+@dataclasses.dataclass(frozen=True)
 class Worker:
     """What one worker computes, the same under every driver and layout: the model (its batch norm synchronised
     as the driver needs), the optimizer, the precision policy and loss scaling, the micro-batches per step, the
@@ -76,14 +111,14 @@ class Worker:
     strategy: Any
     compressor: Any
     task: Task
-    grad_norm: bool = False
+    norms: Norms = None  # the reduced gradient's norm: recorded, clipped (default: neither)
 
     @classmethod
     def of(cls, model, tx, spec) -> Worker:
         """A step spec's worker (:class:`dtx.step.spec.StepSpec`): no strategy is synchronous SGD, no compressor
         none, no task classification."""
         return cls(model, tx, spec.policy, spec.loss_scaler, spec.accum_steps, spec.strategy or strategies.sync(),
-                   spec.compressor or compress.none(), spec.task or task_lib.classification(), spec.grad_norm)
+                   spec.compressor or compress.none(), spec.task or task_lib.classification(), Norms.of_spec(spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +159,7 @@ def train_body(state, batch: Batch, worker: Worker, route: Route, comm, record: 
     ``record=False``: a step whose records nobody reads (:func:`records_collective`)."""
     strategy = worker.strategy
     rng, step_rng, shared_key, index = step_keys(state, route.axes)
-    reduce = make_reduce(worker.compressor, worker.policy, worker.scaler, state.loss_scale, comm, worker.grad_norm)
+    reduce = make_reduce(worker.compressor, worker.policy, worker.scaler, state.loss_scale, comm, worker.norms)
     ctx = strategies.StepContext(tx=worker.tx, comm=comm, reduce=reduce, key=shared_key, index=index)
     worked = worker_pass(state, batch, strategy.grad_params(state, ctx), (rng, step_rng), worker, route,
                          averages_merge(comm, strategy, worker.compressor), record)
@@ -253,22 +288,23 @@ def step_keys(state, axes):
     return rng, step_rng, shared_key, index
 
 
-def make_reduce(compressor, policy: Policy, scaler, loss_scale, comm: comm_lib.CommContext, grad_norm: bool):
+def make_reduce(compressor, policy: Policy, scaler, loss_scale, comm: comm_lib.CommContext, norms: Norms | None):
     """The gradient reduction a strategy calls: ``(grads, compress_state, key) -> (grads, state, stats)``.
 
     The synchronisation point of data-parallel SGD: one averaged gradient for all, compressed as
     configured and communicated in the reduce dtype, unscaled. With loss scaling ``stats`` carries
     ``grads_finite``, the verdict on the applied gradient (a float16 sum of finite gradients can
-    itself overflow); the body takes it out of the metrics.
+    itself overflow); the body takes it out of the metrics. ``norms``: the whole model's gradient norm
+    recorded and clipped by (:class:`Norms`), of the gradient every replica applies (after compression).
     """
+    norms = norms or Norms()
 
     def reduce(grads, compress_state, key):
         grads, compress_state, stats = compressor.update(policy.cast_to_reduce(grads), compress_state, key, comm)
         grads = scaler.unscale(loss_scale, policy.cast_to_params(grads))
         if scaler.enabled:
             stats = {**stats, "grads_finite": all_finite(grads)}
-        if grad_norm:  # of the gradient every replica applies (unscaled, after compression)
-            stats = {**stats, "grad_norm": optax.tree.norm(grads)}
+        grads, stats = norms.apply(grads, stats)  # of the gradient every replica applies (unscaled, compressed)
         return grads, compress_state, stats
 
     return reduce

@@ -45,6 +45,9 @@ class StepSpec:
       communicate: ``False`` builds the same step with every collective of the gradient path
         removed (each worker applies its own gradient): a yardstick for ``dtx bench step``.
       grad_norm: also report ``grad_norm``, the global L2 norm of the reduced gradient.
+      clip_norm: ``c > 0`` scales the reduced gradient by ``min(1, c / ‖g‖)`` before the update, ``‖g‖`` the whole
+        model's L2 norm in every layout (Pascanu et al. 2013, arXiv 1211.5063, §3.2), and reports ``grad_norm``
+        and ``grad_clipped`` (1 on a step it scaled); 0: off.
       donate: donate the input state's buffers to the output state.
       record: the step reports the records (``loss`` and the task's metrics averaged over the workers).
         ``False`` builds the step a loop runs between records: for workers with their own models (local
@@ -65,6 +68,7 @@ class StepSpec:
     placement: Placement | None = None
     communicate: bool = True
     grad_norm: bool = False
+    clip_norm: float = 0.0
     donate: bool = True
     record: bool = True
 

@@ -45,7 +45,7 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, spec: St
     """
     placement = spec.placement
     stage, state_shardings = 2 if placement.shard_accumulator else 1, placement.state
-    policy, loss_scaler, accum_steps, grad_norm = spec.policy, spec.loss_scaler, spec.accum_steps, spec.grad_norm
+    policy, loss_scaler, accum_steps, norms = spec.policy, spec.loss_scaler, spec.accum_steps, body.Norms.of_spec(spec)
     zero = zero_lib.collectives(placement.gradients, mesh, stage=stage, policy=policy, accum_steps=accum_steps)
     # ZeRO's collectives are the gradient path; nothing compresses them
     worker = body.Worker.of(model, tx, spec.replace(compressor=compress.none()))
@@ -59,7 +59,7 @@ def make_zero_step(model, tx: optax.GradientTransformation, mesh: Mesh, spec: St
     def context(state, comm, key, index):
         """The strategy's context; its ``reduce`` is the body's on the already reduce-scattered gradient,
         with ZeRO's reduce-scatter and all-gather as what it sends."""
-        reduce = body.make_reduce(compressor, policy, loss_scaler, state.loss_scale, placed, grad_norm)
+        reduce = body.make_reduce(compressor, policy, loss_scaler, state.loss_scale, placed, norms)
         sent = comm_lib.traffic_stats(zero.traffic(state.params))
 
         def zero_reduce(grads, compress_state, key):

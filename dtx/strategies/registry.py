@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dtx.config import check_block, check_plain_sgd, declared_settings, refuse_foreign, register_check
+from dtx.config import ConfigError, check_block, check_plain_sgd, declared_settings, refuse_foreign, register_check
 from dtx.strategies.base import Strategy, StrategyError, async_sgd, backup, ssp, sync
 from dtx.strategies.local_models import diloco, easgd, gossip, local_sgd
 from dtx.strategies.onebit import onebit_adam, onebit_lamb
@@ -47,3 +47,11 @@ def check_config(config) -> None:
     """``config.strategy`` sets only what its strategy takes; a strategy that does Adam's work runs over SGD."""
     check_block(config, "strategy", strategy_settings())
     check_plain_sgd(config, "strategy", STRATEGIES.get(config.strategy.name))
+    clip = config.optimizer.get("clip_norm", 0.0)
+    if clip < 0:
+        raise ConfigError(f"optimizer.clip_norm={clip!r}: the largest global gradient norm must be > 0 (or 0: off)")
+    if clip and config.strategy.name in STRATEGIES and not make_strategy(config.strategy.name).caps.reduces_once:
+        raise ConfigError(f"optimizer.clip_norm={clip!r} clips the gradient every worker applies by its global "
+                          f"norm, and strategy.name={config.strategy.name!r} does not reduce the gradients once per "
+                          "step (its workers step on their own gradients or models): use strategy.name=sync (or "
+                          "another that reduces each step), or leave optimizer.clip_norm at 0")

@@ -93,3 +93,33 @@ def update(tx: optax.GradientTransformation, plan: StagePlan, grads, opt_state, 
     new_state = jax.tree.map(lambda old, *new: jnp.concatenate(new)[None] if row_leaf(old) else new[0],
                              opt_state, *[state for _, state in chunks])
     return updates, new_state
+
+
+def global_norm(plan: StagePlan, grads, sliced: tuple[str, ...] = ()):
+    """The whole model's L2 norm from this device's reduced gradient row (or, ZeRO, its slice over ``sliced``):
+    what clipping by the global norm and the ``grad_norm`` record need (:class:`dtx.step.body.Norms`), the same in
+    every layout of the stages. The squares are summed over ``stage`` (each device's stages are others'), over
+    ``sliced`` (each data rank holds its slice), and over ``model`` for the entries split over it — the replicated
+    ones (LayerNorms, biases, the embedding) are equal on every device of a tensor group and counted once
+    (:func:`dtx.parallel.pipeline.positions.replicated_spans`); a row's padding is zero. A ``context`` axis holds
+    equal rows (averaged over it before this), so nothing is summed over it."""
+    from dtx.parallel.pipeline.positions import MODEL, replicated_spans
+    from dtx.parallel.pipeline.stages import STAGE_AXIS
+    from dtx.parallel.pipeline.tensor_stages import split_stages
+
+    squares = jnp.square(grads.astype(jnp.float32))
+    total = jnp.sum(squares)
+    if split_stages(plan):
+        n = grads.shape[-1]
+        index = (lax.axis_index(sliced) * n if sliced else 0) + jnp.arange(n)  # entries of the device's rows
+
+        def replicated(stage):
+            def run():
+                mask = jnp.zeros(n, bool)
+                for a, b in replicated_spans(plan, stage):
+                    mask = mask | ((index >= a) & (index < b))
+                return jnp.sum(jnp.where(mask, squares, 0.0))
+            return run
+        once = lax.switch(lax.axis_index(STAGE_AXIS), [replicated(s) for s in range(plan.devices)])
+        total = lax.psum(total - once, MODEL) + once
+    return jnp.sqrt(lax.psum(total, (STAGE_AXIS, *sliced)))

@@ -36,6 +36,7 @@ slot's ``collective-permute`` inside its phase's loop, once per tick.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -45,7 +46,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dtx import compress, strategies
+from dtx import compress, optim, strategies
 from dtx import mesh as mesh_lib
 from dtx.comm import context as comm_lib
 from dtx.comm import costmodel
@@ -88,6 +89,8 @@ class Pipeline:
     loss_scaler: LossScaler = LossScaler()  # dynamic loss scaling (float16 compute): scaled seeds, skipped steps
     zero_stage: int = 0  # 1: the optimizer state and update split over the data axes; 3: the rows too (pipeline_zero)
     decay: tuple | None = dataclasses.field(default=None, compare=False)  # ZeRO-1's weight-decay row mask, as runs
+    record_norm: bool = False  # report grad_norm, the whole model's (pipeline_optim.global_norm)
+    clip_norm: float = 0.0  # clip by it (dtx.step.body.Norms)
 
     # The runner a placement carries (dtx.parallel.layouts.Placement.runner): what the drivers and the run ask.
     def train_step(self, tx: optax.GradientTransformation, mesh: Mesh, spec):
@@ -360,9 +363,11 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
             grads = pipeline_zero.reduce_scatter(grads, zero_axes, policy, replicas)
         comm = (comm_lib.CommContext(reduced, data_size, lambda tree: lax.pmean(tree, reduced))
                 if reduced and not sliced else comm_lib.compiler(1))
+        norms = body.Norms(pipeline.record_norm, pipeline.clip_norm, functools.partial(
+            pipeline_optim.global_norm, plan, sliced=zero_axes if sliced else ()))
         reduce = body.make_reduce(compress.none(), policy if reduced and not sliced else reduced_policy, scaler,
-                                  state.loss_scale, comm, False)
-        grads, _, _ = reduce(grads, {}, None)
+                                  state.loss_scale, comm, norms)
+        grads, _, norm_stats = reduce(grads, {}, None)
         # The last stage alone scored the micro-batches, the others add zeros: summed over stage (and model under
         # SP), every device holds the step's loss. With loss scaling each stage adds whether its reduced row
         # overflowed, so the verdict is the whole model's, the same on every stage.
@@ -385,7 +390,8 @@ def make_pipeline_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: P
         # device alike, the scale backed off; grown when finite), the next key and step, the records.
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         worked = body.Pass(grads, mean.loss, mean.values, mean.finite, {}, jax.random.key_data(rng), {})
-        stats = {**comm_lib.traffic_stats(sent), **({"grads_finite": jnp.array(True)} if scaler.enabled else {})}
+        stats = {**comm_lib.traffic_stats(sent), **({"grads_finite": jnp.array(True)} if scaler.enabled else {}),
+                 **{k: v for k, v in norm_stats.items() if k in ("grad_norm", "grad_clipped")}}
         return body.finish(state, state.replace(params=params, opt_state=opt_state), stats, worked, scaler,
                            strategies.sync())
 
@@ -482,13 +488,17 @@ def train_step(tx: optax.GradientTransformation, mesh: Mesh, pipeline: Pipeline,
         ("float32 parameters", jnp.dtype(spec.policy.params) != jnp.float32),
         ("synchronous SGD without compression", not ((spec.strategy is None or spec.strategy.caps.identity)
                                                      and (spec.compressor is None or spec.compressor.caps.identity))),
-        ("no grad_norm", spec.grad_norm), ("communicate=True", not spec.communicate),
+        ("communicate=True", not spec.communicate),
+        ("an optimizer that updates each tensor from its own gradient (this one reads other tensors' gradients, as "
+         "optax.clip_by_global_norm does, and each stage would see only its own: clip with optimizer.clip_norm, "
+         "StepSpec(clip_norm=...), the whole model's norm in every layout)", optim.couples_tensors(tx)),
         (f"a task that scores every element (task {getattr(spec.task, 'name', '')!r} leaves padding out: its mean "
          "needs the global count)", spec.task is not None and spec.task.valid is not None)) if bad]
     if problems:
         raise StepError("the pipeline step takes " + ", ".join(problems))
     return make_pipeline_step(tx, mesh, dataclasses.replace(pipeline, task=pipeline.task or spec.task,
-                                                            policy=spec.policy, loss_scaler=spec.loss_scaler),
+                                                            policy=spec.policy, loss_scaler=spec.loss_scaler,
+                                                            record_norm=spec.grad_norm, clip_norm=spec.clip_norm),
                               spec.donate)
 
 
