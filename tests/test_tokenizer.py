@@ -71,6 +71,8 @@ def test_memmapped_ids_equal_a_direct_encode(bpe):
     ids = tokenizer_lib.token_ids(bpe, CORPUS, "train")
     assert isinstance(ids, np.memmap) and ids.dtype == np.uint16 and not ids.flags.writeable
     np.testing.assert_array_equal(ids, bpe.hf.encode(CORPUS).ids)
+    with pytest.raises(tokenizer_lib.TokenizerError, match=r"has none; get it from bpe\("):
+        tokenizer_lib.token_ids(tokenizer_lib.Tokenizer(), CORPUS, "train")  # no file to cache beside
 
 
 def test_bpe_windows_feed_as_byte_windows_do(tmp_path):

@@ -163,6 +163,9 @@ def bpe(train_text: str, vocab_size: int, folder: str, corpus: str) -> BPETokeni
 def token_ids(tokenizer: Tokenizer, text: str, split: str) -> np.ndarray:
     """``tokenizer.encode(text)`` as a read-only memory-mapped array, encoded once and cached beside the
     tokenizer's file (``<its stem>.<split>-<hash of text>.npy``)."""
+    if not tokenizer.path:
+        raise TokenizerError(f"token_ids caches ids beside the tokenizer's file, but this {tokenizer.name} tokenizer "
+                             "has none; get it from bpe(train_text, vocab_size, folder, corpus), which saves it")
     stem = tokenizer.path.removesuffix(".tokenizer.json")
     path = f"{stem}.{split}-{text_hash(text)}.npy"
     if not os.path.isfile(path):
