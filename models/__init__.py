@@ -173,8 +173,9 @@ def check_config(config) -> None:
         check_moe_config(config)
 
 
-# What a mixture of experts composes with today: data replicas (data, node, local, fsdp) under these layouts.
-# The experts' own axis, tensor-split experts, pipeline stages and context splits are not built yet.
+# What a mixture of experts composes with today: data replicas (data, node, local, fsdp) under these layouts, and
+# an 'expert' axis (dtx.parallel.expert: a replica axis for the other layers; the data preset composes it into the
+# expert layout). Tensor-split experts, pipeline stages and context splits are not built yet.
 MOE_LAYOUTS = ("data", "zero1", "zero2", "fsdp")
 
 
@@ -191,13 +192,14 @@ def check_moe_config(config) -> None:
     layout = config.parallel.name if "parallel" in config else "data"
     if layout not in MOE_LAYOUTS:
         raise ModelConfigError(f"model.moe.experts={moe.experts} with parallel.name={layout!r}: a mixture of experts "
-                               f"runs under {', '.join(MOE_LAYOUTS)} (its experts whole on every device; no expert "
-                               "axis, tensor-split experts or pipeline stages yet); use --config.parallel.name=data, "
+                               f"runs under {', '.join(MOE_LAYOUTS)} (an 'expert' mesh axis splits its experts; no "
+                               "tensor-split experts or pipeline stages yet); use --config.parallel.name=data, "
                                "or --config.model.moe.experts=0")
     others = [name for name, _ in config.get("mesh", ()) if name in mesh_lib.AXES and not mesh_lib.AXES[name].replicas]
     if others:
         raise ModelConfigError(f"model.moe.experts={moe.experts} on a mesh with the {others[0]!r} axis: a mixture of "
-                               "experts runs on data-replica axes (data, node, local, fsdp) only so far; use "
+                               "experts runs on data-replica axes (data, node, local, fsdp) and an 'expert' axis "
+                               "only so far; use "
                                "--config.mesh='((\"data\", -1),)', or --config.model.moe.experts=0")
 
 

@@ -26,7 +26,8 @@ times faster than compute. This layer follows the transformer MoEs that came aft
   the experts run as one batched MLP (``d -> mlp_ratio·d -> d``, GELU, biases: the zoo transformer's MLP),
   and combine gathers each token's outputs back, weighted by its gates. Experts lead the buckets' shape so that
   an expert-parallel layer can send each device its experts' buckets with one all-to-all (GShard's
-  ``gsec,gsm->egcm``); this layer holds every expert on every device (no ``expert`` mesh axis yet).
+  ``gsec,gsm->egcm``); on one device, or under data parallelism, every device holds every expert; an ``expert``
+  mesh axis splits them and moves the buckets by all-to-all (:mod:`dtx.parallel.expert`).
 * **Balance.** ``aux_weight · E · Σ_e f_e · P_e``, Switch's load-balancing loss (eq. 4; GShard's ``l_aux``), with
   ``f_e`` the fraction of a group's ``tokens · top_k`` assignments routed to expert ``e`` (before capacity) and
   ``P_e`` the group's mean routing probability for ``e``, averaged over the groups as GShard does: 1 when routing
@@ -59,6 +60,8 @@ from jax import lax
 
 from . import sown
 
+EXPERT_PARAMS = ("wi", "bi", "wo", "bo")  # the experts' stacked weights, leading dimension E, beside a "router"
+EXPERT_METHOD = "mix"  # the MoE method an expert-parallel layout runs its own way (dtx.parallel.expert)
 BALANCE = "balance"  # the collection of the bias balancing's per-expert bias (not a parameter: no gradient)
 BALANCES = ("aux", "bias")
 
@@ -188,6 +191,20 @@ def z_loss(logits):
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
+def mix(x, chosen, slot, kept, gates, weights, experts: int, slots: int, run=None):
+    """Each group's tokens dispatched to the buckets ``(experts, groups, slots, d)``, the experts run on them
+    (``run(buckets, *weights)``, default :func:`expert_mlp`), and each token's outputs combined by its gates."""
+    buckets = dispatch(x, chosen, slot, kept, experts, slots)
+    return combine((run or expert_mlp)(buckets, *weights), chosen, slot, kept, gates)
+
+
+def expert_mlp(buckets, wi, bi, wo, bo):
+    """Each expert's MLP on its buckets: ``(E, groups, slots, d)`` in and out, the weights stacked by expert
+    (``wi (E, d, h)``, ``bi (E, h)``, ``wo (E, h, d)``, ``bo (E, d)``); ``E`` may be a device's share of them."""
+    h = nn.gelu(jnp.einsum("egcd,edh->egch", buckets, wi) + bi[:, None, None])
+    return jnp.einsum("egch,ehd->egcd", h, wo) + bo[:, None, None]
+
+
 def expert_init(key, shape, dtype=jnp.float32):
     """LeCun normal per expert, as ``nn.Dense``'s kernels (fan-in: the second-to-last axis)."""
     return nn.initializers.lecun_normal(batch_axis=(0,))(key, shape, dtype)
@@ -234,25 +251,29 @@ class MoE(nn.Module):
         gates = jnp.take_along_axis(probs, chosen, axis=-1)
         if r.renormalize:
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        slots = capacity(tokens, self.experts, r.top_k, r.capacity_factor)
-        slot, kept = assign_slots(chosen, self.experts, slots)
-        buckets = dispatch(groups.astype(self.dtype), chosen, slot, kept, self.experts, slots)
-        outputs = self._experts(buckets, d)
-        y = combine(outputs, chosen, slot, kept, gates)
+        slot, kept = assign_slots(chosen, self.experts, capacity(tokens, self.experts, r.top_k, r.capacity_factor))
+        y = self.mix(groups.astype(self.dtype), chosen, slot, kept, gates, *self._weights(d))
         if train:
             self._account(logits, probs, chosen, kept, bias)
         return y.reshape(x.shape).astype(self.dtype)
 
-    def _experts(self, buckets, d: int):
-        """The E expert MLPs on their buckets at once: ``(E, groups, slots, d)`` in and out."""
+    def _weights(self, d: int):
+        """The E experts' stacked MLP weights ``wi (E, d, h)``, ``bi (E, h)``, ``wo (E, h, d)``, ``bo (E, d)``,
+        in the compute dtype."""
         hidden = self.mlp_ratio * d
         wi = self.param("wi", expert_init, (self.experts, d, hidden), self.param_dtype)
         bi = self.param("bi", nn.initializers.zeros, (self.experts, hidden), self.param_dtype)
         wo = self.param("wo", expert_init, (self.experts, hidden, d), self.param_dtype)
         bo = self.param("bo", nn.initializers.zeros, (self.experts, d), self.param_dtype)
-        wi, bi, wo, bo = (jnp.asarray(w, self.dtype) for w in (wi, bi, wo, bo))
-        h = nn.gelu(jnp.einsum("egcd,edh->egch", buckets, wi) + bi[:, None, None])
-        return jnp.einsum("egch,ehd->egcd", h, wo) + bo[:, None, None]
+        return tuple(jnp.asarray(w, self.dtype) for w in (wi, bi, wo, bo))
+
+    def mix(self, x, chosen, slot, kept, gates, wi, bi, wo, bo):
+        """Dispatch, the experts' MLPs, combine (:func:`mix`): ``x (groups, tokens, d)`` and each assignment's
+        expert, slot, fate and gate in, each token's output out. An expert-parallel layout intercepts this method
+        (:data:`EXPERT_METHOD`) and runs it on each device's own sequences, the buckets moved to the experts'
+        devices by all-to-all (:mod:`dtx.parallel.expert.layout`)."""
+        slots = capacity(x.shape[1], self.experts, self.routing.top_k, self.routing.capacity_factor)
+        return mix(x, chosen, slot, kept, gates, (wi, bi, wo, bo), self.experts, slots)
 
     def _account(self, logits, probs, chosen, kept, bias) -> None:
         """A training pass's losses, records and the bias's move (module docstring)."""

@@ -49,6 +49,8 @@ from dtx.parallel import rules as rules_lib
 from dtx.parallel.activations import ActivationLayout, activation_layout
 from dtx.parallel.context import CONTEXT_AXIS
 from dtx.parallel.context import layout as context_layout
+from dtx.parallel.expert import EXPERT_AXIS
+from dtx.parallel.expert import layout as expert_layout
 from dtx.parallel.pipeline.stages import STAGE_AXIS, row_spec
 from dtx.parallel.rules import PartitionError
 from dtx.parallel.tensor import layout as tensor_lib
@@ -120,6 +122,9 @@ class Layout:
       activation_factory: a parallelism's own activation context, ``(specs, mesh, **block settings) -> context``
         (``context``: :func:`dtx.parallel.context.layout.context_split`, every sequence split over its axis);
         ``None``: the activations follow the kernels' split.
+      own_rules: a parallelism's own placement of some parameters, ``(abstract_params, mesh, rules) -> rules``,
+        applied to the parameters' and the optimizer state's rules (``expert``: the experts split over its axis,
+        :func:`dtx.parallel.expert.layout.expert_rules`); ``None``: the rules are the fields'.
     """
 
     name: str
@@ -134,6 +139,7 @@ class Layout:
     fc_pairs: bool = False
     borrows: tuple[str, ...] = ()
     activation_factory: Any = None
+    own_rules: Any = None
 
     def __post_init__(self):
         if self.kernels not in KERNEL_SPLITS or self.zero_stage not in (0, 1, 2, 3):
@@ -203,6 +209,13 @@ class Layout:
 
     def param_rules(self, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
         """The parameters' rules, first match wins, ending with ``(".*", P())``."""
+        return self._own(mesh, abstract_params, self._param_rules(mesh, abstract_params, explicit))
+
+    def _own(self, mesh: Mesh, abstract_params: Any, rules: list) -> list:
+        """``rules`` with the parallelism's own placement first (:attr:`own_rules`)."""
+        return rules if self.own_rules is None else self.own_rules(abstract_params, mesh, rules)
+
+    def _param_rules(self, mesh: Mesh, abstract_params: Any = None, explicit: Sequence = ()) -> list:
         self.check(mesh)
         if self.kernels == "explicit":
             return rules_lib.explicit_rules(explicit, abstract_params)
@@ -225,7 +238,7 @@ class Layout:
             self.check(mesh)
             if self.kernels == "paired":  # Megatron's split, and ZeRO's over the data axes
                 return megatron.megatron_rules(abstract_params, mesh, self.name, data=True)
-            return rules_lib.fsdp_rules(abstract_params, mesh)
+            return self._own(mesh, abstract_params, rules_lib.fsdp_rules(abstract_params, mesh))
         return self.param_rules(mesh, abstract_params, explicit)
 
     def place(self, abstract_state: Any, mesh: Mesh, explicit: Sequence = (), **settings) -> Placement:
@@ -268,6 +281,8 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("pipeline", drivers=("shard_map",), cost_rank=7, stages=True, borrows=("tensor.sequence_parallel",)),
     Layout("tensor", kernels="paired", drivers=("jit",), cost_rank=4, block="tensor"),
     Layout("context", drivers=("jit",), cost_rank=8, block="context", activation_factory=context_layout.context_split),
+    Layout("expert", drivers=("jit",), cost_rank=9, own_rules=expert_layout.expert_rules,
+           activation_factory=expert_layout.expert_split),
 )}
 
 
@@ -335,6 +350,8 @@ def compose(layout: Layout, axes: Sequence[str], fsdp_stage: int = 3, model_spli
                                  f"{mesh_lib.MODEL_AXIS!r} mesh axis, and the mesh's axes {tuple(axes)} have none: "
                                  "add one, e.g. --config.mesh='((\"data\", -1), (\"model\", 2))', or leave "
                                  "model_axis.split empty")
+    if EXPERT_AXIS in axes:  # expert parallelism: with data replicas and ZeRO over fsdp
+        return _expert(layout, axes, fsdp_stage, model_split)
     if CONTEXT_AXIS in axes:  # context parallelism: with data replicas, ZeRO over fsdp, Megatron over model
         return _context(layout, axes, fsdp_stage, model_split)
     if model_split:
@@ -404,6 +421,39 @@ def _context(layout: Layout, axes: Sequence[str], fsdp_stage: int, model_split: 
         chosen = dataclasses.replace(chosen, kernels="paired", borrows=("tensor.sequence_parallel",
                                                                         "tensor.zero_stage"),
                                      activation_factory=context_layout.context_tensor_split)
+    return dataclasses.replace(chosen, zero_stage=zero) if zero else chosen
+
+
+def _expert(layout: Layout, axes: Sequence[str], fsdp_stage: int, model_split: str) -> Layout:
+    """:func:`compose` on a mesh with an ``expert`` axis: the expert layout (:mod:`dtx.parallel.expert`), beside data
+    axes, and with an ``fsdp`` axis the state split over it at ``fsdp_stage`` (or at the stage of a zero1, zero2 or
+    fsdp preset). A ``model``, ``stage`` or ``context`` axis beside it is refused, naming the axis."""
+    others = [axis for axis in axes if axis != EXPERT_AXIS and not mesh_lib.AXES[axis].replicas]
+    if others:
+        reason = {mesh_lib.MODEL_AXIS: "the experts' own MLPs are not split Megatron-style over 'model' yet",
+                  STAGE_AXIS: "pipeline stages collect no balancing losses or bias from a mixture of experts",
+                  CONTEXT_AXIS: "the buckets are filled per whole sequence, which a context split cuts"}
+        raise PartitionError(f"an {EXPERT_AXIS!r} mesh axis (expert parallelism) composes with data and fsdp axes, "
+                             f"not with {others[0]!r} in --config.mesh ({reason.get(others[0], 'not built')}): "
+                             f"drop the {others[0]!r} axis, e.g. --config.mesh='((\"data\", 2), (\"{EXPERT_AXIS}\", "
+                             "4))'" + (", and leave model_axis.split empty" if model_split else ""))
+    own = layout.own_rules is expert_layout.expert_rules
+    if not (layout.replicated or own or (layout.zero_stage and not layout.splits_kernels and not layout.stages)):
+        raise PartitionError(f"parallel.name={layout.name!r} does not compose with an {EXPERT_AXIS!r} mesh axis: "
+                             "expert parallelism takes data replicas and ZeRO over an 'fsdp' axis; use "
+                             "--config.parallel.name=data (the mesh's axes decide)")
+    zero = layout.zero_stage
+    if mesh_lib.FSDP_AXIS in axes:
+        if fsdp_stage not in (1, 2, 3):
+            raise PartitionError(f"fsdp.zero_stage={fsdp_stage!r}: choose 1 (optimizer state), 2 (and gradients) "
+                                 "or 3 (and parameters)")
+        zero = zero or fsdp_stage
+    elif zero and not own:
+        raise PartitionError(f"parallel.name={layout.name!r} splits the state over every batch axis, and an "
+                             f"{EXPERT_AXIS!r} axis already splits the experts: add an 'fsdp' axis for ZeRO, e.g. "
+                             f"--config.mesh='((\"fsdp\", 2), (\"{EXPERT_AXIS}\", 4))', or use "
+                             "--config.parallel.name=data")
+    chosen = LAYOUTS["expert"]
     return dataclasses.replace(chosen, zero_stage=zero) if zero else chosen
 
 
