@@ -195,8 +195,9 @@ def check_moe_config(config) -> None:
                                f"runs under {', '.join(MOE_LAYOUTS)} (an 'expert' mesh axis splits its experts; no "
                                "tensor-split experts or pipeline stages yet); use --config.parallel.name=data, "
                                "or --config.model.moe.experts=0")
-    others = [name for name, _ in config.get("mesh", ()) if name in mesh_lib.AXES and not mesh_lib.AXES[name].replicas]
-    if others:
+    axes = [name for name, _ in config.get("mesh", ()) if name in mesh_lib.AXES]
+    others = [name for name in axes if not mesh_lib.AXES[name].replicas]
+    if others and not any(mesh_lib.AXES[name].parallelism == "expert" for name in axes):  # else: compose's reason
         raise ModelConfigError(f"model.moe.experts={moe.experts} on a mesh with the {others[0]!r} axis: a mixture of "
                                "experts runs on data-replica axes (data, node, local, fsdp) and an 'expert' axis "
                                "only so far; use "

@@ -47,11 +47,13 @@ def gelu(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def reference(params, x, capacity, bias=None, renormalize=True):
+def reference(params, x, capacity, bias=None, renormalize=True, K=K):
     """The layer in float64 numpy loops (module docstring): output, chosen experts, kept assignments, slots, aux and
-    z losses, the loads and the smallest gap between a token's k-th and (k+1)-th scores."""
+    z losses, the loads and the smallest gap between a token's k-th and (k+1)-th scores. The groups, tokens and
+    experts are read from the shapes (tests/test_expert.py routes 8 experts over 8 groups with it)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     x = np.asarray(x, np.float64)
+    (G, S, _), E = x.shape, p["router"]["kernel"].shape[1]
     logits = x @ p["router"]["kernel"]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
