@@ -29,6 +29,8 @@ class Block(nn.Module):
     weights is on (``dropout_rate > 0`` while training), which it does not do: then flax's own
     ``nn.dot_product_attention`` with the causal ``mask`` and weight dropout. Both have the same parameters.
     With ``moe`` the MLP is a mixture of experts of those settings (:class:`dtx.models.moe.MoE`, named ``moe``).
+    ``decode``: autoregressive decoding, one position per call, flax's key/value cache (the ``cache`` collection)
+    holding the earlier positions' keys and values; the same parameters.
     """
 
     d_model: int
@@ -38,12 +40,16 @@ class Block(nn.Module):
     dtype: Any
     param_dtype: Any
     moe: MoESettings | None = None
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x, mask, train: bool):
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = nn.LayerNorm(**dense)(x)
-        if train and self.dropout_rate > 0:  # dropout on the attention weights: flax's unfused attention
+        if self.decode:  # one position a call: keys and values cached, the mask the cache's (positions <= this)
+            h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, decode=True,
+                                                name="MultiHeadDotProductAttention_0", **dense)(h, h)
+        elif train and self.dropout_rate > 0:  # dropout on the attention weights: flax's unfused attention
             h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout_rate,
                                                 deterministic=False, name="MultiHeadDotProductAttention_0",
                                                 **dense)(h, h, mask=mask)
@@ -80,6 +86,10 @@ class Transformer(nn.Module):
         bias), else a Dense layer of its own.
       remat: the rematerialisation policy of each block (:mod:`dtx.models.remat`: ``none``, ``full``, ``dots``,
         ``offload``); a run setting, ``remat.policy``, that dtx passes in (not a key of the ``model`` block).
+      decode: autoregressive decoding (:mod:`dtx.run.generate`): each call takes one position per sequence, at
+        ``positions=``, every block attending to the keys and values cached in the ``cache`` collection (made by
+        ``init`` on a ``(batch, max_len)`` input); the same parameters as training's. Not a key of the ``model``
+        block.
       moe: mixture-of-experts MLPs (:class:`dtx.models.moe.MoESettings`, the ``model.moe`` block: ``experts``,
         ``every``, ``top_k``, ``capacity_factor``, ``aux_weight``, ``z_weight``, ``balance``, ``bias_rate``,
         ``renormalize``; docs/moe.md); ``experts=0`` (the default) keeps every MLP dense. A mapping of those keys
@@ -98,6 +108,7 @@ class Transformer(nn.Module):
     tie_embeddings: bool = False
     remat: str = "none"
     moe: MoESettings = MoESettings()
+    decode: bool = False
 
     def __post_init__(self):
         if not isinstance(self.moe, MoESettings):  # a mapping: a config block, or an exported model's JSON
@@ -166,7 +177,8 @@ class Transformer(nn.Module):
                            self.param_dtype)
         x = x + (table[: tokens.shape[1]] if positions is None else table[positions]).astype(self.dtype)
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
-        mask = nn.make_causal_mask(tokens)  # position t attends to positions <= t only
+        # position t attends to positions <= t only (decoding: the cache's mask, positions up to the current)
+        mask = None if self.decode else nn.make_causal_mask(tokens)
         policy = checkpoint_policy(check_policy(self.remat))
         # The block's name is fixed, so that remat does not rename the parameters (nn.remat's class is
         # CheckpointBlock); train (argument 3, self counted) is static: it chooses the attention function.
@@ -174,7 +186,7 @@ class Transformer(nn.Module):
         for i in range(self.num_layers):
             moe = self.moe if self.moe.layer(i) else None
             x = block(self.d_model, self.num_heads, self.mlp_ratio, self.dropout_rate, self.dtype,
-                      self.param_dtype, moe, name=f"Block_{i}")(x, mask, train)
+                      self.param_dtype, moe, self.decode, name=f"Block_{i}")(x, mask, train)
         x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
         if self.tie_embeddings:
             return embed.attend(x)

@@ -119,7 +119,8 @@ def test_python_blocks_run(page, tmp_path):
 # calls ``train``; ``dtx bench step`` has loaded every ``--vary`` variant when it measures the first.
 _WORK = {"dtx.run.trainer.train": "train", "dtx.tools.bench.measure_step": "bench step",
          "dtx.tools.bench.measure": "bench collectives", "dtx.tools.plots.plot_runs": "plot",
-         "dtx.run.evaluate.evaluate_run": "eval", "dtx.run.evaluate.export_run": "export"}
+         "dtx.run.evaluate.evaluate_run": "eval", "dtx.run.evaluate.export_run": "export",
+         "dtx.run.generate.generate_text": "generate"}
 # usage lines: [--step N], EXPERIMENT.py, DIR; a script's shell variable (--config.grad_accum_steps=$accum)
 _PLACEHOLDER = re.compile(r"^\[|\]$|^[A-Z][A-Z_]*(\.py)?$|\.\.\.|=\$")
 _PYTHON = re.compile(r"^(python3?|\.venv/bin/python3?)$")
@@ -283,7 +284,7 @@ def _check_dtx(command: dict, devices: int, scratch: str) -> str:
         return _check_config(reached.args_[0], 1, devices, scratch) or _ran(reached)
     if reached.kind == "bench step":  # every variant, as each would be measured
         return "".join(_check_config(config, 1, devices, scratch) for config in reached.loaded)
-    if reached.kind in ("eval", "export"):  # dtx plot checks its runs itself
+    if reached.kind in ("eval", "export", "generate"):  # dtx plot checks its runs itself
         missing = [r for r in [reached.args_[0]] if not os.path.isdir(r)]
         if missing:
             return f"names {missing}, which no command before it on this page writes"

@@ -5,6 +5,7 @@
     dtx simulate --model NAME [...]     dtx plot RUN_DIR [...]
     dtx bench collectives [...]         dtx bench step EXPERIMENT.py [...]
     dtx eval WORKDIR [--step N]         dtx export WORKDIR --out DIR [--step N]
+    dtx generate WORKDIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _COMMANDS = {
     "plot": ("dtx.tools.plots", "plot_main", "compare runs: PNG plots of their metrics"),
     "eval": ("dtx.run.evaluate", "eval_main", "evaluate a run's checkpoint (newest or --step N) on the test split"),
     "export": ("dtx.run.evaluate", "export_main", "write a run's checkpoint for plain flax (--out DIR)"),
+    "generate": ("dtx.run.generate", "generate_main", "continue a prompt with a trained language model"),
     "bench collectives": ("dtx.tools.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
     "bench step": ("dtx.tools.bench", "step_main", "split a train step's time into compute and communication"),
 }
