@@ -28,7 +28,7 @@ from .remat import check_policy
 from .overfeat import OverFeatFast
 from .resnet import ResNet18, ResNet50
 from .speech_dnn import SpeechDNN
-from .transformer import Transformer
+from .transformer import Transformer, check_modern, layout_refusal
 from .vgg import VGGA
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -171,6 +171,25 @@ def check_config(config) -> None:
                 _check_integers(f"model.{key}", block.get(key, default), default)
     if isinstance(settings.get("moe"), dict) and block.get("moe") is not None:
         check_moe_config(config)
+    if block.name == "transformer":
+        check_transformer_config(config)
+
+
+def check_transformer_config(config) -> None:
+    """The transformer's modern settings (``model.norm``, ``positions``, ``mlp``, ``num_kv_heads``, ...): values it
+    takes, and a layout that runs them — Megatron's tensor split and pipeline stages refuse them, naming the key
+    (:func:`dtx.models.transformer.layout_refusal`)."""
+    try:
+        check_modern(config.model)
+    except ValueError as error:
+        raise ModelConfigError(str(error)) from None
+    parallel = config.parallel.name if "parallel" in config else "data"
+    split = config.model_axis.split if "model_axis" in config else ""
+    axes = [name for name, _ in config.get("mesh", ())]
+    refusal = layout_refusal(config.model, megatron=parallel == "tensor" or split == "megatron",
+                             stages=parallel == "pipeline" or "stage" in axes)
+    if refusal:
+        raise ModelConfigError(refusal)
 
 
 # What a mixture of experts composes with today: data replicas (data, node, local, fsdp) under these layouts, and

@@ -17,6 +17,9 @@ _POSITIVE = ("heartbeat_seconds", "startup_seconds", "optimizer.trust_coefficien
 _NON_NEGATIVE = ("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.warmup_steps",
                  "optimizer.warmup_epochs", "watchdog_seconds", "num_epochs", "seed", "memory_limit")
 _FRACTIONS = ("optimizer.momentum", "loss_scale.backoff")
+# Model sizes whose 0 means "the model's default" (the transformer's: as many key/value heads as query heads, the
+# MLP's width from mlp_ratio): >= 0.
+_ZERO_IS_DEFAULT = ("model.num_kv_heads", "model.mlp_hidden")
 
 
 def check_numbers(config: ConfigDict) -> None:
@@ -41,7 +44,7 @@ def check_numbers(config: ConfigDict) -> None:
     top = [(f"model.{key}", value) for key, value in config.model.items() if not isinstance(value, ConfigDict)]
     for key, value in top if ":" not in str(config.model.get("name")) else ():
         for number in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(number, int) and not isinstance(number, bool) and number < 1:
+            if isinstance(number, int) and not isinstance(number, bool) and number < (key not in _ZERO_IS_DEFAULT):
                 raise ConfigError(f"{key}={value!r}: widths and sizes must be >= 1; fix --config.{key}")
             if isinstance(number, float) and number < 0:
                 raise ConfigError(f"{key}={value!r} must be >= 0; fix --config.{key}")

@@ -162,13 +162,16 @@ def after(f: Callable) -> Callable:
 
 def check_self_attention(module, args, kwargs, layer: str, what: str) -> None:
     """Refuse an attention call the split does not cover (other keys or values, decoding, sown weights,
-    normalised query/key), naming ``layer`` and ``what`` splits it."""
+    normalised query/key, a module whose ``tensor_refusal`` says why: the zoo transformer's rotary positions,
+    grouped key/value heads, SwiGLU), naming ``layer`` and ``what`` splits it."""
     x = args[0]
     others = list(args[1:3]) + [kwargs.get("inputs_k"), kwargs.get("inputs_v"), kwargs.get("inputs_kv")]
     if (any(o is not None and o is not x for o in others) or module.decode or kwargs.get("sow_weights")
             or module.normalize_qk):
         raise PartitionError(f"{what} splits self-attention; layer {layer!r} is called with other keys/values, "
                              "decode, sow_weights or normalize_qk, which it does not split")
+    if getattr(module, "tensor_refusal", ""):  # a module's own settings this split does not run (it says which)
+        raise PartitionError(f"{what} cannot split layer {layer!r}: {module.tensor_refusal}")
 
 
 def dropout_of(module, kwargs) -> tuple[bool, Any]:
