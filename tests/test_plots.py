@@ -90,7 +90,7 @@ def test_axes_carry_names_and_units():
     assert axis_label("step_time_ms") == "time per training step (ms)"
     assert axis_label("examples_per_sec") == "throughput (examples/s, all devices)"
     assert axis_label("comm_bytes_per_step").endswith("(B)") and axis_label("my_delay_s") == "my_delay_s (s)"
-    assert axis_label("perplexity") == "perplexity"
+    assert axis_label("my_score") == "my_score" and axis_label("perplexity").startswith("test perplexity")
     assert all("(" in label for x, (_, label) in X_AXES.items() if x != "step")  # every x axis but the step
 
 

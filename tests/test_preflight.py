@@ -23,7 +23,7 @@ def _config(**values):
      r"global_batch_size=256 does not divide the 1437 training examples: each epoch trains 5 steps and drops 157 "
      r"examples \(11%.*drop fewer: 472 drops 21, 176 drops 29"),
     ({"optimizer.warmup_steps": 4}, {}, r"optimizer\.warmup_steps=4 is as long as the run \(4 steps\).*peak only "
-                                         r"at the last step.*e\.g\. to 1 steps"),
+                                         r"at the last step.*--config.optimizer.warmup_steps=1 "),
     ({"optimizer.warmup_epochs": 1.0, "num_steps": 22}, {}, r"warmup_epochs=1\.0 \(22 steps at 22 per epoch\)"),
     ({"optimizer.learning_rate": 0.5, "model.features": (8,)}, {"model": BNNet(), "optimizer": optax.sgd(0.1)},
      r"dtx\.train\(model= and optimizer=\.\.\.\).*model\.features=\(8,\), optimizer\.learning_rate=0\.5"),

@@ -182,29 +182,29 @@ def base_config() -> ConfigDict:
     c.optimizer.scaling = "none"  # none | linear (lr x batch/base_batch) | sqrt
     c.optimizer.base_batch_size = 256  # the batch the base rate was tuned for
     c.optimizer.momentum = 0.9  # sgd-family and LARS momentum; adam's b1
-    c.optimizer.weight_decay = 0.0
+    c.optimizer.weight_decay = 0.0  # weight decay, not applied to the parameters optimizer.exclude names; 0: off
     c.optimizer.exclude = r"(^|/)(bias|scale)$"  # params without weight decay / LARS-LAMB trust ratio
     c.optimizer.trust_coefficient = 0.001  # LARS's eta
     c.optimizer.clip_norm = 0.0  # > 0: clip the gradient by the whole model's L2 norm, in every layout (0: off)
     c.optimizer.schedule = "constant"  # constant | cosine | polynomial | step, after linear warmup
-    c.optimizer.warmup_steps = 0
+    c.optimizer.warmup_steps = 0  # linear warmup from 0 to the peak rate over these steps
     c.optimizer.warmup_epochs = 0.0  # alternative to warmup_steps (Goyal et al. count warmup in epochs)
     c.optimizer.decay_power = 2.0  # polynomial schedule
     c.optimizer.step_boundaries = (0.5, 0.75)  # step schedule: fractions of the post-warmup steps
     c.optimizer.step_factor = 0.1  # step schedule: multiplier at each boundary
-    c.global_batch_size = 128
+    c.global_batch_size = 128  # examples per step over all devices
     c.grad_accum_steps = 1  # micro-batches per step (one gradient accumulator, one all-reduce)
-    c.num_epochs = 10.0
+    c.num_epochs = 10.0  # the run's length in passes over the training split (unless num_steps)
     c.num_steps = 0  # > 0 overrides num_epochs
 
     # Precision: params / compute / output / reduce (gradient communication) dtypes.
     c.precision = "params=float32,compute=float32,output=float32,reduce=float32"
     c.loss_scale = ConfigDict()
     c.loss_scale.name = "auto"  # auto (dynamic iff float16 is in the policy) | dynamic | none
-    c.loss_scale.initial = 2.0**15
-    c.loss_scale.growth_interval = 2000
-    c.loss_scale.backoff = 0.5
-    c.loss_scale.min_scale = 1.0
+    c.loss_scale.initial = 2.0**15  # the dynamic scale it starts from
+    c.loss_scale.growth_interval = 2000  # finite steps before the scale doubles
+    c.loss_scale.backoff = 0.5  # its factor after an overflowing (skipped) step
+    c.loss_scale.min_scale = 1.0  # the scale never falls below it
 
     # Rematerialisation (dtx.models.remat; models that declare a remat field, the transformer): what each block
     # keeps for the backward pass: none (all) | full (its input; the block recomputed) | dots (its Dense outputs)
@@ -224,6 +224,7 @@ def base_config() -> ConfigDict:
 
     # Evaluation and logging.
     c.eval_batch_size = 256
+    c.eval_batches = 0  # evaluate on at most this many eval batches from the start of the test split (0: all)
     c.eval_every = 0  # steps between evaluations; 0 evaluates only at the end
     c.log_every = 10  # steps between metric records
     c.progress = True  # progress bar on the terminal / notebook
@@ -257,6 +258,9 @@ def validate(config: ConfigDict) -> None:
         )
     if config.eval_every < 0:
         raise ConfigError(f"eval_every={config.eval_every} must be >= 0 (0: evaluate only at the end)")
+    if config.get("eval_batches", 0) < 0:
+        raise ConfigError(f"eval_batches={config.eval_batches} must be >= 0 (a cap on the eval batches; 0: the "
+                          "whole test split)")
     if config.profile_steps < 0:
         raise ConfigError(f"profile_steps={config.profile_steps} must be >= 0 (steps to trace; 0: no trace)")
     if config.peak_flops < 0:

@@ -89,15 +89,16 @@ class EvalBatches(collections.abc.Sequence):
     one batch in memory at a time.
     """
 
-    def __init__(self, split: Split, batch_size: int, mesh: Mesh):
+    def __init__(self, split: Split, batch_size: int, mesh: Mesh, limit: int = 0):
         mesh_lib.check_batch_size(batch_size, mesh, what="eval_batch_size")
-        self.split, self.batch_size = split, batch_size
+        self.split, self.batch_size, self.limit = split, batch_size, limit
         self.sharding = mesh_lib.batch_sharding(mesh)
         self._rows = _process_rows(self.sharding, batch_size)
         self.size = len(split.labels)
 
     def __len__(self) -> int:
-        return -(-self.size // self.batch_size)
+        batches = -(-self.size // self.batch_size)
+        return min(batches, self.limit) if self.limit else batches
 
     def __getitem__(self, i: int) -> Batch:
         if not -len(self) <= i < len(self):
@@ -110,9 +111,10 @@ class EvalBatches(collections.abc.Sequence):
         return _place(arrays, self.sharding, self.batch_size)
 
 
-def eval_batches(split: Split, batch_size: int, mesh: Mesh) -> EvalBatches:
-    """The whole split as padded global batches with a ``mask`` of real examples (:class:`EvalBatches`)."""
-    return EvalBatches(split, batch_size, mesh)
+def eval_batches(split: Split, batch_size: int, mesh: Mesh, limit: int = 0) -> EvalBatches:
+    """The whole split as padded global batches with a ``mask`` of real examples (:class:`EvalBatches`); ``limit``
+    (``eval_batches``): only the first ``limit`` of them, the metrics then the mean over their examples."""
+    return EvalBatches(split, batch_size, mesh, limit)
 
 
 def _place(arrays: dict, sharding: jax.sharding.Sharding, batch_size: int) -> Batch:

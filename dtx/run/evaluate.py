@@ -100,7 +100,7 @@ def evaluate_run(workdir: str | os.PathLike, *, step: int | None = None, **given
                        "writes its variables); in Python, evaluate_run(WORKDIR, data={'train': ..., 'test': ...}) "
                        "evaluates it on the test split you give")
     eval_step = setup.make_eval(config, parts, run.mesh)
-    batches = eval_batches(run.dataset.test, config.eval_batch_size, run.mesh)
+    batches = eval_batches(run.dataset.test, config.eval_batch_size, run.mesh, config.get("eval_batches", 0))
     return {"step": run.step, **train_lib.evaluate(eval_step, run.state, batches, parts.task)}
 
 

@@ -180,8 +180,9 @@ class ProgressBar:
       display: notebook mode's ``IPython.display.display`` (injectable for tests).
     """
 
-    def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None, display=None):
-        self.total = total_steps
+    def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None, display=None,
+                 tokens: int = 0):
+        self.total, self.tokens = total_steps, tokens  # tokens per example: a sequence task's rate in tokens/s too
         self.console = console or Console(file=sys.stderr)
         self.mode = progress_mode(enabled, self.console)
         self._next_line = 0
@@ -195,22 +196,36 @@ class ProgressBar:
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[rate]} ex/s"),
+                TextColumn("{task.fields[more]}"),
                 TimeRemainingColumn(),
                 console=self.console,
                 transient=False,
             )
-            self._task = self._bar.add_task("train", total=total_steps, loss="-", rate="-")
+            self._task = self._bar.add_task("train", total=total_steps, loss="-", rate="-", more="")
 
-    def update(self, step: int, loss: float, examples_per_sec: float | None) -> None:
-        """``examples_per_sec``: ``None`` while no throughput is measured yet (shown as ``-``, never as 0)."""
+    def more(self, examples_per_sec: float | None, mfu: float | None) -> str:
+        """What follows the examples' rate: tokens/s for a sequence task, the model FLOPs utilisation where a peak
+        is known (``peak_flops``, or the device kind's)."""
+        fields = []
+        if self.tokens > 1 and examples_per_sec is not None:
+            fields.append(f"{examples_per_sec * self.tokens:,.0f} tok/s")
+        if mfu is not None:
+            fields.append(f"mfu {100 * mfu:.1f}%")
+        return "  ".join(fields)
+
+    def update(self, step: int, loss: float, examples_per_sec: float | None, mfu: float | None = None) -> None:
+        """``examples_per_sec``: ``None`` while no throughput is measured yet (shown as ``-``, never as 0);
+        ``mfu``: the record's model FLOPs utilisation, if any."""
         rate = "-" if examples_per_sec is None else f"{examples_per_sec:,.0f}"
+        more = self.more(examples_per_sec, mfu)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=rate)
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=rate, more=more)
         elif self._notebook is not None:
-            self._notebook.update(step, loss, examples_per_sec)
+            self._notebook.update(step, loss, examples_per_sec, more)
         elif self.mode == "plain" and step >= self._next_line:
             self._next_line = step + max(1, math.ceil(self.total / 10))
-            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {rate} ex/s")
+            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {rate} ex/s" + (f"  {more}" if more
+                                                                                         else ""))
 
     def __enter__(self) -> ProgressBar:
         if self._bar is not None:
@@ -241,10 +256,10 @@ class NotebookBar:
         self._start = time.perf_counter()
         self._last_draw = -math.inf
         self._pending = None
-        self._handle = display(self._bundle(0, None, None), raw=True, display_id=True)
+        self._handle = display(self._bundle(0, None, None, ""), raw=True, display_id=True)
 
-    def update(self, step: int, loss: float, examples_per_sec: float | None) -> None:
-        self._pending = (step, loss, examples_per_sec)
+    def update(self, step: int, loss: float, examples_per_sec: float | None, more: str = "") -> None:
+        self._pending = (step, loss, examples_per_sec, more)
         now = time.perf_counter()
         if now - self._last_draw >= self.min_interval or step >= self.total:
             self._draw(now)
@@ -257,13 +272,15 @@ class NotebookBar:
         self._handle.update(self._bundle(*self._pending), raw=True)
         self._last_draw, self._pending = now, None
 
-    def _bundle(self, step: int, loss: float | None, rate: float | None) -> dict[str, str]:
+    def _bundle(self, step: int, loss: float | None, rate: float | None, more: str) -> dict[str, str]:
         elapsed = time.perf_counter() - self._start
         fields = [f"train {step}/{self.total}"]
         if loss is not None:
             fields.append(f"loss {loss:.4f}")
         if rate is not None:
             fields.append(f"{rate:,.0f} ex/s")
+        if more:
+            fields.append(more)
         if 0 < step < self.total:
             fields.append(f"{elapsed * (self.total - step) / step:.0f} s left")
         elif step >= self.total:

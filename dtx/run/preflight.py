@@ -114,8 +114,9 @@ def warmup_message(config: ConfigDict, steps_per_epoch: int, num_steps: int) -> 
         return None
     key = (f"optimizer.warmup_steps={opt.warmup_steps}" if opt.warmup_steps else
            f"optimizer.warmup_epochs={opt.warmup_epochs} ({warmup} steps at {steps_per_epoch} per epoch)")
-    fix = (f"Shorten the warmup (e.g. to {max(num_steps // 10, 1)} steps: a tenth of the run) or train longer "
-           "(num_steps / num_epochs)")
+    fix = (f"Shorten the warmup, e.g. --config.optimizer.warmup_steps={max(num_steps // 10, 1)} (a tenth of the run)"
+           + (" --config.optimizer.warmup_epochs=0" if opt.warmup_epochs and not opt.warmup_steps else "")
+           + ", or train longer (num_steps / num_epochs)")
     if warmup > num_steps:
         raise config_lib.ConfigError(f"{key} is longer than the run's {num_steps} steps: the learning rate would "
                                      f"never reach its peak. {fix}")

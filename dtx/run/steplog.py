@@ -188,7 +188,7 @@ class StepLog:
         record = self._record(pending, record, timing)
         self.writer.write(pending.step, record)
         if self.bar is not None and "loss" in record:  # a step built without records has none
-            self.bar.update(pending.step, record["loss"], self._rate)
+            self.bar.update(pending.step, record["loss"], self._rate, record.get("mfu"))
 
     def _close_window(self, in_flight: int = 1) -> dict:
         """Throughput of the steps done since the previous record; the next window starts with the step in flight

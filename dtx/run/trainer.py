@@ -279,7 +279,8 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
     start_step = int(to_host(state.step))
     if resuming and jax.process_index() == 0:
         print(f"dtx: resumed from step {start_step} ({checkpoint_dir})", file=sys.stderr, flush=True)
-    tests = eval_batches(dataset.test, config.eval_batch_size, mesh) if dataset.test is not None else None
+    tests = (eval_batches(dataset.test, config.eval_batch_size, mesh, config.eval_batches)
+             if dataset.test is not None else None)
     # What the compiled step does, read once from the program the loop's first call reuses:
     # FLOPs per device and the bytes its collectives send (dtx.comm.hlo); beside them, what the
     # model predicts: the useful FLOPs and, for Dense/Conv layouts, the bytes (dtx.perf.model).
@@ -325,7 +326,9 @@ def _start(config: ConfigDict, workdir: str, checkpoint_dir: str, multi_process:
         utilisation=lambda seconds: flops.utilisation(program.get("model_flops_per_step"), step_flops, mesh.size,
                                                       seconds, peak_flops),
         peak_learning_rate=parts.peak_learning_rate if optimizer is None else None,
-        bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process), run_start=run_start,
+        # a sequence task's examples hold a label per position: its rate in tokens/s too
+        bar=metrics_lib.ProgressBar(num_steps, enabled=config.progress and main_process,
+                                    tokens=int(np.prod(dataset.train.labels.shape[1:]))), run_start=run_start,
         extras=((clock,) if clock else ()) + (saves,))
     return _Run(parts, loader, num_steps, train_step, eval_step, tests, checkpointer, state, start_step,
                 saved.get("data_digest", ""), user_data, writer, log, clock, quiet_step, saves)

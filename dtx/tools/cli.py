@@ -6,6 +6,7 @@
     dtx bench collectives [...]         dtx bench step EXPERIMENT.py [...]
     dtx eval WORKDIR [--step N]         dtx export WORKDIR --out DIR [--step N]
     dtx generate WORKDIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+    dtx config [PREFIX ...]             every config key, its default and meaning
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _COMMANDS = {
     "eval": ("dtx.run.evaluate", "eval_main", "evaluate a run's checkpoint (newest or --step N) on the test split"),
     "export": ("dtx.run.evaluate", "export_main", "write a run's checkpoint for plain flax (--out DIR)"),
     "generate": ("dtx.run.generate", "generate_main", "continue a prompt with a trained language model"),
+    "config": ("dtx.config.keys", "config_main", "list every config key with its default and meaning"),
     "bench collectives": ("dtx.tools.bench", "collectives_main", "time every allreduce algorithm on this mesh"),
     "bench step": ("dtx.tools.bench", "step_main", "split a train step's time into compute and communication"),
 }
@@ -145,8 +147,8 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
         return 0
     final = result.metrics
     # Whatever the task scores (accuracy, mae, perplexity ...), the loss first; none without a test split.
-    scores = sorted((k for k in final if k.startswith("test_") and k != "test_examples" and k != "test_tokens"),
-                    key=lambda k: (k != "test_loss", k))
+    scores = sorted((k for k in final if (k.startswith("test_") or k == "perplexity") and k != "test_examples"
+                     and k != "test_tokens"), key=lambda k: (k != "test_loss", k))
     shown = "  ".join(f"{k} {final[k]:.4f}" for k in scores) or "no test split"
     examples = f"{final['test_examples']} test examples, " if "test_examples" in final else ""
     print(f"step {int(result.state.step)}: {shown}  ({examples}{config.driver} driver)")

@@ -37,8 +37,8 @@ from dtx.figures import Line, Panel, line_plot, panels_plot  # noqa: F401 - the 
 from dtx.run import metrics as metrics_lib
 
 
-DEFAULT_METRICS = ("loss", "accuracy", "test_accuracy", "examples_per_sec", "step_time_ms", "mfu", "grad_norm",
-                   "comm_bytes_per_step", "learning_rate")
+DEFAULT_METRICS = ("loss", "accuracy", "test_accuracy", "test_loss", "perplexity", "examples_per_sec", "step_time_ms",
+                   "mfu", "grad_norm", "comm_bytes_per_step", "learning_rate")
 QUALITY_METRICS = ("loss", "accuracy", "test_accuracy")  # also drawn against time and bytes
 # The x axes: record field, axis label ("{cluster}": the clusters the runs were timed on)
 X_AXES = {"step": ("step", "training step"), "time": ("elapsed_s", "wall-clock time since the run started (s)"),
@@ -51,6 +51,7 @@ LABELS = {
     "accuracy": "training accuracy (fraction of the batch)",
     "test_accuracy": "test accuracy (fraction of the test set)",
     "test_loss": "test loss (the task's)",
+    "perplexity": "test perplexity (exp of the mean token loss)",
     "examples_per_sec": "throughput (examples/s, all devices)",
     "examples_per_sec_per_device": "throughput (examples/s per device)",
     "step_time_ms": "time per training step (ms)",
