@@ -28,7 +28,7 @@ causal_attention.grouped = True  # takes fewer key/value heads than query heads 
 def masked_attention(query, key, value, mask=None):
     """``jax.nn.dot_product_attention`` under a boolean ``mask`` (decoding's: the positions cached so far), fewer
     key/value heads than query heads taken as they are (grouped)."""
-    return jax.nn.dot_product_attention(query, key, value, mask=mask)
+    return jax.nn.dot_product_attention(query, key, value, mask=None if mask is None else mask.astype(bool))
 
 
 masked_attention.grouped = True
@@ -78,17 +78,17 @@ class Attention(nn.MultiHeadDotProductAttention):
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None, dropout_rng=None,
                  positions=None):
-        if any(other is not None and other is not inputs_q for other in (inputs_k, inputs_v)):
-            raise ValueError(f"{type(self).__name__} is self-attention: call it with one input")
         x = inputs_q
+        inputs_k = x if inputs_k is None else inputs_k  # flax's defaults: keys from the queries' input, values
+        inputs_v = inputs_k if inputs_v is None else inputs_v  # from the keys'
         head_dim = (self.qkv_features or x.shape[-1]) // self.num_heads
         kv_heads = self.num_kv_heads or self.num_heads
         dense = functools.partial(nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
                                   kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
                                   precision=self.precision)
         query = dense(features=(self.num_heads, head_dim), name="query")(x)
-        key = dense(features=(kv_heads, head_dim), name="key")(x)
-        value = dense(features=(kv_heads, head_dim), name="value")(x)
+        key = dense(features=(kv_heads, head_dim), name="key")(inputs_k)
+        value = dense(features=(kv_heads, head_dim), name="value")(inputs_v)
         if self.decode:
             initialized = self.has_variable("cache", "cached_key")
             cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
