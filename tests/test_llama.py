@@ -11,7 +11,7 @@ device; cached decoding gives the recomputed greedy tokens and the full pass's l
 tensor split, from the config and from the traced step; pipeline stages; num_kv_heads not dividing num_heads;
 unknown norm/positions/mlp values).
 
-Hand-breaks (each made, seen failing, reverted): RoPE's rotation sign flipped (``even * sin - odd * cos``) -> the
+Hand-breaks (each made, seen failing, reverted): RoPE's rotation sign flipped (``even * cos + odd * sin`` for the first of a pair) -> the
 block reference and the RoPE test fail; GQA's grouping made ``jnp.tile`` (query head h reading kv head h mod K) on the
 repeated path -> the block under flax's attention no longer equals the grouped kernel.
 """
