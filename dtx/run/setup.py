@@ -145,7 +145,8 @@ def build_parts(config: ConfigDict, mesh, dataset: datasets.Dataset, steps_per_e
     tx = optimizer if optimizer is not None else optim.make_optimizer(
         opt.name, learning_rate, momentum=opt.momentum, weight_decay=opt.weight_decay, exclude=opt.exclude,
         trust_coefficient=opt.trust_coefficient)
-    check_accumulation(config.global_batch_size, micro_batches(config), mesh)
+    if not parallel.configured(config).stages:  # a pipeline's micro-batches split each data shard's batch: its check
+        check_accumulation(config.global_batch_size, micro_batches(config), mesh)
     compressor = compress.make_compressor(config.compression.name,
                                           **_settings(config.compression, compress.compressor_settings()))
     # backup's arrival order is the straggler model's, the one the simulated clock times (dtx.perf.simclock)

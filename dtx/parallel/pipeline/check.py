@@ -129,9 +129,12 @@ def check_settings(settings: PipelineSettings) -> None:
         data = _replicas(mesh_shape)
         local = global_batch_size // data if global_batch_size % data == 0 else None
         if local is None or microbatches < 1 or local % microbatches:
+            fits = ("" if local is None else f" (each shard's batch is {local}: pipeline.microbatches one of "
+                    f"{[d for d in range(1, local + 1) if local % d == 0]})")
             problems.append(f"global_batch_size={global_batch_size} must split over the {data} data shards (the "
                             f"axes but {STAGE_AXIS!r}) and each shard's batch into pipeline.microbatches="
-                            f"{microbatches}: change --config.global_batch_size or --config.pipeline.microbatches")
+                            f"{microbatches}{fits}: change --config.global_batch_size or "
+                            "--config.pipeline.microbatches")
         elif microbatches < devices:
             problems.append(f"pipeline.microbatches={microbatches} on {devices} stages leave each stage idle "
                             f"{(devices - 1) / (microbatches * virtual_stages + devices - 1):.0%} of the step: set "
