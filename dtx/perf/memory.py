@@ -386,10 +386,8 @@ def uncovered(layout: str | Layout, *, accum_steps: int = 1, policy: Policy = Po
     dtype narrower than float32 on XLA:CPU, which computes in float32 and keeps converted copies (0.68 to 0.90).
     """
     lay = get_layout(layout)
-    if lay.activation_factory is not None:  # a parallelism that moves activations its own way (context)
-        return ("activations moved by the layout itself (context parallelism): estimated as data parallelism at a "
-                "device's S/C positions plus what its attention kernel keeps (dtx.parallel.context.costs.KEPT, read "
-                "at C = 4): held-out lengths at C = 4 read 0.97-1.09x the compiled peak, at C = 2 1.10-1.35x")
+    if lay.memory_doubt:  # a parallelism that says where the model is loose for it (context, expert)
+        return lay.memory_doubt
     if lay.zero_stage == 3:
         return ("FSDP: XLA's partitioner chooses per layer whether to gather weights or activations and when; "
                 "held-out FSDP rows were 0.62-1.14x the compiled peak (with parallel.reduce=once: MLPs 0.93-1.00, "
