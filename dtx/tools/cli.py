@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -152,7 +153,9 @@ def _train(experiment: str, workdir: str | None, overrides: list[str]) -> int:
     shown = "  ".join(f"{k} {final[k]:.4f}" for k in scores) or "no test split"
     examples = f"{final['test_examples']} test examples, " if "test_examples" in final else ""
     print(f"step {int(result.state.step)}: {shown}  ({examples}{config.driver} driver)")
-    print(f"records: {os.path.join(workdir, 'metrics.jsonl')}  (tensorboard --logdir {workdir})")
+    # TensorBoard's viewer is an extra (the event files are written by tensorboardX, a dependency)
+    viewer = "" if importlib.util.find_spec("tensorboard") else "pip install 'dtx[tensorboard]', then "
+    print(f"records: {os.path.join(workdir, 'metrics.jsonl')}  ({viewer}tensorboard --logdir {workdir})")
     return 0
 
 
