@@ -142,6 +142,10 @@ def test_printed_overrides_are_accepted_and_cli_prints_them(capsys):
         assert parallel.configured(config).zero_stage == p.zero
         assert config.remat.policy == p.policy and config.global_batch_size == 512
     assert config_lib.load(GPT2, shlex.split(" ".join(plans[0].overrides()))).tensor.sequence_parallel
+    # At 512 sequences 1024 GPUs are slower than 512 (the batch no longer splits over them): said, with the fix.
+    assert simulate_main(["--model", GPT2, "--cluster", "h100_nvlink_ndr", "--nodes", "512,1024"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("more GPUs do not help here") == 1 and "more GPUs do not help here: 512 GPUs take" in out
 
 
 def test_a_printed_kind_compiles_to_the_model():

@@ -143,6 +143,21 @@ def print_rows(shape: lm_plan.LMShape, cluster: Cluster, table: list[dict], glob
                 print(f"{'':>6} fastest dtx runs: {runs.text()}, {runs.time * 1e3:.4g} ms, {_gib(runs.memory_bytes)}")
         if runs is not None:
             print(f"{'':>6} dtx train ... {' '.join(runs.overrides())}")
+        slower = fewer_and_faster(table, row)
+        if slower is not None:
+            print(f"{'':>6} more GPUs do not help here: {slower['nodes']} GPUs take {slower['chosen'].time * 1e3:.4g} "
+                  f"ms a step ({slower['chosen'].text()}); at {global_batch} sequences a step use those, or a "
+                  "larger global batch")
+
+
+def fewer_and_faster(table: list[dict], row: dict) -> dict | None:
+    """The fastest row of ``table`` at fewer GPUs than ``row`` whose chosen plan is faster than ``row``'s (``None``:
+    none is): more GPUs that do not shorten the step at this batch."""
+    if row["chosen"] is None:
+        return None
+    faster = [r for r in table if r["nodes"] < row["nodes"] and r["chosen"] is not None
+              and r["chosen"].time < row["chosen"].time]
+    return min(faster, key=lambda r: r["chosen"].time) if faster else None
 
 
 def as_json(table: list[dict]) -> list[dict]:
