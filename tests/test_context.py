@@ -501,7 +501,7 @@ def _modelled(positions: int, size: int, kind: str) -> float:
                                                    jnp.float32)
     found = memory_lib.estimate_model(model, shape, "data", dtype=jnp.int32, nodes=2, global_batch=4,
                                       optimizer="sgd")
-    return found.total + extra(2)
+    return extra(2, found).total
 
 
 # Chosen before they were compiled: lengths and an axis size the constants (dtx.parallel.context.costs.KEPT) were

@@ -14,7 +14,6 @@ times this process's devices, plus :data:`HOST_ALLOWANCE`, is held against what 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
@@ -81,14 +80,15 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
     if chosen.pairs:  # Megatron's pairs: dtx.parallel.tensor.costs models them, not dtx.perf.memory
         return  # (docs/memory.md: neither memory_limit nor the host's memory is checked for parallel.name=tensor)
     # The kernels the activation layout split. A layout that estimates its devices its own way (a context split's
-    # ``memory``: S/C positions of B/D examples, and what its attention keeps) declares the input shape a device is
-    # estimated at, the devices that share one example (the axis), and the bytes it adds.
+    # ``memory``: S/C positions of B/D examples, and what its attention keeps; an expert split's: 1/X of the
+    # experts' state) declares the input shape a device is estimated at, the devices that share one example (the
+    # axis), and how it adjusts the data-parallel estimate there.
     sharded = tuple(sorted(getattr(layout, "kernels", None) or ()))
     group = mesh.shape.get(mesh_lib.MODEL_AXIS, 1)
     own = getattr(layout, "memory", None)
-    shape, extra, sharing = example.shape[1:], None, 1
+    shape, adjust, sharing = example.shape[1:], None, 1
     if own is not None:
-        shape, sharing, extra = own(model, example, policy.compute)
+        shape, sharing, adjust = own(model, example, policy.compute)
     devices = mesh.size // sharing  # the devices that hold distinct examples
     common = dict(nodes=devices, global_batch=config.global_batch_size, optimizer=config.optimizer.name,
                   policy=policy, accum_steps=micro_batches(config),
@@ -105,10 +105,7 @@ def check_memory(config: ConfigDict, model: nn.Module, example, policy, mesh, la
         found = memory.estimate_model(model, shape, rules, dtype=example.dtype,
                                       group_size=group if rules.splits_kernels else 1,
                                       sharded=sharded if rules.user_rules else (), **{**common, **changes})
-        if extra is None:
-            return found
-        more = extra(found_examples(changes))
-        return dataclasses.replace(found, activations=found.activations + more, total=found.total + more)
+        return found if adjust is None else adjust(found_examples(changes), found)
 
     def found_examples(changes) -> int:  # examples per device per micro-batch, as the estimate splits them
         settings = {**common, **changes}

@@ -100,20 +100,21 @@ class ContextSplit:
         return self.mesh.shape[CONTEXT_AXIS]
 
     def memory(self, model: nn.Module, example, dtype):
-        """What the memory model (:mod:`dtx.run.memory_check`) estimates a device as: ``(shape, sharing, extra)``,
+        """What the memory model (:mod:`dtx.run.memory_check`) estimates a device as: ``(shape, sharing, adjust)``,
         one example's input at its ``S/C`` positions (the model's data-parallel estimate there), the devices that
-        share each example (the axis's ``C``), and ``extra(examples)``, the bytes its attention adds beyond that
-        (:func:`dtx.parallel.context.costs.memory_bytes`, per attention call of ``model`` on ``example``, with
-        the caller's examples per device)."""
+        share each example (the axis's ``C``), and ``adjust(examples, estimate)``, that estimate with the bytes its
+        attention adds beyond it (:func:`dtx.parallel.context.costs.memory_bytes`, per attention call of ``model``
+        on ``example``, with the caller's examples per device) added to its activations."""
         from dtx.parallel.context import costs
 
         positions = example.shape[1]
         calls = attention_calls(model, example)
 
-        def extra(examples: int) -> float:
-            return costs.memory_bytes(self.attention, calls, examples, positions, self.size, dtype)
+        def adjust(examples: int, found):
+            more = costs.memory_bytes(self.attention, calls, examples, positions, self.size, dtype)
+            return dataclasses.replace(found, activations=found.activations + more, total=found.total + more)
 
-        return (positions // self.size, *example.shape[2:]), self.size, extra
+        return (positions // self.size, *example.shape[2:]), self.size, adjust
 
     def prepare(self, batch):
         """The batch as the devices hold it (the drivers call this first): balanced, every array of the inputs'

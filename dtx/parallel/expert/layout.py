@@ -120,6 +120,25 @@ class ExpertSplit:
     def size(self) -> int:
         return self.mesh.shape[EXPERT_AXIS]
 
+    def memory(self, model: nn.Module, example, dtype):
+        """What the memory model (:mod:`dtx.run.memory_check`) estimates a device as: ``(shape, sharing, adjust)``,
+        one example's input (the axis takes the batch: every device holds examples of its own), ``1`` device an
+        example, and ``adjust(examples, estimate)``: the model's data-parallel estimate with ``1 − 1/X`` of the
+        experts' share of the parameters, their gradients and optimizer state taken off — a device holds ``E/X``
+        of them (:func:`expert_rules`). The buckets are the activations' estimate's (the MoE layer's own). Read
+        against ``memory_analysis`` in tests/test_expert.py."""
+        abstract = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), example)["params"]
+        experts = sum(math.prod(shape) for shape in expert_paths(abstract).values())
+        share = experts / max(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)), 1)
+        cut = (1 - 1 / self.size) * share
+
+        def adjust(examples: int, found):
+            saved = cut * (found.params + found.grads + found.optimizer)
+            return dataclasses.replace(found, params=found.params * (1 - cut), grads=found.grads * (1 - cut),
+                                       optimizer=found.optimizer * (1 - cut), total=found.total - saved)
+
+        return tuple(example.shape[1:]), 1, adjust
+
     def run(self, module: moe_lib.MoE, x, chosen, slot, kept, gates, wi, bi, wo, bo):
         """:meth:`dtx.models.moe.MoE.mix` over the ``expert`` axis: each device dispatches its own sequences'
         tokens (``x (groups, tokens, d)`` and their routing, split over the batch axes) to their buckets, which an
