@@ -411,7 +411,7 @@ def test_settings_a_pipeline_takes_pass():
     (dict(allreduce="ring"), "--config.allreduce=psum"),
     (dict(precision="p=bf16"), "float32 parameters.*p=f32,c=bf16"),
     (dict(global_batch_size=60), "global_batch_size=60 must split over the 4 data shards"),
-    (dict(microbatches=3), "pipeline.microbatches=3: change"),
+    (dict(microbatches=3), r"pipeline.microbatches=3 \(each shard.s batch is 16: pipeline.microbatches one of \[1, 2, 4, 8, 16\]\): change"),
     (dict(microbatches=1), "idle 50% of the step.*--config.pipeline.microbatches to at least 2"),
 ])
 def test_settings_a_pipeline_refuses_name_the_key_and_fix(change, says):
