@@ -30,31 +30,20 @@ from dtx import mesh as mesh_lib
 from dtx import models, optim
 from dtx.comm import hlo
 from dtx.data import TrainLoader, tasks
-from dtx.data.datasets import Split
 from dtx.parallel.context import CONTEXT_AXIS
 from dtx.parallel.context import costs as context_costs
 from dtx.parallel.pipeline import step as pp
 from dtx.parallel.pipeline import tensor_stages
 from dtx.parallel.pipeline.stages import PipelineError
-from dtx.step import StepSpec, make_train_step
 from dtx.step.spec import StepError
-from dtx.step.state import init_train_state
+from test_tensor_stages import _one_device, _setup  # the same tiny LM, text and batches
 
 STEPS, MICRO, BATCH = 20, 4, 32
-LM = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2, max_len=8, num_classes=32)
-SEQ, VOCAB, C = 8, 32, 2
+LM = dict(num_layers=2, d_model=16, num_heads=2, mlp_ratio=2, max_len=8, num_classes=32)  # test_tensor_stages'
+SEQ, C = 8, 2
 MESH = [("data", 2), ("stage", 2), (CONTEXT_AXIS, C)]
 RUNS = {"gpipe-allgather": ("gpipe", "allgather", True), "gpipe-allgather-contiguous": ("gpipe", "allgather", False),
         "1f1b-ulysses": ("1f1b", "ulysses", True)}
-
-
-def _setup():
-    model = models.build_model("transformer", **LM)
-    text = np.random.default_rng(0).integers(0, VOCAB, size=(64, SEQ + 1)).astype(np.int32)
-    split = Split(text[:, :-1], text[:, 1:])
-    example = jax.ShapeDtypeStruct(split.inputs.shape, split.inputs.dtype)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), split.inputs[:1])["params"])
-    return model, split, example, abstract
 
 
 def _run(tx, mesh, schedule, attention, balance):
@@ -74,25 +63,13 @@ def _run(tx, mesh, schedule, attention, balance):
                     pp.gather_params(pp.init_state(model, tx, example, 0, mesh, pipeline.plan), pipeline.plan)))
 
 
-def _one_device(tx):
-    model, split, example, _ = _setup()
-    mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
-    state = init_train_state(model, tx, example, 0, mesh)
-    step = make_train_step(model, tx, mesh, StepSpec(task=tasks.next_token()))
-    loader, losses = TrainLoader(split, BATCH, mesh, seed=0), []
-    for s in range(STEPS):
-        state, metrics = step(state, loader.batch(s))
-        losses.append(float(metrics["loss"]))
-    return dict(params=jax.device_get(state.params), losses=losses)
-
-
 @pytest.fixture(scope="module")
 def runs():
     """:data:`RUNS` on data 2 x stage 2 x context 2, M = 4 micro-batches of 4 sequences, SGD with momentum; and one
     device."""
     tx, mesh = optim.make_optimizer("momentum", 0.1, momentum=0.9), mesh_lib.make_mesh(MESH)
     out = {name: _run(tx, mesh, *settings) for name, settings in RUNS.items()}
-    out["one"] = _one_device(tx)
+    out["one"] = _one_device(tx, STEPS)
     return out
 
 

@@ -86,13 +86,14 @@ def _run(tx, mesh, schedule, sequence_parallel=False):
                 pipeline=pipeline, state=state, metrics=jax.device_get(metrics))
 
 
-def _one_device(tx):
+def _one_device(tx, steps=STEPS):
+    """``steps`` of the global batch on one device: its parameters and losses."""
     model, split, example, _ = _setup()
     mesh = mesh_lib.make_mesh([("data", 1)], devices=jax.devices()[:1])
     state = init_train_state(model, tx, example, 0, mesh)
     step = make_train_step(model, tx, mesh, StepSpec(task=tasks.next_token()))
     loader, losses = TrainLoader(split, BATCH, mesh, seed=0), []
-    for s in range(STEPS):
+    for s in range(steps):
         state, metrics = step(state, loader.batch(s))
         losses.append(float(metrics["loss"]))
     return dict(params=jax.device_get(state.params), losses=losses)
