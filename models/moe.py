@@ -156,26 +156,31 @@ def assign_slots(chosen, experts: int, slots: int):
 
 
 def dispatch(x, chosen, slot, kept, experts: int, slots: int):
-    """The buckets ``(experts, groups, slots, d)``: each kept assignment's token in its slot, empty slots zero."""
-    groups, tokens, k = chosen.shape
-    group = jnp.broadcast_to(jnp.arange(groups)[:, None, None], chosen.shape)
-    token = jnp.broadcast_to(jnp.arange(tokens)[None, :, None], chosen.shape)
-    # Which token fills each slot; ``tokens`` (a zero row appended below) where none does. A dropped assignment
-    # writes out of bounds, which ``mode="drop"`` ignores.
-    filler = jnp.full((groups, experts, slots), tokens, jnp.int32)
-    filler = filler.at[group, chosen, jnp.where(kept, slot, slots)].set(token, mode="drop")
-    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-    buckets = padded[jnp.arange(groups)[:, None, None], filler]  # (groups, experts, slots, d)
-    return jnp.swapaxes(buckets, 0, 1)
+    """The buckets ``(experts, groups, slots, d)``: each kept assignment's token in its slot, empty slots zero.
+    Written per group and mapped over the groups (``jax.vmap``), so the scatter and gather carry the groups as a
+    batch dimension: XLA's partitioner then keeps each device to its own sequences' buckets under ``jit``."""
+
+    def one(xg, cg, sg, kg):  # one group: x (tokens, d), its assignments (tokens, k)
+        tokens = cg.shape[0]
+        token = jnp.broadcast_to(jnp.arange(tokens)[:, None], cg.shape)
+        # Which token fills each slot; ``tokens`` (a zero row appended below) where none does. A dropped
+        # assignment writes out of bounds, which ``mode="drop"`` ignores.
+        filler = jnp.full((experts, slots), tokens, jnp.int32).at[cg, jnp.where(kg, sg, slots)].set(token,
+                                                                                                  mode="drop")
+        return jnp.concatenate([xg, jnp.zeros_like(xg[:1])], axis=0)[filler]  # (experts, slots, d)
+
+    return jnp.swapaxes(jax.vmap(one)(x, chosen, slot, kept), 0, 1)
 
 
 def combine(outputs, chosen, slot, kept, gates):
-    """Each token's ``Σ gate · output`` over its kept assignments; ``outputs`` ``(experts, groups, slots, d)``."""
-    groups = chosen.shape[0]
-    group = jnp.arange(groups)[:, None, None]
-    picked = outputs[chosen, group, jnp.where(kept, slot, 0)]  # (groups, tokens, k, d)
-    weights = jnp.where(kept, gates, 0.0).astype(outputs.dtype)
-    return jnp.einsum("gtk,gtkd->gtd", weights, picked)
+    """Each token's ``Σ gate · output`` over its kept assignments; ``outputs`` ``(experts, groups, slots, d)``
+    (mapped over the groups, as :func:`dispatch`)."""
+
+    def one(og, cg, sg, kg, gg):  # one group: outputs (experts, slots, d)
+        picked = og[cg, jnp.where(kg, sg, 0)]  # (tokens, k, d)
+        return jnp.einsum("tk,tkd->td", jnp.where(kg, gg, 0.0).astype(og.dtype), picked)
+
+    return jax.vmap(one, in_axes=(1, 0, 0, 0, 0))(outputs, chosen, slot, kept, gates)
 
 
 def switch_aux_loss(probs, chosen, experts: int):

@@ -313,7 +313,9 @@ def test_a_devices_flops_are_its_buckets_and_the_router():
     its MLPs, plus the experts on their capacity buckets (E·g·C slots of two d x 4d products: k/E of the tokens
     times the capacity factor) and the router (d x E a token), forward and backward (3 x the forward's products):
     equal within 5 % (measured 1.030: the routing's softmax and top-k, the buckets' gathers and scatters are not
-    counted)."""
+    counted). And under plain data parallelism (jit, 8 devices) a device computes its own sequences' buckets only,
+    as many FLOPs as under the expert layout within 5 % (measured 1.013; before dispatch and combine were mapped
+    over the groups, XLA's partitioner computed every sequence's buckets on every device: 6.1 times)."""
     from dtx.models import moe as moe_lib
 
     width, seq, batch, experts = 64, 32, 16, 8
@@ -322,5 +324,8 @@ def test_a_devices_flops_are_its_buckets_and_the_router():
     mlp = 3 * 2 * groups * seq * 2 * width * hidden * 2  # the dense twin's two MLPs, forward and backward
     buckets = 3 * 2 * experts * groups * slots * 2 * width * hidden * 2
     router = 3 * 2 * groups * seq * width * experts * 2
-    sparse = _step_flops(experts, "expert", [("data", 2), (EXPERT_AXIS, 4)]) - _step_flops(0, "data", [("data", 8)])
+    split = _step_flops(experts, "expert", [("data", 2), (EXPERT_AXIS, 4)])
+    sparse = split - _step_flops(0, "data", [("data", 8)])
     assert abs((sparse + mlp) / (buckets + router) - 1) < 0.05, (sparse + mlp) / (buckets + router)
+    replicated = _step_flops(experts, "data", [("data", 8)])
+    assert abs(replicated / split - 1) < 0.05, replicated / split
