@@ -34,7 +34,6 @@ axis inside the same stages is refused (:func:`dtx.parallel.pipeline.step.make_p
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import flax.linen as nn
 import jax
@@ -66,12 +65,6 @@ class ContextStagePlan(StagePlan):
     def local_shape(self, shape) -> tuple[int, ...]:
         """One example's ``(positions, features)`` stream as a device holds it: ``S/C`` positions."""
         return (shape[0] // self.context,) + tuple(shape[1:])
-
-    @property
-    def boundary_widths(self) -> tuple[int, ...]:
-        """Elements per example a device sends at each boundary: its ``S/C`` positions of the stream."""
-        return tuple(math.prod(self.local_shape(self.stage_layers(s)[-1].out_shape))
-                     for s in range(self.num_stages - 1))
 
     def own(self, x):
         """This device's positions of ``x`` (axis 1, natural order), by its ``context`` index: its chunk, or its two

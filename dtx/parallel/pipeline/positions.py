@@ -75,8 +75,7 @@ def positions_split(plan: StagePlan) -> int:
 def arriving_shape(plan: StagePlan, layer) -> tuple[int, ...]:
     """The shape of one example's input to ``layer`` as a device receives it (under SP its ``1/T`` of the
     positions, over a ``context`` axis its ``1/C``: the plan's ``local_shape``)."""
-    local = getattr(plan, "local_shape", None)
-    return tuple(layer.in_shape) if local is None else local(layer.in_shape)
+    return plan.local_shape(layer.in_shape)
 
 
 def check_positions(plan) -> None:

@@ -257,10 +257,17 @@ class StagePlan:
         the last stage's logits stay where the loss is)."""
         return max(self.boundary_widths or (1,))
 
+    def local_shape(self, shape) -> tuple[int, ...]:
+        """One example's activation ``shape`` as a device holds it: whole here; a stage whose stream is split by
+        positions (sequence or context parallelism) holds its part in its subclass."""
+        return tuple(shape)
+
     @property
     def boundary_widths(self) -> tuple[int, ...]:
-        """The elements per example of the activations crossing each stage boundary (``S - 1`` of them)."""
-        return tuple(self.stage_layers(s)[-1].out_width for s in range(self.num_stages - 1))
+        """The elements per example a device sends at each stage boundary (``S - 1`` of them): its part
+        (:meth:`local_shape`) of the activations crossing it."""
+        return tuple(math.prod(self.local_shape(self.stage_layers(s)[-1].out_shape))
+                     for s in range(self.num_stages - 1))
 
     def message_bytes(self, micro: int, itemsize: int = 4) -> int:
         """Bytes of one activation (or gradient) message: the padded buffer of one micro-batch."""

@@ -39,7 +39,6 @@ and the ends split over ``model`` by positions too (:mod:`dtx.parallel.pipeline.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import flax.linen as nn
@@ -162,12 +161,6 @@ class TensorStagePlan(StagePlan):
     def local_shape(self, shape) -> tuple[int, ...]:
         """One example's ``(positions, features)`` stream as a device holds it."""
         return (shape[0] // self.positions_split,) + tuple(shape[1:])
-
-    @property
-    def boundary_widths(self) -> tuple[int, ...]:
-        """Elements per example a device sends at each boundary: under SP its ``1/T`` of the positions."""
-        return tuple(math.prod(self.local_shape(self.stage_layers(s)[-1].out_shape))
-                     for s in range(self.num_stages - 1))
 
     def leaf_shape(self, path, shape) -> tuple[int, ...]:
         dim = dict(self.splits).get(tuple(path))
